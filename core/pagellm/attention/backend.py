@@ -1,0 +1,137 @@
+"""The attention backend interface: what a backend declares, builds per step, and computes per layer.
+
+A backend is a class with class-level capability declarations, an `AttentionImpl` (per layer:
+write the new K/V into the paged cache, attend) and an `AttentionMetadataBuilder` (per step: turn
+the model runner's `CommonAttentionMetadata` into whatever the kernels want, once for all layers).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from pagellm.kv_cache.spec import KVCacheSpec
+
+
+@dataclass
+class CommonAttentionMetadata:
+    """The batch as the model runner laid it out; requests are rows, tokens are flattened."""
+
+    num_reqs: int
+    num_actual_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc: torch.Tensor
+    """[num_reqs + 1] int32 on the device: request i's tokens are [qsl[i], qsl[i+1])."""
+    query_start_loc_cpu: torch.Tensor
+    seq_lens: torch.Tensor
+    """[num_reqs] int32 on the device: context length after this step (cached + new tokens)."""
+    seq_lens_cpu: torch.Tensor
+    block_table: torch.Tensor
+    """[num_reqs, max_blocks] int32 on the device, padded with the null block (0)."""
+    slot_mapping: torch.Tensor
+    """[num_actual_tokens] int64 on the device: where each new token's K/V goes in the cache."""
+
+
+class AttentionMetadataBuilder(ABC):
+    def __init__(self, kv_cache_spec: KVCacheSpec, device: torch.device) -> None:
+        self.kv_cache_spec = kv_cache_spec
+        self.device = device
+
+    @abstractmethod
+    def build(self, common: CommonAttentionMetadata) -> Any:
+        """Per-step metadata shared by every attention layer."""
+
+
+class AttentionImpl(ABC):
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        sliding_window: int | None,
+    ) -> None:
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = scale
+        self.num_kv_heads = num_kv_heads
+        self.sliding_window = sliding_window
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: Any,
+    ) -> torch.Tensor:
+        """query [T, num_heads * head_size], key/value [T, num_kv_heads * head_size] for the new
+        tokens; store key/value in ``kv_cache`` at the slot mapping and return [T, num_heads * head_size]."""
+
+
+class AttentionBackend(ABC):
+    """Capabilities are class attributes so selection can check them without building anything."""
+
+    name: ClassVar[str]
+    supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.float16, torch.bfloat16)
+    supported_head_sizes: ClassVar[tuple[int, ...] | None] = None
+    """None: any head size."""
+    block_size_multiple: ClassVar[int] = 1
+    """Block sizes must be a multiple of this."""
+    default_block_size: ClassVar[int] = 16
+    supports_sliding_window: ClassVar[bool] = True
+    supported_device_types: ClassVar[tuple[str, ...]] = ("cpu",)
+
+    @staticmethod
+    @abstractmethod
+    def get_kv_cache_shape(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+    ) -> tuple[int, ...]: ...
+
+    @staticmethod
+    @abstractmethod
+    def get_impl_cls() -> type[AttentionImpl]: ...
+
+    @staticmethod
+    @abstractmethod
+    def get_builder_cls() -> type[AttentionMetadataBuilder]: ...
+
+    @classmethod
+    def is_available(cls) -> str | None:
+        """None when the backend's libraries import here; otherwise why not."""
+        return None
+
+    @classmethod
+    def unsupported_reasons(
+        cls,
+        *,
+        device_type: str,
+        head_size: int,
+        dtype: torch.dtype,
+        block_size: int | None,
+        sliding_window: int | None,
+    ) -> list[str]:
+        """Every reason this backend cannot serve the model; empty when it can."""
+        reasons = []
+        unavailable = cls.is_available()
+        if unavailable:
+            reasons.append(unavailable)
+        if device_type not in cls.supported_device_types:
+            reasons.append(f"device {device_type!r} not supported (supports {list(cls.supported_device_types)})")
+        if dtype not in cls.supported_dtypes:
+            names = [str(d).removeprefix("torch.") for d in cls.supported_dtypes]
+            reasons.append(f"dtype {str(dtype).removeprefix('torch.')} not supported (supports {names})")
+        if cls.supported_head_sizes is not None and head_size not in cls.supported_head_sizes:
+            reasons.append(f"head size {head_size} not supported (supports {list(cls.supported_head_sizes)})")
+        if block_size is not None and block_size % cls.block_size_multiple:
+            reasons.append(
+                f"block_size {block_size} not supported (supports multiples of {cls.block_size_multiple})"
+            )
+        if sliding_window is not None and not cls.supports_sliding_window:
+            reasons.append("sliding window attention not supported")
+        return reasons

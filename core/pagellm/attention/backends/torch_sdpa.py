@@ -1,0 +1,153 @@
+"""The built-in reference attention backend: paged KV cache in plain torch, attention with SDPA.
+
+Works wherever torch does. Decode rows (one new token) are batched into one padded SDPA call;
+each prefill or prefill chunk gets its own call. Gather indices and masks are built once per
+step by the metadata builder and shared by all layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from pagellm.attention.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    CommonAttentionMetadata,
+)
+
+
+@dataclass
+class PrefillRow:
+    start: int
+    end: int
+    slots: torch.Tensor | None
+    """Cache slots of the whole context, or None when there is no cached context (use the new K/V)."""
+    mask: torch.Tensor | None
+    """[query_len, context_len] bool (True = attend), or None for plain causal."""
+
+
+@dataclass
+class TorchSDPAMetadata:
+    num_actual_tokens: int
+    slot_mapping: torch.Tensor
+    decode_token_idx: torch.Tensor | None = None
+    decode_slots: torch.Tensor | None = None
+    """[num_decodes, max_context] cache slots (padding points at the null block)."""
+    decode_mask: torch.Tensor | None = None
+    """[num_decodes, 1, 1, max_context] bool."""
+    prefills: list[PrefillRow] = field(default_factory=list)
+
+
+class TorchSDPAMetadataBuilder(AttentionMetadataBuilder):
+    def build(self, common: CommonAttentionMetadata) -> TorchSDPAMetadata:
+        block_size = self.kv_cache_spec.block_size
+        window = self.kv_cache_spec.sliding_window
+        qsl = common.query_start_loc_cpu.numpy()
+        seq_lens = common.seq_lens_cpu.numpy()
+        query_lens = np.diff(qsl)
+        block_table = common.block_table
+        meta = TorchSDPAMetadata(common.num_actual_tokens, common.slot_mapping)
+
+        decode_rows = np.flatnonzero(query_lens == 1)
+        if len(decode_rows):
+            max_len = int(seq_lens[decode_rows].max())
+            pos = torch.arange(max_len, device=self.device)
+            rows = torch.from_numpy(decode_rows).to(self.device)
+            lens = common.seq_lens[rows].unsqueeze(1)
+            blocks = block_table[rows][:, pos // block_size].long()
+            slots = blocks * block_size + pos % block_size
+            valid = pos < lens
+            if window is not None:
+                valid &= pos > lens - 1 - window
+            meta.decode_token_idx = common.query_start_loc[rows].long()
+            meta.decode_slots = torch.where(valid, slots, 0)
+            meta.decode_mask = valid[:, None, None, :]
+
+        for row in np.flatnonzero(query_lens > 1):
+            start, end = int(qsl[row]), int(qsl[row + 1])
+            q_len, seq_len = end - start, int(seq_lens[row])
+            ctx = seq_len - q_len
+            slots = None
+            if ctx > 0:
+                pos = torch.arange(seq_len, device=self.device)
+                slots = block_table[row, pos // block_size].long() * block_size + pos % block_size
+            mask = None
+            if ctx > 0 or window is not None:
+                q_pos = torch.arange(ctx, seq_len, device=self.device).unsqueeze(1)
+                k_pos = torch.arange(seq_len, device=self.device).unsqueeze(0)
+                mask = k_pos <= q_pos
+                if window is not None:
+                    mask &= q_pos - k_pos < window
+            meta.prefills.append(PrefillRow(start, end, slots, mask))
+        return meta
+
+
+class TorchSDPAImpl(AttentionImpl):
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: TorchSDPAMetadata,
+    ) -> torch.Tensor:
+        num_tokens = attn_metadata.num_actual_tokens
+        q = query[:num_tokens].view(num_tokens, self.num_heads, self.head_size)
+        k = key[:num_tokens].view(num_tokens, self.num_kv_heads, self.head_size)
+        v = value[:num_tokens].view(num_tokens, self.num_kv_heads, self.head_size)
+        key_cache = kv_cache[0].view(-1, self.num_kv_heads, self.head_size)
+        value_cache = kv_cache[1].view(-1, self.num_kv_heads, self.head_size)
+        key_cache.index_copy_(0, attn_metadata.slot_mapping, k)
+        value_cache.index_copy_(0, attn_metadata.slot_mapping, v)
+
+        out = torch.empty_like(q)
+        gqa = self.num_heads != self.num_kv_heads
+        if attn_metadata.decode_token_idx is not None:
+            idx = attn_metadata.decode_token_idx
+            slots = attn_metadata.decode_slots
+            # [B, H, 1, D] queries against [B, Hkv, L, D] gathered context.
+            dq = q[idx].unsqueeze(2)
+            dk = key_cache[slots].transpose(1, 2)
+            dv = value_cache[slots].transpose(1, 2)
+            dout = F.scaled_dot_product_attention(
+                dq, dk, dv, attn_mask=attn_metadata.decode_mask, scale=self.scale, enable_gqa=gqa
+            )
+            out[idx] = dout.squeeze(2)
+        for row in attn_metadata.prefills:
+            pq = q[row.start : row.end].transpose(0, 1)
+            if row.slots is None:
+                pk = k[row.start : row.end].transpose(0, 1)
+                pv = v[row.start : row.end].transpose(0, 1)
+            else:
+                pk = key_cache[row.slots].transpose(0, 1)
+                pv = value_cache[row.slots].transpose(0, 1)
+            pout = F.scaled_dot_product_attention(
+                pq, pk, pv, attn_mask=row.mask, is_causal=row.mask is None, scale=self.scale,
+                enable_gqa=gqa,
+            )
+            out[row.start : row.end] = pout.transpose(0, 1)
+        return out.view(num_tokens, self.num_heads * self.head_size)
+
+
+class TorchSDPABackend(AttentionBackend):
+    name = "TORCH_SDPA"
+    supported_device_types = ("cpu", "cuda")
+
+    @staticmethod
+    def get_kv_cache_shape(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+    ) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    @staticmethod
+    def get_impl_cls() -> type[AttentionImpl]:
+        return TorchSDPAImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[AttentionMetadataBuilder]:
+        return TorchSDPAMetadataBuilder

@@ -1,0 +1,33 @@
+"""The `Attention` module models use: one layer's paged attention through the selected backend."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagellm.attention.backend import AttentionBackend
+from pagellm.forward_context import get_forward_context
+
+
+class Attention(nn.Module):
+    def __init__(
+        self,
+        backend: type[AttentionBackend],
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        sliding_window: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.num_kv_heads = num_kv_heads
+        self.sliding_window = sliding_window
+        self.impl = backend.get_impl_cls()(num_heads, head_size, scale, num_kv_heads, sliding_window)
+        # Bound by the model runner once the KV cache exists (`bind_kv_cache`).
+        self.kv_cache = torch.empty(0)
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        ctx = get_forward_context()
+        return self.impl.forward(query, key, value, self.kv_cache, ctx.attn_metadata)

@@ -1,0 +1,32 @@
+"""Attention backends by name. The built-in one registers here like any plugin's would."""
+
+from __future__ import annotations
+
+import importlib
+
+from pagellm.attention.backend import AttentionBackend
+
+_BACKENDS: dict[str, str] = {
+    "TORCH_SDPA": "pagellm.attention.backends.torch_sdpa:TorchSDPABackend",
+}
+
+
+def register_backend(name: str, qualname: str) -> None:
+    """Register ``"package.module:Class"`` under ``name`` (last registration wins)."""
+    _BACKENDS[name] = qualname
+
+
+def registered_backends() -> list[str]:
+    return list(_BACKENDS)
+
+
+def get_backend_cls(name: str) -> type[AttentionBackend]:
+    if name not in _BACKENDS:
+        raise ValueError(
+            f"Unknown attention backend {name!r}; installed backends: {', '.join(_BACKENDS)}."
+        )
+    module_name, _, cls_name = _BACKENDS[name].partition(":")
+    cls = getattr(importlib.import_module(module_name), cls_name)
+    if not (isinstance(cls, type) and issubclass(cls, AttentionBackend)):
+        raise TypeError(f"{_BACKENDS[name]} registered as attention backend {name!r} is not an AttentionBackend.")
+    return cls

@@ -1,0 +1,77 @@
+"""The engine core: scheduler + executor, advanced one `step()` at a time."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+from pagellm.config import EngineConfig
+from pagellm.executor import Executor, UniProcExecutor
+from pagellm.kv_cache import KVCacheManager, make_block_hasher
+from pagellm.kv_cache.manager import cdiv
+from pagellm.request import EngineCoreRequest, Request, RequestStatus
+from pagellm.scheduler import Scheduler
+from pagellm.scheduler.output import EngineCoreOutputs
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, executor_cls: type[Executor] = UniProcExecutor) -> None:
+        self.config = config
+        self.executor = executor_cls(config)
+        num_blocks = self._initialize_kv_cache()
+        block_size = config.cache.block_size
+        assert block_size is not None
+        self.kv_cache_manager = KVCacheManager(block_size, num_blocks, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
+        self.block_hasher = (
+            make_block_hasher(block_size, config.cache.prefix_caching_hash_algo)
+            if config.cache.enable_prefix_caching
+            else None
+        )
+
+    def _initialize_kv_cache(self) -> int:
+        cfg = self.config
+        spec = self.executor.get_kv_cache_spec()
+        available = self.executor.determine_available_memory()
+        bytes_per_block = spec.page_size_bytes * cfg.model.num_layers
+        num_blocks = available // bytes_per_block
+        needed = cdiv(cfg.model.max_model_len, spec.block_size) + 1  # +1: the null block
+        if num_blocks < needed:
+            raise ValueError(
+                f"The KV cache ({available / 2**20:.1f} MiB, {num_blocks} blocks of {spec.block_size} "
+                f"tokens at {bytes_per_block / 2**10:.1f} KiB each) cannot hold one request of "
+                f"max_model_len={cfg.model.max_model_len} (needs {needed} blocks, "
+                f"{needed * bytes_per_block / 2**20:.1f} MiB). Give it more memory (kv_cache_memory / "
+                "gpu_memory_utilization) or lower max_model_len."
+            )
+        self.executor.initialize_cache(num_blocks)
+        cfg.cache.num_blocks = num_blocks
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB)",
+            num_blocks, spec.block_size, num_blocks * spec.block_size, num_blocks * bytes_per_block / 2**20,
+        )
+        return num_blocks
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.scheduler.add_request(Request.from_engine_core_request(request, self.block_hasher))
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> EngineCoreOutputs:
+        if not self.scheduler.has_unfinished_requests():
+            return EngineCoreOutputs()
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.executor.execute_model(scheduler_output)
+        return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

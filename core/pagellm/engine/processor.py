@@ -1,0 +1,95 @@
+"""Front-end input processing: tokenize, validate, and build the `EngineCoreRequest`."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from pagellm.config import EngineConfig
+from pagellm.request import EngineCoreRequest
+from pagellm.sampling_params import SamplingParams
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+def _generation_config_eos_ids(config: EngineConfig) -> set[int]:
+    """EOS ids a checkpoint's generation_config.json adds (Llama 3 has several)."""
+    if config.model.gguf_file:
+        return set()
+    from transformers import GenerationConfig
+
+    directory = config.model.model
+    if not os.path.isfile(os.path.join(directory, "generation_config.json")):
+        return set()
+    eos = GenerationConfig.from_pretrained(directory).eos_token_id
+    if eos is None:
+        return set()
+    return set(eos) if isinstance(eos, list) else {int(eos)}
+
+
+class InputProcessor:
+    def __init__(self, config: EngineConfig, tokenizer: Any) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.vocab_size = config.model.vocab_size
+        self.eos_token_id: int | None = tokenizer.eos_token_id
+        self.extra_eos_ids = _generation_config_eos_ids(config) - {self.eos_token_id}
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(prompt text or None, prompt token ids) for a string, a token-id list or a prompt dict."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("prompt dict needs a 'prompt' or 'prompt_token_ids' key.")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty.")
+            return prompt, list(self.tokenizer.encode(prompt))
+        if isinstance(prompt, (list, tuple)):
+            return None, self._check_ids(list(prompt))
+        raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}.")
+
+    def _check_ids(self, ids: list[Any]) -> list[int]:
+        if not ids:
+            raise ValueError("prompt_token_ids is empty.")
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt_token_ids contains {len(bad)} id(s) outside the vocabulary [0, {self.vocab_size}): "
+                f"{bad[:5]}."
+            )
+        return ids
+
+    def process(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> tuple[str | None, EngineCoreRequest]:
+        text, ids = self.tokenize(prompt)
+        if not ids:
+            raise ValueError("prompt is empty after tokenization.")
+        max_len = self.config.model.max_model_len
+        if len(ids) >= max_len:
+            raise ValueError(
+                f"prompt is {len(ids)} tokens long, which leaves no room to generate within "
+                f"max_model_len={max_len}."
+            )
+        params = params.clone()
+        if not params.ignore_eos and self.extra_eos_ids:
+            params.stop_token_ids = sorted(set(params.stop_token_ids) | self.extra_eos_ids)
+        return text, EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=ids,
+            sampling_params=params,
+            eos_token_id=self.eos_token_id,
+            arrival_time=time.time(),
+            priority=priority,
+            cache_salt=cache_salt,
+        )

@@ -1,0 +1,50 @@
+"""The executor interface: how the engine core reaches its workers (one, or one per GPU rank)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any
+
+from pagellm.config import EngineConfig
+from pagellm.kv_cache.spec import KVCacheSpec
+from pagellm.scheduler.output import ModelRunnerOutput, SchedulerOutput
+
+
+class Executor(ABC):
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self._init_executor()
+
+    @abstractmethod
+    def _init_executor(self) -> None:
+        """Start the workers and load the model on each."""
+
+    @abstractmethod
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        """Call ``method`` on every worker (a method name, or a function taking the worker first);
+        returns each worker's result, in rank order."""
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        # Every rank computes the same sampled tokens; rank 0's answer is the one returned.
+        result: ModelRunnerOutput = self.collective_rpc("execute_model", (scheduler_output,))[0]
+        return result
+
+    def get_kv_cache_spec(self) -> KVCacheSpec:
+        spec: KVCacheSpec = self.collective_rpc("get_kv_cache_spec")[0]
+        return spec
+
+    def determine_available_memory(self) -> int:
+        """The smallest memory any worker can give the KV cache."""
+        return min(self.collective_rpc("determine_available_memory"))
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self.collective_rpc("initialize_cache", (num_blocks,))
+
+    def shutdown(self) -> None:
+        """Release the workers."""

@@ -1,0 +1,26 @@
+"""One worker, in the engine core's own process."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from pagellm.executor.abstract import Executor
+from pagellm.worker.worker import Worker
+
+
+class UniProcExecutor(Executor):
+    def _init_executor(self) -> None:
+        self.worker = Worker(self.config, rank=0, local_rank=0)
+        self.worker.load_model()
+
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        kwargs = kwargs or {}
+        if isinstance(method, str):
+            return [getattr(self.worker, method)(*args, **kwargs)]
+        return [method(self.worker, *args, **kwargs)]

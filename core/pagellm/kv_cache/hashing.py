@@ -1,0 +1,49 @@
+"""Chained hashes of full KV blocks, for prefix caching.
+
+Block i's hash covers its tokens and, through its parent's hash, every token before it, so equal
+hashes mean equal prefixes. sha256 of a canonical byte encoding gives the same value in every
+process (unlike Python's ``hash``). Extra keys (the cache salt, in the first block) are mixed in.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from pagellm.request import Request
+
+ROOT_HASH = hashlib.sha256(b"pagellm-prefix-cache-root").digest()
+
+
+def hash_block_tokens(
+    parent_hash: bytes | None, token_ids: list[int], extra_keys: tuple[str, ...] = ()
+) -> bytes:
+    h = hashlib.sha256(parent_hash if parent_hash is not None else ROOT_HASH)
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    for key in extra_keys:
+        h.update(b"\x00" + key.encode())
+    return h.digest()
+
+
+def make_block_hasher(block_size: int, algo: str = "sha256") -> Callable[[Request], list[bytes]]:
+    """A function giving the hashes of a request's blocks that became full since the last call."""
+    if algo != "sha256":
+        raise ValueError(f"prefix_caching_hash_algo {algo!r} is not supported; use 'sha256'.")
+
+    def hasher(request: Request) -> list[bytes]:
+        start = len(request.block_hashes)
+        num_full = request.num_tokens // block_size
+        parent = request.block_hashes[-1] if start else None
+        new_hashes = []
+        for i in range(start, num_full):
+            extra = (f"salt:{request.cache_salt}",) if i == 0 and request.cache_salt else ()
+            tokens = request.all_token_ids[i * block_size : (i + 1) * block_size]
+            parent = hash_block_tokens(parent, tokens, extra)
+            new_hashes.append(parent)
+        return new_hashes
+
+    return hasher

@@ -1,0 +1,115 @@
+"""Per-request KV block bookkeeping on top of the `BlockPool`: prefix lookups, allocation, freeing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagellm.kv_cache.block_pool import BlockPool, KVCacheBlock
+from pagellm.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0
+    """Prompt tokens looked up."""
+    hits: int = 0
+    """Tokens found in the cache."""
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager:
+    def __init__(self, block_size: int, num_blocks: int, enable_caching: bool) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.num_cached_blocks: dict[str, int] = {}
+        self.prefix_cache_stats = PrefixCacheStats()
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.get_num_free_blocks()
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.get_usage()
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The longest run of cached full blocks that prefixes the request, and its token count.
+
+        The hit is capped at ``num_tokens - 1`` so the step still computes at least one token
+        (the logits of the last token are needed to sample).
+        """
+        if not self.enable_caching:
+            return [], 0
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for block_hash in request.block_hashes[:max_hit_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        num_hit_tokens = len(hits) * self.block_size
+        self.prefix_cache_stats.queries += request.num_tokens
+        self.prefix_cache_stats.hits += num_hit_tokens
+        return hits, num_hit_tokens
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
+        num_lookahead_tokens: int = 0,
+    ) -> list[KVCacheBlock] | None:
+        """Make room for ``num_new_tokens`` more tokens (plus lookahead) of the request.
+
+        ``new_computed_blocks`` are prefix-cache hits (covering ``num_new_computed_tokens``) taken
+        at this allocation. Returns the newly allocated blocks, or None (and changes nothing) when
+        the pool cannot hold them.
+        """
+        if num_new_tokens <= 0:
+            raise ValueError(f"num_new_tokens must be positive, got {num_new_tokens}.")
+        computed_blocks = new_computed_blocks or []
+        req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        num_computed = request.num_computed_tokens + num_new_computed_tokens
+        num_required = cdiv(num_computed + num_new_tokens + num_lookahead_tokens, self.block_size)
+        num_new_blocks = max(num_required - len(req_blocks) - len(computed_blocks), 0)
+        # Hits sitting in the free queue stop being free once touched.
+        num_revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        if num_new_blocks + num_revived > self.block_pool.get_num_free_blocks():
+            if not req_blocks:
+                del self.req_to_blocks[request.request_id]
+            return None
+
+        self.block_pool.touch(computed_blocks)
+        req_blocks.extend(computed_blocks)
+        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+        req_blocks.extend(new_blocks)
+
+        if self.enable_caching:
+            num_full = min((num_computed + num_new_tokens) // self.block_size, len(request.block_hashes))
+            num_cached = self.num_cached_blocks.get(request.request_id, 0)
+            if num_full > num_cached:
+                self.block_pool.cache_full_blocks(req_blocks, request.block_hashes, num_cached, num_full)
+                self.num_cached_blocks[request.request_id] = num_full
+        return new_blocks
+
+    def free(self, request: Request) -> None:
+        """Release every block of the request; the tail blocks are the first to be evicted."""
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.num_cached_blocks.pop(request.request_id, None)
+        self.block_pool.free_blocks(reversed(blocks))
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_pool.reset_prefix_cache()

@@ -1,0 +1,92 @@
+"""Building the model and filling its weights: HF safetensors, GGUF, or random (dummy)."""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from pagellm.attention import AttentionBackend
+from pagellm.config import EngineConfig
+from pagellm.model_loader.source import resolve_model_source
+from pagellm.models.registry import resolve_model_cls
+
+logger = logging.getLogger(__name__)
+
+
+def safetensors_files(directory: str) -> list[str]:
+    """The checkpoint's shards: those named by model.safetensors.index.json, else every *.safetensors."""
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        files = [os.path.join(directory, n) for n in names]
+        missing = [f for f in files if not os.path.isfile(f)]
+        if missing:
+            raise ValueError(f"Checkpoint shards named in {index} are missing: {missing}.")
+        return files
+    files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
+    if not files:
+        raise ValueError(f"No *.safetensors weights found in {directory}.")
+    return files
+
+
+def iterate_safetensors_weights(directory: str, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for path in safetensors_files(directory):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                yield name, f.get_tensor(name).to(dtype)
+
+
+def _init_dummy_weights(model: nn.Module, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.data.fill_(1.0)
+        else:
+            values = torch.empty(param.shape, dtype=torch.float32).uniform_(-0.05, 0.05, generator=generator)
+            param.data.copy_(values)
+
+
+def load_model(
+    config: EngineConfig, backend: type[AttentionBackend], device: torch.device
+) -> nn.Module:
+    model_cfg = config.model
+    _, model_cls = resolve_model_cls([model_cfg.architecture])
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(model_cfg.torch_dtype)
+    try:
+        with torch.device(device):
+            model = model_cls(config, backend)
+    finally:
+        torch.set_default_dtype(previous)
+
+    load_format = config.load.load_format
+    if load_format == "dummy":
+        _init_dummy_weights(model, model_cfg.seed)
+        return model.eval()
+    source = resolve_model_source(model_cfg.model)
+    if load_format == "auto":
+        load_format = "gguf" if source.gguf_file else "safetensors"
+    if load_format == "gguf":
+        if not source.gguf_file:
+            raise ValueError(f"load_format='gguf' but {model_cfg.model} is not a GGUF file.")
+        from pagellm.model_loader.gguf_loader import iterate_gguf_weights
+
+        weights = iterate_gguf_weights(source.gguf_file, model_cfg.torch_dtype)
+    else:
+        weights = iterate_safetensors_weights(source.directory, model_cfg.torch_dtype)
+    with torch.no_grad():
+        loaded = model.load_weights(weights)  # type: ignore[operator]
+    expected = {n for n, _ in model.named_parameters()}
+    missing = expected - loaded
+    if missing:
+        raise ValueError(f"The checkpoint at {model_cfg.model} lacks weights for: {sorted(missing)[:8]}.")
+    return model.eval()

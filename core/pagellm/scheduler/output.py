@@ -1,0 +1,72 @@
+"""What the scheduler tells the workers each step, and what the engine core returns to the front end."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import msgspec
+
+from pagellm.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the workers have not seen: everything needed to build its state."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """Requests the workers already hold: only what changed since the last step."""
+
+    req_ids: list[str] = field(default_factory=list)
+    resumed_from_preemption: list[bool] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    """Blocks appended this step; for a resumed request, its whole new block list."""
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    preempted_req_ids: set[str]
+    """Requests the workers must take out of the batch (they keep their state to resume)."""
+    finished_req_ids: set[str]
+    """Requests that ended since the last step: the workers drop their state."""
+
+
+class SampleLogprobs(msgspec.Struct, array_like=True):  # type: ignore[call-arg]
+    """Log-probabilities at one sampled position: the sampled token first, then the top-k."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    sampled_rank: int
+
+
+class ModelRunnerOutput(msgspec.Struct, array_like=True):  # type: ignore[call-arg]
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]
+    """Per request (in ``req_ids`` order): the tokens sampled this step; empty for a prefill chunk."""
+    logprobs: list[SampleLogprobs | None] | None = None
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):  # type: ignore[call-arg]
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[SampleLogprobs] | None = None
+    finish_reason: int | None = None
+    """A `FinishReason` value once the request ended."""
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):  # type: ignore[call-arg]
+    outputs: list[EngineCoreOutput] = []

@@ -1,0 +1,262 @@
+"""The scheduler: a token budget spread over running requests first, then waiting ones.
+
+There is no prefill or decode phase. Each request's ``num_computed_tokens`` catches up with its
+``num_tokens``; a step gives each request as many tokens as the budget, the long-prefill
+threshold and the KV cache allow (chunked prefill falls out of this). When the cache is full a
+running request is preempted: its blocks are freed and it is recomputed later from scratch.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+from pagellm.config import SchedulerConfig
+from pagellm.kv_cache.manager import KVCacheManager
+from pagellm.request import FinishReason, Request, RequestStatus
+from pagellm.scheduler.output import (
+    CachedRequestData,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from pagellm.scheduler.request_queue import make_queue
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv_cache_manager = kv_cache_manager
+        self.requests: dict[str, Request] = {}
+        self.waiting = make_queue(config.policy)
+        self.running: list[Request] = []
+        # Requests that ended since the last schedule(): the workers must drop their state.
+        self.finished_req_ids: set[str] = set()
+        self.num_preemptions = 0
+
+    # ---------------------------------------------------------------- requests in and out
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"A request with id {request.request_id!r} is already in the engine.")
+        room = self.config.max_model_len - request.num_prompt_tokens
+        request.max_tokens = min(request.max_tokens or room, room)
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """End requests from outside the step loop (abort); unknown or finished ids are ignored."""
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        for req_id in request_ids:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free_request(request)
+
+    def _free_request(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        self.finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.get_num_unfinished_requests() > 0
+
+    # ---------------------------------------------------------------- one step
+
+    def schedule(self) -> SchedulerOutput:
+        cfg = self.config
+        kv = self.kv_cache_manager
+        token_budget = cfg.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_block_ids: dict[str, list[int]] = {}
+        scheduled_running: list[Request] = []
+        preempted: list[Request] = []
+
+        # 1. Running requests, in order.
+        i = 0
+        while i < len(self.running) and token_budget > 0:
+            request = self.running[i]
+            num_new = self._num_tokens_to_schedule(request, token_budget)
+            if num_new == 0:
+                i += 1
+                continue
+            while True:
+                blocks = kv.allocate_slots(request, num_new)
+                if blocks is not None:
+                    break
+                victim = self._pick_victim()
+                victim_index = self.running.index(victim)
+                self.running.remove(victim)
+                if victim.request_id in num_scheduled:
+                    # Already scheduled this step: give back what it took.
+                    token_budget += num_scheduled.pop(victim.request_id)
+                    new_block_ids.pop(victim.request_id, None)
+                    scheduled_running.remove(victim)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim_index < i:
+                    i -= 1
+                if victim is request:
+                    break
+            if blocks is None:
+                continue  # the request preempted itself; `i` already points at the next one
+            scheduled_running.append(request)
+            num_scheduled[request.request_id] = num_new
+            new_block_ids[request.request_id] = [b.block_id for b in blocks]
+            token_budget -= num_new
+            i += 1
+
+        # 2. Waiting requests, unless this step had to preempt (the cache is short of room).
+        scheduled_new: list[Request] = []
+        scheduled_resumed: list[Request] = []
+        if not preempted:
+            while len(self.waiting) and token_budget > 0 and len(self.running) < cfg.max_num_seqs:
+                request = self.waiting.peek()
+                hits, num_hit_tokens = kv.get_computed_blocks(request)
+                num_new = request.num_tokens - num_hit_tokens
+                if cfg.long_prefill_token_threshold:
+                    num_new = min(num_new, cfg.long_prefill_token_threshold)
+                if not cfg.enable_chunked_prefill and num_new > token_budget:
+                    break
+                num_new = min(num_new, token_budget)
+                blocks = kv.allocate_slots(request, num_new, num_hit_tokens, hits)
+                if blocks is None:
+                    break
+                self.waiting.pop()
+                resumed = request.status == RequestStatus.PREEMPTED
+                request.status = RequestStatus.RUNNING
+                request.num_computed_tokens = num_hit_tokens
+                if request.num_cached_tokens < 0:
+                    request.num_cached_tokens = num_hit_tokens
+                self.running.append(request)
+                (scheduled_resumed if resumed else scheduled_new).append(request)
+                num_scheduled[request.request_id] = num_new
+                token_budget -= num_new
+
+        output = SchedulerOutput(
+            scheduled_new_reqs=[
+                NewRequestData(
+                    req_id=r.request_id,
+                    prompt_token_ids=r.prompt_token_ids,
+                    sampling_params=r.sampling_params,
+                    block_ids=kv.get_block_ids(r.request_id),
+                    num_computed_tokens=r.num_computed_tokens,
+                )
+                for r in scheduled_new
+            ],
+            scheduled_cached_reqs=self._cached_request_data(
+                scheduled_running, scheduled_resumed, new_block_ids
+            ),
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=cfg.max_num_batched_tokens - token_budget,
+            preempted_req_ids={r.request_id for r in preempted},
+            finished_req_ids=self.finished_req_ids,
+        )
+        for req_id, n in num_scheduled.items():
+            self.requests[req_id].num_computed_tokens += n
+        self.finished_req_ids = set()
+        return output
+
+    def _num_tokens_to_schedule(self, request: Request, token_budget: int) -> int:
+        num_new = request.num_tokens - request.num_computed_tokens
+        if self.config.long_prefill_token_threshold:
+            num_new = min(num_new, self.config.long_prefill_token_threshold)
+        return min(num_new, token_budget)
+
+    def _cached_request_data(
+        self, running: list[Request], resumed: list[Request], new_block_ids: dict[str, list[int]]
+    ) -> CachedRequestData:
+        data = CachedRequestData()
+        for request in running:
+            data.req_ids.append(request.request_id)
+            data.resumed_from_preemption.append(False)
+            data.new_block_ids.append(new_block_ids[request.request_id])
+            data.num_computed_tokens.append(request.num_computed_tokens)
+        for request in resumed:
+            data.req_ids.append(request.request_id)
+            data.resumed_from_preemption.append(True)
+            data.new_block_ids.append(self.kv_cache_manager.get_block_ids(request.request_id))
+            data.num_computed_tokens.append(request.num_computed_tokens)
+        return data
+
+    def _pick_victim(self) -> Request:
+        if self.config.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend(request)
+
+    # ---------------------------------------------------------------- after the forward pass
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> EngineCoreOutputs:
+        outputs: list[EngineCoreOutput] = []
+        for index, req_id in enumerate(runner_output.req_ids):
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted or preempted while the step ran
+            new_token_ids = runner_output.sampled_token_ids[index]
+            if not new_token_ids:
+                continue  # a prefill chunk: nothing sampled yet
+            kept: list[int] = []
+            for token_id in new_token_ids:
+                request.append_output_token_ids([token_id])
+                kept.append(token_id)
+                if self._check_stop(request):
+                    break
+            sample_logprobs = runner_output.logprobs[index] if runner_output.logprobs else None
+            finish = request.get_finish_reason()
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=req_id,
+                    new_token_ids=kept,
+                    new_logprobs=[sample_logprobs] if sample_logprobs is not None else None,
+                    finish_reason=int(finish) if finish is not None else None,
+                    stop_reason=request.stop_reason,
+                    num_cached_tokens=request.num_cached_tokens,
+                )
+            )
+            if finish is not None:
+                self.running.remove(request)
+                self._free_request(request)
+        return EngineCoreOutputs(outputs=outputs)
+
+    def _check_stop(self, request: Request) -> bool:
+        token_id = request.output_token_ids[-1]
+        params = request.sampling_params
+        if not params.ignore_eos and token_id == request.eos_token_id:
+            request.status = RequestStatus.FINISHED_STOPPED
+        elif token_id in params.stop_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = token_id
+        elif (
+            request.num_output_tokens >= (request.max_tokens or 0)
+            or request.num_tokens >= self.config.max_model_len
+        ):
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        else:
+            return False
+        return True
+
+
+__all__ = ["FinishReason", "Scheduler"]

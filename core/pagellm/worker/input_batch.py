@@ -1,0 +1,109 @@
+"""The persistent batch: one row per running request, kept between steps and updated in place.
+
+Rows hold token ids, progress, block tables and sampling parameters as numpy arrays so each
+step's inputs are built with vectorized indexing, not per-token Python. Rows stay contiguous
+(``condense`` fills holes left by removed requests with rows from the end).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from pagellm.sampling_params import SamplingParams, SamplingType
+
+
+@dataclass
+class CachedRequestState:
+    """What the worker keeps per request, across preemptions, until the request finishes."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    generator: torch.Generator | None
+    block_ids: list[int]
+    num_computed_tokens: int
+    output_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+
+class InputBatch:
+    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int) -> None:
+        self.max_num_reqs = max_num_reqs
+        self.max_model_len = max_model_len
+        self.req_ids: list[str | None] = [None] * max_num_reqs
+        self.req_id_to_index: dict[str, int] = {}
+        self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
+        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        self.temperature = np.zeros(max_num_reqs, dtype=np.float32)
+        self.top_p = np.ones(max_num_reqs, dtype=np.float32)
+        self.top_k = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)
+        self.generators: dict[int, torch.Generator] = {}
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_id_to_index)
+
+    def add_request(self, state: CachedRequestState) -> None:
+        index = self.num_reqs  # rows are contiguous, so the first free one is at the end
+        self.req_ids[index] = state.req_id
+        self.req_id_to_index[state.req_id] = index
+        prompt_len = len(state.prompt_token_ids)
+        self.token_ids[index, :prompt_len] = state.prompt_token_ids
+        self.token_ids[index, prompt_len : state.num_tokens] = state.output_token_ids
+        self.num_tokens[index] = state.num_tokens
+        self.num_computed_tokens[index] = state.num_computed_tokens
+        self.set_block_ids(index, state.block_ids)
+        params = state.sampling_params
+        greedy = params.sampling_type == SamplingType.GREEDY
+        self.temperature[index] = 0.0 if greedy else params.temperature
+        self.top_p[index] = params.top_p
+        self.top_k[index] = params.top_k
+        self.num_logprobs[index] = -1 if params.logprobs is None else params.logprobs
+        if state.generator is not None:
+            self.generators[index] = state.generator
+
+    def set_block_ids(self, index: int, block_ids: list[int]) -> None:
+        self.block_table[index, : len(block_ids)] = block_ids
+        self.block_table[index, len(block_ids) :] = 0
+        self.num_blocks[index] = len(block_ids)
+
+    def append_block_ids(self, index: int, block_ids: list[int]) -> None:
+        start = int(self.num_blocks[index])
+        self.block_table[index, start : start + len(block_ids)] = block_ids
+        self.num_blocks[index] = start + len(block_ids)
+
+    def remove_request(self, req_id: str) -> None:
+        index = self.req_id_to_index.pop(req_id, None)
+        if index is None:
+            return
+        self.req_ids[index] = None
+        self.generators.pop(index, None)
+        self._condense(index)
+
+    def _condense(self, hole: int) -> None:
+        last = self.num_reqs  # after the pop, the last used row index
+        if hole == last:
+            return
+        req_id = self.req_ids[last]
+        assert req_id is not None
+        self.req_ids[hole], self.req_ids[last] = req_id, None
+        self.req_id_to_index[req_id] = hole
+        n = int(self.num_tokens[last])
+        self.token_ids[hole, :n] = self.token_ids[last, :n]
+        for array in (
+            self.num_tokens, self.num_computed_tokens, self.block_table, self.num_blocks,
+            self.temperature, self.top_p, self.top_k, self.num_logprobs,
+        ):
+            array[hole] = array[last]
+        if last in self.generators:
+            self.generators[hole] = self.generators.pop(last)

@@ -1,0 +1,209 @@
+"""The model runner: keeps the persistent batch in step with the scheduler, lays out each step's
+inputs (token ids, positions, slot mapping, block tables), runs the forward pass in the forward
+context and samples one token for each request whose scheduled tokens reach its end."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from pagellm.attention.registry import get_backend_cls
+from pagellm.attention.backend import CommonAttentionMetadata
+from pagellm.config import EngineConfig
+from pagellm.forward_context import set_forward_context
+from pagellm.kv_cache.manager import cdiv
+from pagellm.kv_cache.spec import KVCacheSpec
+from pagellm.layers.sampler import Sampler, SamplingMetadata
+from pagellm.model_loader import load_model
+from pagellm.models.llama import uniform_sliding_window
+from pagellm.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from pagellm.worker.input_batch import CachedRequestState, InputBatch
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, device: torch.device) -> None:
+        self.config = config
+        self.device = device
+        if config.attention_backend is None:
+            raise ValueError("EngineConfig.attention_backend must be chosen before building the runner.")
+        self.attn_backend = get_backend_cls(config.attention_backend)
+        model_cfg = config.model
+        block_size = config.cache.block_size
+        if block_size is None:
+            raise ValueError("CacheConfig.block_size must be chosen before building the runner.")
+        self.block_size = block_size
+        self.max_model_len = model_cfg.max_model_len
+        self.kv_cache_spec = KVCacheSpec(
+            block_size=block_size,
+            num_kv_heads=model_cfg.num_kv_heads,
+            head_size=model_cfg.head_size,
+            dtype=model_cfg.torch_dtype,
+            sliding_window=uniform_sliding_window(model_cfg.text_config),
+        )
+        self.input_batch = InputBatch(
+            config.scheduler.max_num_seqs, self.max_model_len, cdiv(self.max_model_len, block_size)
+        )
+        self.requests: dict[str, CachedRequestState] = {}
+        self.sampler = Sampler()
+        self.default_generator = torch.Generator(device=device).manual_seed(model_cfg.seed)
+        self.model: torch.nn.Module | None = None
+        self.kv_caches: list[torch.Tensor] = []
+        self.attn_builder = self.attn_backend.get_builder_cls()(self.kv_cache_spec, device)
+
+    # ---------------------------------------------------------------- setup
+
+    def load_model(self) -> None:
+        self.model = load_model(self.config, self.attn_backend, self.device)
+
+    def model_memory_bytes(self) -> int:
+        assert self.model is not None
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        from pagellm.attention.layer import Attention
+
+        assert self.model is not None
+        spec = self.kv_cache_spec
+        shape = self.attn_backend.get_kv_cache_shape(num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
+        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.kv_caches = [torch.zeros(shape, dtype=spec.dtype, device=self.device) for _ in layers]
+        for layer, cache in zip(layers, self.kv_caches, strict=True):
+            layer.kv_cache = cache
+
+    # ---------------------------------------------------------------- one step
+
+    def _update_states(self, out: SchedulerOutput) -> None:
+        batch = self.input_batch
+        for req_id in out.finished_req_ids:
+            self.requests.pop(req_id, None)
+            batch.remove_request(req_id)
+        for req_id in out.preempted_req_ids:
+            batch.remove_request(req_id)
+        for new in out.scheduled_new_reqs:
+            params = new.sampling_params
+            generator = None
+            if params.seed is not None:
+                generator = torch.Generator(device=self.device).manual_seed(params.seed)
+            state = CachedRequestState(
+                req_id=new.req_id,
+                prompt_token_ids=new.prompt_token_ids,
+                sampling_params=params,
+                generator=generator,
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+            )
+            self.requests[new.req_id] = state
+            batch.add_request(state)
+        cached = out.scheduled_cached_reqs
+        for req_id, resumed, block_ids, num_computed in zip(
+            cached.req_ids, cached.resumed_from_preemption, cached.new_block_ids,
+            cached.num_computed_tokens, strict=True,
+        ):
+            state = self.requests[req_id]
+            state.num_computed_tokens = num_computed
+            if resumed:
+                state.block_ids = list(block_ids)
+                batch.add_request(state)
+                continue
+            state.block_ids.extend(block_ids)
+            index = batch.req_id_to_index[req_id]
+            batch.num_computed_tokens[index] = num_computed
+            if block_ids:
+                batch.append_block_ids(index, block_ids)
+
+    @torch.inference_mode()
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(out)
+        if out.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        assert self.model is not None
+        batch = self.input_batch
+
+        # Scheduled rows in batch order, and their token counts.
+        rows = np.array(sorted(batch.req_id_to_index[r] for r in out.num_scheduled_tokens), dtype=np.int64)
+        req_ids = [batch.req_ids[i] for i in rows]
+        num_sched = np.array([out.num_scheduled_tokens[r] for r in req_ids], dtype=np.int64)  # type: ignore[index]
+        total = int(num_sched.sum())
+        cu = np.cumsum(num_sched)
+        query_start_loc = np.concatenate([[0], cu])
+        row_of_token = np.repeat(rows, num_sched)
+        offsets = np.arange(total) - np.repeat(query_start_loc[:-1], num_sched)
+        positions = batch.num_computed_tokens[row_of_token] + offsets
+        input_ids = batch.token_ids[row_of_token, positions]
+        slot_mapping = (
+            batch.block_table[row_of_token, positions // self.block_size].astype(np.int64) * self.block_size
+            + positions % self.block_size
+        )
+        seq_lens = batch.num_computed_tokens[rows] + num_sched
+        max_blocks = int(cdiv(int(seq_lens.max()), self.block_size))
+
+        dev = self.device
+        qsl_cpu = torch.from_numpy(query_start_loc.astype(np.int32))
+        seq_lens_cpu = torch.from_numpy(seq_lens.astype(np.int32))
+        common = CommonAttentionMetadata(
+            num_reqs=len(rows),
+            num_actual_tokens=total,
+            max_query_len=int(num_sched.max()),
+            max_seq_len=int(seq_lens.max()),
+            query_start_loc=qsl_cpu.to(dev),
+            query_start_loc_cpu=qsl_cpu,
+            seq_lens=seq_lens_cpu.to(dev),
+            seq_lens_cpu=seq_lens_cpu,
+            block_table=torch.from_numpy(batch.block_table[rows, :max_blocks]).to(dev),
+            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+        )
+        attn_metadata = self.attn_builder.build(common)
+        with set_forward_context(attn_metadata):
+            hidden = self.model(torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev))
+
+        # Sample only for requests whose scheduled tokens reach their last token.
+        done = seq_lens >= batch.num_tokens[rows]
+        sample_pos = np.flatnonzero(done)
+        sampled_lists: list[list[int]] = [[] for _ in rows]
+        logprob_lists: list = [None] * len(rows)
+        if len(sample_pos):
+            logits = self.model.compute_logits(hidden[torch.from_numpy(cu[sample_pos] - 1).to(dev)])  # type: ignore[operator]
+            sample_rows = rows[sample_pos]
+            result = self.sampler(logits, self._sampling_metadata(sample_rows))
+            tokens = result.sampled_token_ids.tolist()
+            for j, (pos, row, token) in enumerate(zip(sample_pos, sample_rows, tokens, strict=True)):
+                sampled_lists[pos] = [token]
+                n = int(batch.num_tokens[row])
+                if n < self.max_model_len:
+                    batch.token_ids[row, n] = token
+                batch.num_tokens[row] = n + 1
+                self.requests[req_ids[pos]].output_token_ids.append(token)  # type: ignore[index]
+                if result.logprobs is not None and batch.num_logprobs[row] >= 0:
+                    lp = result.logprobs[j]
+                    k = int(batch.num_logprobs[row]) + 1
+                    lp.token_ids, lp.logprobs = lp.token_ids[:k], lp.logprobs[:k]
+                    logprob_lists[pos] = lp
+        return ModelRunnerOutput(
+            req_ids=req_ids,  # type: ignore[arg-type]
+            sampled_token_ids=sampled_lists,
+            logprobs=logprob_lists if any(lp is not None for lp in logprob_lists) else None,
+        )
+
+    def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
+        batch = self.input_batch
+        dev = self.device
+        temperature = batch.temperature[rows]
+        top_p = batch.top_p[rows]
+        top_k = batch.top_k[rows]
+        num_logprobs = batch.num_logprobs[rows]
+        vocab = self.config.model.vocab_size
+        generators = {j: batch.generators[int(r)] for j, r in enumerate(rows) if int(r) in batch.generators}
+        return SamplingMetadata(
+            temperature=torch.from_numpy(temperature).to(dev),
+            all_greedy=bool((temperature == 0).all()),
+            all_random=bool((temperature > 0).all()),
+            top_p=torch.from_numpy(top_p).to(dev) if (top_p < 1).any() else None,
+            top_k=torch.from_numpy(np.where(top_k > 0, top_k, vocab)).to(dev) if (top_k > 0).any() else None,
+            generators=generators,
+            default_generator=self.default_generator,
+            max_num_logprobs=int(num_logprobs.max()) if (num_logprobs >= 0).any() else None,
+        )
