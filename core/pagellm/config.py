@@ -15,8 +15,13 @@ _DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
 }
-DTYPE_ALIASES = {"float": "float32", "half": "float16", "fp32": "float32", "fp16": "float16",
-                 "bf16": "bfloat16"}
+DTYPE_ALIASES = {
+    "float": "float32",
+    "half": "float16",
+    "fp32": "float32",
+    "fp16": "float16",
+    "bf16": "bfloat16",
+}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -28,7 +33,10 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 class _Config(BaseModel):
     model_config = ConfigDict(
-        arbitrary_types_allowed=True, extra="forbid", validate_assignment=True, protected_namespaces=()
+        arbitrary_types_allowed=True,
+        extra="forbid",
+        validate_assignment=True,
+        protected_namespaces=(),
     )
 
 

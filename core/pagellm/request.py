@@ -45,7 +45,7 @@ _FINISH_REASONS = {
 }
 
 
-class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):  # type: ignore[call-arg]
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     """A request as the front end hands it to the engine core (a wire struct)."""
 
     request_id: str

@@ -16,7 +16,7 @@ class SamplingType(IntEnum):
     RANDOM_SEED = 2
 
 
-class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):  # type: ignore[call-arg]
+class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     """How to pick the next tokens of one request (the vLLM ``SamplingParams`` subset built so far).
 
     Invalid values raise ``ValueError`` naming the field as soon as the object is created.

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from pagellm.model_loader.source import resolve_model_source
@@ -13,5 +12,7 @@ def get_tokenizer(tokenizer: str) -> Any:
 
     source = resolve_model_source(tokenizer, field="tokenizer")
     if source.gguf_file:
-        return AutoTokenizer.from_pretrained(source.directory, gguf_file=os.path.basename(source.gguf_file))
+        from pagellm.model_loader.gguf_cache import gguf_hf_dir
+
+        return AutoTokenizer.from_pretrained(gguf_hf_dir(source.gguf_file))
     return AutoTokenizer.from_pretrained(source.directory)

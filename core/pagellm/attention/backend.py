@@ -78,7 +78,11 @@ class AttentionBackend(ABC):
     """Capabilities are class attributes so selection can check them without building anything."""
 
     name: ClassVar[str]
-    supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.float16, torch.bfloat16)
+    supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+    )
     supported_head_sizes: ClassVar[tuple[int, ...] | None] = None
     """None: any head size."""
     block_size_multiple: ClassVar[int] = 1
@@ -101,6 +105,13 @@ class AttentionBackend(ABC):
     @abstractmethod
     def get_builder_cls() -> type[AttentionMetadataBuilder]: ...
 
+    @staticmethod
+    def allocate_kv_cache(
+        shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """One layer's KV cache; the default zero-fills it."""
+        return torch.zeros(shape, dtype=dtype, device=device)
+
     @classmethod
     def is_available(cls) -> str | None:
         """None when the backend's libraries import here; otherwise why not."""
@@ -122,12 +133,18 @@ class AttentionBackend(ABC):
         if unavailable:
             reasons.append(unavailable)
         if device_type not in cls.supported_device_types:
-            reasons.append(f"device {device_type!r} not supported (supports {list(cls.supported_device_types)})")
+            reasons.append(
+                f"device {device_type!r} not supported (supports {list(cls.supported_device_types)})"
+            )
         if dtype not in cls.supported_dtypes:
             names = [str(d).removeprefix("torch.") for d in cls.supported_dtypes]
-            reasons.append(f"dtype {str(dtype).removeprefix('torch.')} not supported (supports {names})")
+            reasons.append(
+                f"dtype {str(dtype).removeprefix('torch.')} not supported (supports {names})"
+            )
         if cls.supported_head_sizes is not None and head_size not in cls.supported_head_sizes:
-            reasons.append(f"head size {head_size} not supported (supports {list(cls.supported_head_sizes)})")
+            reasons.append(
+                f"head size {head_size} not supported (supports {list(cls.supported_head_sizes)})"
+            )
         if block_size is not None and block_size % cls.block_size_multiple:
             reasons.append(
                 f"block_size {block_size} not supported (supports multiples of {cls.block_size_multiple})"

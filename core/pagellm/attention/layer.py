@@ -24,7 +24,9 @@ class Attention(nn.Module):
         self.head_size = head_size
         self.num_kv_heads = num_kv_heads
         self.sliding_window = sliding_window
-        self.impl = backend.get_impl_cls()(num_heads, head_size, scale, num_kv_heads, sliding_window)
+        self.impl = backend.get_impl_cls()(
+            num_heads, head_size, scale, num_kv_heads, sliding_window
+        )
         # Bound by the model runner once the KV cache exists (`bind_kv_cache`).
         self.kv_cache = torch.empty(0)
 

@@ -28,5 +28,7 @@ def get_backend_cls(name: str) -> type[AttentionBackend]:
     module_name, _, cls_name = _BACKENDS[name].partition(":")
     cls = getattr(importlib.import_module(module_name), cls_name)
     if not (isinstance(cls, type) and issubclass(cls, AttentionBackend)):
-        raise TypeError(f"{_BACKENDS[name]} registered as attention backend {name!r} is not an AttentionBackend.")
+        raise TypeError(
+            f"{_BACKENDS[name]} registered as attention backend {name!r} is not an AttentionBackend."
+        )
     return cls

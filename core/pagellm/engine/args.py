@@ -93,7 +93,9 @@ class EngineArgs:
 
         chunked = self.enable_chunked_prefill
         max_num_batched_tokens = self.max_num_batched_tokens or (
-            _DEFAULT_MAX_NUM_BATCHED_TOKENS if chunked else max(_DEFAULT_MAX_NUM_BATCHED_TOKENS, model_cfg.max_model_len)
+            _DEFAULT_MAX_NUM_BATCHED_TOKENS
+            if chunked
+            else max(_DEFAULT_MAX_NUM_BATCHED_TOKENS, model_cfg.max_model_len)
         )
         if not chunked and max_num_batched_tokens < model_cfg.max_model_len:
             raise ValueError(
@@ -105,7 +107,9 @@ class EngineArgs:
         _positive("max_num_batched_tokens", max_num_batched_tokens)
         _positive("block_size", self.block_size)
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
-            raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}.")
+            raise ValueError(
+                f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}."
+            )
         if self.tensor_parallel_size != 1:
             raise NotImplementedError("tensor_parallel_size > 1 is not supported yet.")
         if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
@@ -156,14 +160,18 @@ class EngineArgs:
         dtype = getattr(torch, requested, None)
         if not isinstance(dtype, torch.dtype) or dtype not in platform.supported_dtypes:
             names = [dtype_name(d) for d in platform.supported_dtypes]
-            raise ValueError(f"dtype={self.dtype!r} is not supported on {platform.name}; use auto or one of {names}.")
+            raise ValueError(
+                f"dtype={self.dtype!r} is not supported on {platform.name}; use auto or one of {names}."
+            )
         return requested
 
     def _resolve_max_model_len(self, model_cfg: ModelConfig) -> int:
         limit = getattr(model_cfg.text_config, "max_position_embeddings", None)
         if self.max_model_len is None:
             if limit is None:
-                raise ValueError("The model config has no max_position_embeddings; pass max_model_len.")
+                raise ValueError(
+                    "The model config has no max_position_embeddings; pass max_model_len."
+                )
             return int(limit)
         if self.max_model_len < 1:
             raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}.")

@@ -17,13 +17,17 @@ logger = logging.getLogger(__name__)
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, executor_cls: type[Executor] = UniProcExecutor) -> None:
+    def __init__(
+        self, config: EngineConfig, executor_cls: type[Executor] = UniProcExecutor
+    ) -> None:
         self.config = config
         self.executor = executor_cls(config)
         num_blocks = self._initialize_kv_cache()
         block_size = config.cache.block_size
         assert block_size is not None
-        self.kv_cache_manager = KVCacheManager(block_size, num_blocks, config.cache.enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(
+            block_size, num_blocks, config.cache.enable_prefix_caching
+        )
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
         self.block_hasher = (
             make_block_hasher(block_size, config.cache.prefix_caching_hash_algo)
@@ -50,7 +54,10 @@ class EngineCore:
         cfg.cache.num_blocks = num_blocks
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB)",
-            num_blocks, spec.block_size, num_blocks * spec.block_size, num_blocks * bytes_per_block / 2**20,
+            num_blocks,
+            spec.block_size,
+            num_blocks * spec.block_size,
+            num_blocks * bytes_per_block / 2**20,
         )
         return num_blocks
 

@@ -42,7 +42,9 @@ class LLMEngine:
             raise ValueError(f"A request with id {request_id!r} is already in the engine.")
         text, request = self.processor.process(request_id, prompt, params, priority, cache_salt)
         self.engine_core.add_request(request)
-        self.output_processor.add_request(request_id, text, request.prompt_token_ids, request.sampling_params)
+        self.output_processor.add_request(
+            request_id, text, request.prompt_token_ids, request.sampling_params
+        )
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)

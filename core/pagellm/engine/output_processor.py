@@ -30,9 +30,17 @@ class OutputProcessor:
         self.requests: dict[str, RequestState] = {}
 
     def add_request(
-        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
     ) -> None:
-        detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens) if params.detokenize else None
+        detok = (
+            IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+            if params.detokenize
+            else None
+        )
         state = RequestState(request_id, prompt, prompt_token_ids, params, detok)
         if params.logprobs is not None:
             state.logprobs, state.cumulative_logprob = [], 0.0
@@ -60,24 +68,36 @@ class OutputProcessor:
                 state.detokenizer.update(out.new_token_ids)
             if out.new_logprobs and state.logprobs is not None:
                 for sample in out.new_logprobs:
-                    state.logprobs.append(self._position_logprobs(sample.token_ids, sample.logprobs, sample.sampled_rank))
-                    state.cumulative_logprob = (state.cumulative_logprob or 0.0) + sample.logprobs[0]
+                    state.logprobs.append(
+                        self._position_logprobs(
+                            sample.token_ids, sample.logprobs, sample.sampled_rank
+                        )
+                    )
+                    state.cumulative_logprob = (state.cumulative_logprob or 0.0) + sample.logprobs[
+                        0
+                    ]
             finish = str(FinishReason(out.finish_reason)) if out.finish_reason is not None else None
             if finish is not None:
                 del self.requests[out.request_id]
             results.append(self._make_output(state, finish, out.stop_reason))
         return results
 
-    def _position_logprobs(self, token_ids: list[int], logprobs: list[float], sampled_rank: int) -> PositionLogprobs:
+    def _position_logprobs(
+        self, token_ids: list[int], logprobs: list[float], sampled_rank: int
+    ) -> PositionLogprobs:
         position: PositionLogprobs = {}
         for rank, (tok, lp) in enumerate(zip(token_ids, logprobs, strict=True)):
             if tok in position:
                 continue
-            position[tok] = Logprob(lp, sampled_rank if rank == 0 else rank, self.tokenizer.decode([tok]))
+            position[tok] = Logprob(
+                lp, sampled_rank if rank == 0 else rank, self.tokenizer.decode([tok])
+            )
         return position
 
     @staticmethod
-    def _make_output(state: RequestState, finish_reason: str | None, stop_reason: int | str | None) -> RequestOutput:
+    def _make_output(
+        state: RequestState, finish_reason: str | None, stop_reason: int | str | None
+    ) -> RequestOutput:
         completion = CompletionOutput(
             index=0,
             text=state.detokenizer.output_text if state.detokenizer else "",

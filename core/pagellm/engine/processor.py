@@ -51,12 +51,18 @@ class InputProcessor:
             return prompt, list(self.tokenizer.encode(prompt))
         if isinstance(prompt, (list, tuple)):
             return None, self._check_ids(list(prompt))
-        raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}.")
+        raise ValueError(
+            f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}."
+        )
 
     def _check_ids(self, ids: list[Any]) -> list[int]:
         if not ids:
             raise ValueError("prompt_token_ids is empty.")
-        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
+        bad = [
+            t
+            for t in ids
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size
+        ]
         if bad:
             raise ValueError(
                 f"prompt_token_ids contains {len(bad)} id(s) outside the vocabulary [0, {self.vocab_size}): "

@@ -80,13 +80,17 @@ class LLM:
                 )
         priorities = priority or [0] * len(prompt_list)
         if len(priorities) != len(prompt_list):
-            raise ValueError(f"priority has {len(priorities)} entries for {len(prompt_list)} prompts.")
+            raise ValueError(
+                f"priority has {len(priorities)} entries for {len(prompt_list)} prompts."
+            )
         engine = self.llm_engine
         for prompt, params in zip(prompt_list, params_list, strict=True):
             engine.validate_request(prompt, params)
 
         request_ids = [str(next(self._request_counter)) for _ in prompt_list]
-        for req_id, prompt, params, prio in zip(request_ids, prompt_list, params_list, priorities, strict=True):
+        for req_id, prompt, params, prio in zip(
+            request_ids, prompt_list, params_list, priorities, strict=True
+        ):
             engine.add_request(req_id, prompt, params, priority=prio)
         return self._run_engine(request_ids, use_tqdm)
 

@@ -95,10 +95,14 @@ class KVCacheManager:
         req_blocks.extend(new_blocks)
 
         if self.enable_caching:
-            num_full = min((num_computed + num_new_tokens) // self.block_size, len(request.block_hashes))
+            num_full = min(
+                (num_computed + num_new_tokens) // self.block_size, len(request.block_hashes)
+            )
             num_cached = self.num_cached_blocks.get(request.request_id, 0)
             if num_full > num_cached:
-                self.block_pool.cache_full_blocks(req_blocks, request.block_hashes, num_cached, num_full)
+                self.block_pool.cache_full_blocks(
+                    req_blocks, request.block_hashes, num_cached, num_full
+                )
                 self.num_cached_blocks[request.request_id] = num_full
         return new_blocks
 

@@ -40,7 +40,11 @@ def rope_parameters(hf_config: Any) -> dict[str, Any]:
 
 class RotaryEmbedding(nn.Module):
     def __init__(
-        self, head_size: int, max_position: int, params: dict[str, Any], rotary_dim: int | None = None
+        self,
+        head_size: int,
+        max_position: int,
+        params: dict[str, Any],
+        rotary_dim: int | None = None,
     ) -> None:
         super().__init__()
         self.head_size = head_size
@@ -58,15 +62,18 @@ class RotaryEmbedding(nn.Module):
             raise NotImplementedError(f"RoPE scaling type {rope_type!r} is not supported yet.")
         t = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
-        self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], -1), persistent=False)
+        self.cos_sin_cache: torch.Tensor
+        self.register_buffer(
+            "cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], -1), persistent=False
+        )
 
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)
-        return self._apply(query, cos, sin), self._apply(key, cos, sin)
+        return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
 
-    def _apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.view(shape[0], -1, self.head_size)
         rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]

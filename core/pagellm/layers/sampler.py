@@ -75,7 +75,11 @@ class Sampler(torch.nn.Module):
             for row, gen in metadata.generators.items():
                 q[row].exponential_(generator=gen)
             random = probs.div(q).argmax(dim=-1)
-            sampled = random if metadata.all_random else torch.where(metadata.temperature > 0, random, greedy)
+            sampled = (
+                random
+                if metadata.all_random
+                else torch.where(metadata.temperature > 0, random, greedy)
+            )
 
         logprobs = None
         if raw_logprobs is not None:

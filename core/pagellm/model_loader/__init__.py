@@ -6,4 +6,10 @@ from pagellm.model_loader.source import (
     resolve_model_source,
 )
 
-__all__ = ["ModelSource", "default_model_path", "load_hf_config", "load_model", "resolve_model_source"]
+__all__ = [
+    "ModelSource",
+    "default_model_path",
+    "load_hf_config",
+    "load_model",
+    "resolve_model_source",
+]

@@ -36,7 +36,9 @@ def safetensors_files(directory: str) -> list[str]:
     return files
 
 
-def iterate_safetensors_weights(directory: str, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_safetensors_weights(
+    directory: str, dtype: torch.dtype
+) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
     for path in safetensors_files(directory):
@@ -51,7 +53,9 @@ def _init_dummy_weights(model: nn.Module, seed: int) -> None:
         if name.endswith("norm.weight"):
             param.data.fill_(1.0)
         else:
-            values = torch.empty(param.shape, dtype=torch.float32).uniform_(-0.05, 0.05, generator=generator)
+            values = torch.empty(param.shape, dtype=torch.float32).uniform_(
+                -0.05, 0.05, generator=generator
+            )
             param.data.copy_(values)
 
 
@@ -88,5 +92,7 @@ def load_model(
     expected = {n for n, _ in model.named_parameters()}
     missing = expected - loaded
     if missing:
-        raise ValueError(f"The checkpoint at {model_cfg.model} lacks weights for: {sorted(missing)[:8]}.")
+        raise ValueError(
+            f"The checkpoint at {model_cfg.model} lacks weights for: {sorted(missing)[:8]}."
+        )
     return model.eval()

@@ -25,14 +25,6 @@ def default_model_path() -> str:
     )
 
 
-_GGUF_MODEL_TYPE_TO_ARCH = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
-
-
 @dataclass(frozen=True)
 class ModelSource:
     directory: str
@@ -45,7 +37,9 @@ def resolve_model_source(model: str, field: str = "model") -> ModelSource:
     path = os.path.abspath(os.path.expanduser(model))
     if os.path.isfile(path):
         if not path.endswith(".gguf"):
-            raise ValueError(f"{field}={model!r} is a file but not a .gguf file; pass a model directory or a GGUF file.")
+            raise ValueError(
+                f"{field}={model!r} is a file but not a .gguf file; pass a model directory or a GGUF file."
+            )
         return ModelSource(os.path.dirname(path), path)
     if os.path.isdir(path):
         if os.path.isfile(os.path.join(path, "config.json")):
@@ -57,17 +51,16 @@ def resolve_model_source(model: str, field: str = "model") -> ModelSource:
             f"{field}={model!r} has no config.json"
             + (f" and several GGUF files ({', '.join(ggufs)}); pass one of them." if ggufs else ".")
         )
-    raise ValueError(f"{field}={model!r}: the path does not exist (models are loaded from local paths).")
+    raise ValueError(
+        f"{field}={model!r}: the path does not exist (models are loaded from local paths)."
+    )
 
 
 def load_hf_config(source: ModelSource) -> Any:
     from transformers import AutoConfig
 
-    if not source.gguf_file:
-        return AutoConfig.from_pretrained(source.directory)
-    config = AutoConfig.from_pretrained(source.directory, gguf_file=os.path.basename(source.gguf_file))
-    if not getattr(config, "architectures", None):
-        # GGUF files name a model type, not a HF class; the causal-LM class is the one we serve.
-        arch = _GGUF_MODEL_TYPE_TO_ARCH.get(config.model_type)
-        config.architectures = [arch] if arch else []
-    return config
+    if source.gguf_file:
+        from pagellm.model_loader.gguf_cache import gguf_hf_dir
+
+        return AutoConfig.from_pretrained(gguf_hf_dir(source.gguf_file))
+    return AutoConfig.from_pretrained(source.directory)

@@ -16,6 +16,7 @@ from pagellm.attention import Attention, AttentionBackend
 from pagellm.config import EngineConfig
 from pagellm.layers.activation import SiluAndMul
 from pagellm.layers.layernorm import RMSNorm
+from pagellm.layers.linear import Linear, VocabEmbedding
 from pagellm.layers.rotary_embedding import RotaryEmbedding, rope_parameters
 
 
@@ -40,7 +41,9 @@ class LlamaAttention(nn.Module):
     qkv_bias_default = False
     qk_norm = False
 
-    def __init__(self, hf_config: Any, backend: type[AttentionBackend], max_position: int) -> None:
+    def __init__(
+        self, hf_config: Any, backend: type[AttentionBackend], rotary_emb: RotaryEmbedding
+    ) -> None:
         super().__init__()
         hidden = hf_config.hidden_size
         self.num_heads = hf_config.num_attention_heads
@@ -49,12 +52,12 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_size
         self.kv_size = self.num_kv_heads * self.head_size
         bias = getattr(hf_config, "attention_bias", self.qkv_bias_default) or self.qkv_bias_default
-        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, hidden, bias=getattr(hf_config, "attention_bias", False))
+        self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = Linear(self.q_size, hidden, bias=getattr(hf_config, "attention_bias", False))
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_size, hf_config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_size, hf_config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(self.head_size, max_position, rope_parameters(hf_config))
+        self.rotary_emb = rotary_emb
         self.attn = Attention(
             backend,
             self.num_heads,
@@ -80,8 +83,8 @@ class LlamaMLP(nn.Module):
         super().__init__()
         bias = getattr(hf_config, "mlp_bias", False)
         inter = hf_config.intermediate_size
-        self.gate_up_proj = nn.Linear(hf_config.hidden_size, 2 * inter, bias=bias)
-        self.down_proj = nn.Linear(inter, hf_config.hidden_size, bias=bias)
+        self.gate_up_proj = Linear(hf_config.hidden_size, 2 * inter, bias=bias)
+        self.down_proj = Linear(inter, hf_config.hidden_size, bias=bias)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -91,9 +94,11 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     attention_cls: type[LlamaAttention] = LlamaAttention
 
-    def __init__(self, hf_config: Any, backend: type[AttentionBackend], max_position: int) -> None:
+    def __init__(
+        self, hf_config: Any, backend: type[AttentionBackend], rotary_emb: RotaryEmbedding
+    ) -> None:
         super().__init__()
-        self.self_attn = self.attention_cls(hf_config, backend, max_position)
+        self.self_attn = self.attention_cls(hf_config, backend, rotary_emb)
         self.mlp = LlamaMLP(hf_config)
         self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
@@ -113,13 +118,22 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(
-        self, hf_config: Any, backend: type[AttentionBackend], max_position: int,
+        self,
+        hf_config: Any,
+        backend: type[AttentionBackend],
+        max_position: int,
         layer_cls: type[LlamaDecoderLayer],
     ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
+        self.embed_tokens = VocabEmbedding(hf_config.vocab_size, hf_config.hidden_size)
+        head_size = (
+            getattr(hf_config, "head_dim", None)
+            or hf_config.hidden_size // hf_config.num_attention_heads
+        )
+        # One cos/sin table shared by every layer.
+        rotary_emb = RotaryEmbedding(head_size, max_position, rope_parameters(hf_config))
         self.layers = nn.ModuleList(
-            layer_cls(hf_config, backend, max_position) for _ in range(hf_config.num_hidden_layers)
+            layer_cls(hf_config, backend, rotary_emb) for _ in range(hf_config.num_hidden_layers)
         )
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
 
@@ -147,13 +161,13 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         hf_config = config.model.text_config
         self.hf_config = hf_config
-        max_position = max(config.model.max_model_len, getattr(hf_config, "max_position_embeddings", 0))
+        max_position = config.model.max_model_len
         self.model = LlamaModel(hf_config, backend, max_position, self.layer_cls)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
         else:
-            self.lm_head = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
+            self.lm_head = VocabEmbedding(hf_config.vocab_size, hf_config.hidden_size)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
@@ -163,6 +177,7 @@ class LlamaForCausalLM(nn.Module):
 
     def _shard_sizes(self, fused: str) -> list[int]:
         attn = self.model.layers[0].self_attn
+        assert isinstance(attn, LlamaAttention)
         if fused == "qkv_proj":
             return [attn.q_size, attn.kv_size, attn.kv_size]
         inter = self.hf_config.intermediate_size
@@ -189,7 +204,9 @@ class LlamaForCausalLM(nn.Module):
                 break
             else:
                 if name not in params:
-                    raise ValueError(f"Checkpoint tensor {name!r} matches no parameter of {type(self).__name__}.")
+                    raise ValueError(
+                        f"Checkpoint tensor {name!r} matches no parameter of {type(self).__name__}."
+                    )
                 _copy_checked(params[name].data, tensor, name)
                 loaded.add(name)
         return loaded
@@ -197,7 +214,9 @@ class LlamaForCausalLM(nn.Module):
 
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     if dst.shape != src.shape:
-        raise ValueError(f"Checkpoint tensor {name!r} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}.")
+        raise ValueError(
+            f"Checkpoint tensor {name!r} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}."
+        )
     dst.copy_(src)
 
 

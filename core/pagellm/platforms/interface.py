@@ -29,7 +29,7 @@ class Platform:
     def default_dtype(cls, model_dtype: torch.dtype | None) -> torch.dtype:
         """The dtype used for ``dtype="auto"``, given the one the checkpoint declares."""
         if model_dtype in cls.supported_dtypes:
-            return model_dtype  # type: ignore[return-value]
+            return model_dtype
         return cls.supported_dtypes[0]
 
     @classmethod

@@ -43,7 +43,7 @@ class SchedulerOutput:
     """Requests that ended since the last step: the workers drop their state."""
 
 
-class SampleLogprobs(msgspec.Struct, array_like=True):  # type: ignore[call-arg]
+class SampleLogprobs(msgspec.Struct, array_like=True):
     """Log-probabilities at one sampled position: the sampled token first, then the top-k."""
 
     token_ids: list[int]
@@ -51,14 +51,14 @@ class SampleLogprobs(msgspec.Struct, array_like=True):  # type: ignore[call-arg]
     sampled_rank: int
 
 
-class ModelRunnerOutput(msgspec.Struct, array_like=True):  # type: ignore[call-arg]
+class ModelRunnerOutput(msgspec.Struct, array_like=True):
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
     """Per request (in ``req_ids`` order): the tokens sampled this step; empty for a prefill chunk."""
     logprobs: list[SampleLogprobs | None] | None = None
 
 
-class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):  # type: ignore[call-arg]
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     request_id: str
     new_token_ids: list[int]
     new_logprobs: list[SampleLogprobs] | None = None
@@ -68,5 +68,5 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):  # 
     num_cached_tokens: int = 0
 
 
-class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):  # type: ignore[call-arg]
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
     outputs: list[EngineCoreOutput] = []

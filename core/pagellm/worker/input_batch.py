@@ -101,8 +101,14 @@ class InputBatch:
         n = int(self.num_tokens[last])
         self.token_ids[hole, :n] = self.token_ids[last, :n]
         for array in (
-            self.num_tokens, self.num_computed_tokens, self.block_table, self.num_blocks,
-            self.temperature, self.top_p, self.top_k, self.num_logprobs,
+            self.num_tokens,
+            self.num_computed_tokens,
+            self.block_table,
+            self.num_blocks,
+            self.temperature,
+            self.top_p,
+            self.top_k,
+            self.num_logprobs,
         ):
             array[hole] = array[last]
         if last in self.generators:

@@ -5,12 +5,13 @@ context and samples one token for each request whose scheduled tokens reach its 
 from __future__ import annotations
 
 import logging
+from typing import Any, cast
 
 import numpy as np
 import torch
 
-from pagellm.attention.registry import get_backend_cls
 from pagellm.attention.backend import CommonAttentionMetadata
+from pagellm.attention.registry import get_backend_cls
 from pagellm.config import EngineConfig
 from pagellm.forward_context import set_forward_context
 from pagellm.kv_cache.manager import cdiv
@@ -29,7 +30,9 @@ class ModelRunner:
         self.config = config
         self.device = device
         if config.attention_backend is None:
-            raise ValueError("EngineConfig.attention_backend must be chosen before building the runner.")
+            raise ValueError(
+                "EngineConfig.attention_backend must be chosen before building the runner."
+            )
         self.attn_backend = get_backend_cls(config.attention_backend)
         model_cfg = config.model
         block_size = config.cache.block_size
@@ -50,7 +53,7 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler()
         self.default_generator = torch.Generator(device=device).manual_seed(model_cfg.seed)
-        self.model: torch.nn.Module | None = None
+        self.model: Any = None
         self.kv_caches: list[torch.Tensor] = []
         self.attn_builder = self.attn_backend.get_builder_cls()(self.kv_cache_spec, device)
 
@@ -68,9 +71,13 @@ class ModelRunner:
 
         assert self.model is not None
         spec = self.kv_cache_spec
-        shape = self.attn_backend.get_kv_cache_shape(num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
+        shape = self.attn_backend.get_kv_cache_shape(
+            num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size
+        )
         layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        self.kv_caches = [torch.zeros(shape, dtype=spec.dtype, device=self.device) for _ in layers]
+        self.kv_caches = [
+            self.attn_backend.allocate_kv_cache(shape, spec.dtype, self.device) for _ in layers
+        ]
         for layer, cache in zip(layers, self.kv_caches, strict=True):
             layer.kv_cache = cache
 
@@ -100,8 +107,11 @@ class ModelRunner:
             batch.add_request(state)
         cached = out.scheduled_cached_reqs
         for req_id, resumed, block_ids, num_computed in zip(
-            cached.req_ids, cached.resumed_from_preemption, cached.new_block_ids,
-            cached.num_computed_tokens, strict=True,
+            cached.req_ids,
+            cached.resumed_from_preemption,
+            cached.new_block_ids,
+            cached.num_computed_tokens,
+            strict=True,
         ):
             state = self.requests[req_id]
             state.num_computed_tokens = num_computed
@@ -124,9 +134,11 @@ class ModelRunner:
         batch = self.input_batch
 
         # Scheduled rows in batch order, and their token counts.
-        rows = np.array(sorted(batch.req_id_to_index[r] for r in out.num_scheduled_tokens), dtype=np.int64)
-        req_ids = [batch.req_ids[i] for i in rows]
-        num_sched = np.array([out.num_scheduled_tokens[r] for r in req_ids], dtype=np.int64)  # type: ignore[index]
+        rows = np.array(
+            sorted(batch.req_id_to_index[r] for r in out.num_scheduled_tokens), dtype=np.int64
+        )
+        req_ids = [cast(str, batch.req_ids[i]) for i in rows]
+        num_sched = np.array([out.num_scheduled_tokens[r] for r in req_ids], dtype=np.int64)
         total = int(num_sched.sum())
         cu = np.cumsum(num_sched)
         query_start_loc = np.concatenate([[0], cu])
@@ -135,7 +147,8 @@ class ModelRunner:
         positions = batch.num_computed_tokens[row_of_token] + offsets
         input_ids = batch.token_ids[row_of_token, positions]
         slot_mapping = (
-            batch.block_table[row_of_token, positions // self.block_size].astype(np.int64) * self.block_size
+            batch.block_table[row_of_token, positions // self.block_size].astype(np.int64)
+            * self.block_size
             + positions % self.block_size
         )
         seq_lens = batch.num_computed_tokens[rows] + num_sched
@@ -158,7 +171,9 @@ class ModelRunner:
         )
         attn_metadata = self.attn_builder.build(common)
         with set_forward_context(attn_metadata):
-            hidden = self.model(torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev))
+            hidden = self.model(
+                torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev)
+            )
 
         # Sample only for requests whose scheduled tokens reach their last token.
         done = seq_lens >= batch.num_tokens[rows]
@@ -166,24 +181,26 @@ class ModelRunner:
         sampled_lists: list[list[int]] = [[] for _ in rows]
         logprob_lists: list = [None] * len(rows)
         if len(sample_pos):
-            logits = self.model.compute_logits(hidden[torch.from_numpy(cu[sample_pos] - 1).to(dev)])  # type: ignore[operator]
+            logits = self.model.compute_logits(hidden[torch.from_numpy(cu[sample_pos] - 1).to(dev)])
             sample_rows = rows[sample_pos]
             result = self.sampler(logits, self._sampling_metadata(sample_rows))
             tokens = result.sampled_token_ids.tolist()
-            for j, (pos, row, token) in enumerate(zip(sample_pos, sample_rows, tokens, strict=True)):
+            for j, (pos, row, token) in enumerate(
+                zip(sample_pos, sample_rows, tokens, strict=True)
+            ):
                 sampled_lists[pos] = [token]
                 n = int(batch.num_tokens[row])
                 if n < self.max_model_len:
                     batch.token_ids[row, n] = token
                 batch.num_tokens[row] = n + 1
-                self.requests[req_ids[pos]].output_token_ids.append(token)  # type: ignore[index]
+                self.requests[req_ids[pos]].output_token_ids.append(token)
                 if result.logprobs is not None and batch.num_logprobs[row] >= 0:
                     lp = result.logprobs[j]
                     k = int(batch.num_logprobs[row]) + 1
                     lp.token_ids, lp.logprobs = lp.token_ids[:k], lp.logprobs[:k]
                     logprob_lists[pos] = lp
         return ModelRunnerOutput(
-            req_ids=req_ids,  # type: ignore[arg-type]
+            req_ids=req_ids,
             sampled_token_ids=sampled_lists,
             logprobs=logprob_lists if any(lp is not None for lp in logprob_lists) else None,
         )
@@ -196,13 +213,17 @@ class ModelRunner:
         top_k = batch.top_k[rows]
         num_logprobs = batch.num_logprobs[rows]
         vocab = self.config.model.vocab_size
-        generators = {j: batch.generators[int(r)] for j, r in enumerate(rows) if int(r) in batch.generators}
+        generators = {
+            j: batch.generators[int(r)] for j, r in enumerate(rows) if int(r) in batch.generators
+        }
         return SamplingMetadata(
             temperature=torch.from_numpy(temperature).to(dev),
             all_greedy=bool((temperature == 0).all()),
             all_random=bool((temperature > 0).all()),
             top_p=torch.from_numpy(top_p).to(dev) if (top_p < 1).any() else None,
-            top_k=torch.from_numpy(np.where(top_k > 0, top_k, vocab)).to(dev) if (top_k > 0).any() else None,
+            top_k=torch.from_numpy(np.where(top_k > 0, top_k, vocab)).to(dev)
+            if (top_k > 0).any()
+            else None,
             generators=generators,
             default_generator=self.default_generator,
             max_num_logprobs=int(num_logprobs.max()) if (num_logprobs >= 0).any() else None,

@@ -30,7 +30,9 @@ class Worker:
     def determine_available_memory(self) -> int:
         """Bytes this worker can give the KV cache (all layers together)."""
         return int(
-            current_platform.available_kv_cache_memory(self.config, self.model_runner.model_memory_bytes())
+            current_platform.available_kv_cache_memory(
+                self.config, self.model_runner.model_memory_bytes()
+            )
         )
 
     def initialize_cache(self, num_blocks: int) -> None:

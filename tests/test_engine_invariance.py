@@ -1,0 +1,108 @@
+"""Greedy outputs do not depend on prefix caching, chunked prefill or preemption.
+
+Every configuration is compared with Hugging Face transformers on the same tiny Llama, and each
+test also checks that the mechanism it is about really ran (cache hits, chunks, preemptions).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pagellm import LLM, SamplingParams
+from test_model_parity import hf_greedy
+
+NUM_NEW = 24
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
+
+
+def shared_prefix_prompts() -> list[list[int]]:
+    rng = random.Random(1)
+    prefix = [rng.randrange(3, 1024) for _ in range(40)]
+    return [prefix + [rng.randrange(3, 1024) for _ in range(n)] for n in (1, 5, 12, 20, 27, 33)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_models):
+    return tiny_models["llama3"]
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    return hf_greedy(model_dir, shared_prefix_prompts(), NUM_NEW)
+
+
+def token_ids(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def core_of(llm):
+    return llm.llm_engine.engine_core
+
+
+def test_prefix_caching_off_and_on_give_hf_outputs_and_second_pass_hits(model_dir, reference):
+    prompts = shared_prefix_prompts()
+    off = LLM(model_dir, max_model_len=128, kv_cache_memory=8 << 20, enable_prefix_caching=False)
+    assert token_ids(off.generate(prompts, GREEDY, use_tqdm=False)) == reference
+
+    on = LLM(model_dir, max_model_len=128, kv_cache_memory=8 << 20, enable_prefix_caching=True)
+    assert token_ids(on.generate(prompts, GREEDY, use_tqdm=False)) == reference
+    stats = core_of(on).kv_cache_manager.prefix_cache_stats
+    hits_first = stats.hits
+    second = on.generate(prompts, GREEDY, use_tqdm=False)
+    assert token_ids(second) == reference
+    # The second pass finds every full prompt block of the first pass.
+    assert stats.hits - hits_first >= sum((len(p) - 1) // 16 * 16 for p in prompts)
+    kv = core_of(on).kv_cache_manager
+    assert kv.num_free_blocks == kv.block_pool.num_blocks - 1
+
+
+def test_chunked_prefill_under_small_budget_gives_hf_outputs(model_dir, reference):
+    prompts = shared_prefix_prompts()
+    llm = LLM(
+        model_dir,
+        max_model_len=128,
+        kv_cache_memory=8 << 20,
+        max_num_batched_tokens=16,
+        enable_prefix_caching=False,
+    )
+    scheduler = core_of(llm).scheduler
+    chunks = []
+    original = scheduler.schedule
+
+    def recording_schedule():
+        out = original()
+        chunks.append(out.total_num_scheduled_tokens)
+        return out
+
+    scheduler.schedule = recording_schedule
+    assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == reference
+    assert max(chunks) <= 16 < max(len(p) for p in prompts)
+
+
+def test_tiny_kv_cache_forces_preemption_and_gives_hf_outputs(model_dir, reference):
+    prompts = shared_prefix_prompts()
+    # 2 layers x K/V x 16 tokens x 2 heads x 16 dims x 4 bytes = 8 KiB a block: 12 blocks.
+    llm = LLM(model_dir, max_model_len=128, kv_cache_memory=12 * 8192, enable_prefix_caching=False)
+    core = core_of(llm)
+    assert core.kv_cache_manager.block_pool.num_blocks == 12
+    assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == reference
+    assert core.scheduler.num_preemptions > 0
+    assert core.kv_cache_manager.num_free_blocks == 11
+
+
+def test_preemption_with_prefix_caching_and_chunking_together(model_dir, reference):
+    prompts = shared_prefix_prompts()
+    llm = LLM(
+        model_dir,
+        max_model_len=128,
+        kv_cache_memory=12 * 8192,
+        max_num_batched_tokens=20,
+        enable_prefix_caching=True,
+    )
+    for _ in range(2):
+        assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == reference
+    core = core_of(llm)
+    assert core.scheduler.num_preemptions > 0
+    assert core.kv_cache_manager.num_free_blocks == 11
