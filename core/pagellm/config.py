@@ -139,3 +139,5 @@ class EngineConfig(_Config):
     load: LoadConfig
     attention_backend: str | None = None
     """The attention backend's registered name, chosen by the platform unless the user forced one."""
+    quantization: str | None = None
+    """The quantization method's registered name, or None for dense weights."""

@@ -1,4 +1,5 @@
-"""Attention backends by name. The built-in one registers here like any plugin's would."""
+"""Attention backends by name: the built-in one, and those of `pagellm.attention_backends` plugins
+(loaded on first use, in whichever process chooses or builds a backend)."""
 
 from __future__ import annotations
 
@@ -17,11 +18,14 @@ def register_backend(name: str, qualname: str) -> None:
 
 
 def registered_backends() -> list[str]:
+    from pagellm.plugins import load_attention_plugins
+
+    load_attention_plugins()
     return list(_BACKENDS)
 
 
 def get_backend_cls(name: str) -> type[AttentionBackend]:
-    if name not in _BACKENDS:
+    if name not in registered_backends():
         raise ValueError(
             f"Unknown attention backend {name!r}; installed backends: {', '.join(_BACKENDS)}."
         )

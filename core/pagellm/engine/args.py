@@ -25,6 +25,7 @@ from pagellm.config import (
 from pagellm.model_loader.source import load_hf_config, resolve_model_source
 from pagellm.models.registry import resolve_model_cls
 from pagellm.platforms import current_platform
+from pagellm.quantization.registry import get_quantization_config_cls
 
 _DEFAULT_MAX_NUM_SEQS = 256
 _DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
@@ -48,6 +49,8 @@ class EngineArgs:
     kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.9
     attention_backend: str | None = None
+    quantization: str | None = None
+    device: str | None = None
     tensor_parallel_size: int = 1
 
     @classmethod
@@ -72,6 +75,11 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         platform = current_platform
+        if self.device is not None and self.device not in (platform.name, platform.device_type):
+            raise ValueError(
+                f"device={self.device!r} but this process runs on platform {platform.name!r}; "
+                "choose the platform before first use with PAGELLM_PLATFORM (the CLI's --device does)."
+            )
         source = resolve_model_source(self.model, field="model")
         tokenizer = self.tokenizer or self.model
         resolve_model_source(tokenizer, field="tokenizer")
@@ -117,6 +125,12 @@ class EngineArgs:
                 f"load_format={self.load_format!r} is not supported; use auto, safetensors, gguf or dummy."
             )
 
+        if self.quantization is not None:
+            quant_cls = get_quantization_config_cls(self.quantization)
+            if model_cfg.torch_dtype not in quant_cls.supported_dtypes:
+                raise ValueError(
+                    f"quantization={self.quantization!r} does not support dtype {model_cfg.dtype}."
+                )
         backend = select_attention_backend(
             requested=self.attention_backend,
             ranking=platform.attention_backend_ranking(),
@@ -146,6 +160,7 @@ class EngineArgs:
             device=DeviceConfig(device=platform.device_type),
             load=LoadConfig(load_format=self.load_format),  # type: ignore[arg-type]
             attention_backend=backend.name,
+            quantization=self.quantization,
         )
         platform.check_and_update_config(config)
         return config

@@ -10,12 +10,15 @@ from pagellm.engine.core import EngineCore
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.processor import InputProcessor, PromptType
 from pagellm.outputs import RequestOutput
+from pagellm.plugins import load_frontend_plugins, load_general_plugins
 from pagellm.sampling_params import SamplingParams
 from pagellm.tokenizer import get_tokenizer
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
+        load_general_plugins()
+        load_frontend_plugins()
         self.config = config
         self.tokenizer = get_tokenizer(config.model.tokenizer)
         self.processor = InputProcessor(config, self.tokenizer)
@@ -24,6 +27,7 @@ class LLMEngine:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+        load_general_plugins()  # out-of-tree models must be known before the config is checked
         return cls(args.create_engine_config())
 
     def validate_request(self, prompt: PromptType, params: SamplingParams) -> None:

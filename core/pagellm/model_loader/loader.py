@@ -13,8 +13,10 @@ from torch import nn
 
 from pagellm.attention import AttentionBackend
 from pagellm.config import EngineConfig
+from pagellm.layers.linear import Linear
 from pagellm.model_loader.source import resolve_model_source
 from pagellm.models.registry import resolve_model_cls
+from pagellm.quantization.registry import get_quantization_config_cls
 
 logger = logging.getLogger(__name__)
 
@@ -64,18 +66,24 @@ def load_model(
 ) -> nn.Module:
     model_cfg = config.model
     _, model_cls = resolve_model_cls([model_cfg.architecture])
+    quant_config = None
+    if config.quantization is not None:
+        checkpoint_quant = getattr(model_cfg.hf_config, "quantization_config", None) or {}
+        quant_config = get_quantization_config_cls(config.quantization).from_config(
+            dict(checkpoint_quant)
+        )
     previous = torch.get_default_dtype()
     torch.set_default_dtype(model_cfg.torch_dtype)
     try:
         with torch.device(device):
-            model = model_cls(config, backend)
+            model = model_cls(config=config, attn_backend=backend, quant_config=quant_config)
     finally:
         torch.set_default_dtype(previous)
 
     load_format = config.load.load_format
     if load_format == "dummy":
         _init_dummy_weights(model, model_cfg.seed)
-        return model.eval()
+        return _after_loading(model)
     source = resolve_model_source(model_cfg.model)
     if load_format == "auto":
         load_format = "gguf" if source.gguf_file else "safetensors"
@@ -95,4 +103,12 @@ def load_model(
         raise ValueError(
             f"The checkpoint at {model_cfg.model} lacks weights for: {sorted(missing)[:8]}."
         )
+    return _after_loading(model)
+
+
+def _after_loading(model: nn.Module) -> nn.Module:
+    """Let each linear method convert its freshly loaded weights (e.g. repack for a kernel)."""
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.linear_method.process_weights_after_loading(module)
     return model.eval()

@@ -7,6 +7,7 @@ checkpoint's separate q/k/v and gate/up tensors into their slices.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,6 +19,7 @@ from pagellm.layers.activation import SiluAndMul
 from pagellm.layers.layernorm import RMSNorm
 from pagellm.layers.linear import Linear, VocabEmbedding
 from pagellm.layers.rotary_embedding import RotaryEmbedding, rope_parameters
+from pagellm.quantization.base import QuantizationConfig
 
 
 def uniform_sliding_window(hf_config: Any) -> int | None:
@@ -37,34 +39,51 @@ def uniform_sliding_window(hf_config: Any) -> int | None:
     return int(window)
 
 
+@dataclass(frozen=True)
+class LayerContext:
+    """What every layer of the model is built with."""
+
+    hf_config: Any
+    backend: type[AttentionBackend]
+    quant_config: QuantizationConfig | None
+    rotary_emb: RotaryEmbedding
+
+
 class LlamaAttention(nn.Module):
     qkv_bias_default = False
     qk_norm = False
 
-    def __init__(
-        self, hf_config: Any, backend: type[AttentionBackend], rotary_emb: RotaryEmbedding
-    ) -> None:
+    def __init__(self, ctx: LayerContext, prefix: str) -> None:
         super().__init__()
-        hidden = hf_config.hidden_size
-        self.num_heads = hf_config.num_attention_heads
-        self.num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or self.num_heads
-        self.head_size = getattr(hf_config, "head_dim", None) or hidden // self.num_heads
+        cfg = ctx.hf_config
+        hidden = cfg.hidden_size
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        self.head_size = getattr(cfg, "head_dim", None) or hidden // self.num_heads
         self.q_size = self.num_heads * self.head_size
         self.kv_size = self.num_kv_heads * self.head_size
-        bias = getattr(hf_config, "attention_bias", self.qkv_bias_default) or self.qkv_bias_default
-        self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = Linear(self.q_size, hidden, bias=getattr(hf_config, "attention_bias", False))
+        bias = getattr(cfg, "attention_bias", self.qkv_bias_default) or self.qkv_bias_default
+        self.qkv_proj = Linear(
+            hidden, self.q_size + 2 * self.kv_size, bias, ctx.quant_config, f"{prefix}.qkv_proj"
+        )
+        self.o_proj = Linear(
+            self.q_size,
+            hidden,
+            getattr(cfg, "attention_bias", False),
+            ctx.quant_config,
+            f"{prefix}.o_proj",
+        )
         if self.qk_norm:
-            self.q_norm = RMSNorm(self.head_size, hf_config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_size, hf_config.rms_norm_eps)
-        self.rotary_emb = rotary_emb
+            self.q_norm = RMSNorm(self.head_size, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_size, cfg.rms_norm_eps)
+        self.rotary_emb = ctx.rotary_emb
         self.attn = Attention(
-            backend,
+            ctx.backend,
             self.num_heads,
             self.head_size,
             self.head_size**-0.5,
             self.num_kv_heads,
-            sliding_window=uniform_sliding_window(hf_config),
+            sliding_window=uniform_sliding_window(cfg),
         )
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -79,12 +98,17 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hf_config: Any) -> None:
+    def __init__(self, ctx: LayerContext, prefix: str) -> None:
         super().__init__()
-        bias = getattr(hf_config, "mlp_bias", False)
-        inter = hf_config.intermediate_size
-        self.gate_up_proj = Linear(hf_config.hidden_size, 2 * inter, bias=bias)
-        self.down_proj = Linear(inter, hf_config.hidden_size, bias=bias)
+        cfg = ctx.hf_config
+        bias = getattr(cfg, "mlp_bias", False)
+        inter = cfg.intermediate_size
+        self.gate_up_proj = Linear(
+            cfg.hidden_size, 2 * inter, bias, ctx.quant_config, f"{prefix}.gate_up_proj"
+        )
+        self.down_proj = Linear(
+            inter, cfg.hidden_size, bias, ctx.quant_config, f"{prefix}.down_proj"
+        )
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -94,14 +118,13 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     attention_cls: type[LlamaAttention] = LlamaAttention
 
-    def __init__(
-        self, hf_config: Any, backend: type[AttentionBackend], rotary_emb: RotaryEmbedding
-    ) -> None:
+    def __init__(self, ctx: LayerContext, prefix: str) -> None:
         super().__init__()
-        self.self_attn = self.attention_cls(hf_config, backend, rotary_emb)
-        self.mlp = LlamaMLP(hf_config)
-        self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+        cfg = ctx.hf_config
+        self.self_attn = self.attention_cls(ctx, f"{prefix}.self_attn")
+        self.mlp = LlamaMLP(ctx, f"{prefix}.mlp")
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
@@ -117,25 +140,14 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(
-        self,
-        hf_config: Any,
-        backend: type[AttentionBackend],
-        max_position: int,
-        layer_cls: type[LlamaDecoderLayer],
-    ) -> None:
+    def __init__(self, ctx: LayerContext, layer_cls: type[LlamaDecoderLayer], prefix: str) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(hf_config.vocab_size, hf_config.hidden_size)
-        head_size = (
-            getattr(hf_config, "head_dim", None)
-            or hf_config.hidden_size // hf_config.num_attention_heads
-        )
-        # One cos/sin table shared by every layer.
-        rotary_emb = RotaryEmbedding(head_size, max_position, rope_parameters(hf_config))
+        cfg = ctx.hf_config
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            layer_cls(hf_config, backend, rotary_emb) for _ in range(hf_config.num_hidden_layers)
+            layer_cls(ctx, f"{prefix}.layers.{i}") for i in range(cfg.num_hidden_layers)
         )
-        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)
@@ -157,17 +169,25 @@ class LlamaForCausalLM(nn.Module):
         ("gate_up_proj", "up_proj", 1),
     )
 
-    def __init__(self, config: EngineConfig, backend: type[AttentionBackend]) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        attn_backend: type[AttentionBackend],
+        quant_config: QuantizationConfig | None = None,
+    ) -> None:
         super().__init__()
-        hf_config = config.model.text_config
-        self.hf_config = hf_config
-        max_position = config.model.max_model_len
-        self.model = LlamaModel(hf_config, backend, max_position, self.layer_cls)
-        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        cfg = config.model.text_config
+        self.hf_config = cfg
+        head_size = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        # One cos/sin table shared by every layer.
+        rotary_emb = RotaryEmbedding(head_size, config.model.max_model_len, rope_parameters(cfg))
+        ctx = LayerContext(cfg, attn_backend, quant_config, rotary_emb)
+        self.model = LlamaModel(ctx, self.layer_cls, "model")
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
         else:
-            self.lm_head = VocabEmbedding(hf_config.vocab_size, hf_config.hidden_size)
+            self.lm_head = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)

@@ -1,9 +1,9 @@
 """Platforms and the lazily resolved ``current_platform``.
 
-Platforms are registered by name with the qualified name of their class; the built-in CPU
-platform is registered the same way. Resolution happens on first use: every registered
-non-CPU platform whose hardware is present is a candidate; exactly one → it; several →
-``PAGELLM_PLATFORM`` must name one; none → the CPU platform.
+The built-in CPU platform is registered like the plugins' platforms are. On first use every
+``pagellm.platform_plugins`` plugin is asked whether its hardware is present; the active ones are
+registered. Exactly one active → it; several → ``PAGELLM_PLATFORM`` (the CLI's ``--device``) must
+name one; none → the CPU platform. ``PAGELLM_PLATFORM=cpu`` forces the CPU platform.
 """
 
 from __future__ import annotations
@@ -14,11 +14,13 @@ from typing import Any
 
 from pagellm.platforms.interface import Platform
 
-_PLATFORMS: dict[str, str] = {"cpu": "pagellm.platforms.cpu:CpuPlatform"}
+CPU = "cpu"
+_PLATFORMS: dict[str, str] = {CPU: "pagellm.platforms.cpu:CpuPlatform"}
 _current: type[Platform] | None = None
 
 
 def register_platform(name: str, qualname: str) -> None:
+    """Register an active platform's ``"package.module:Class"`` under ``name``."""
     _PLATFORMS[name] = qualname
 
 
@@ -31,19 +33,23 @@ def _load(qualname: str) -> type[Platform]:
 
 
 def resolve_platform() -> type[Platform]:
+    from pagellm.plugins import load_platform_plugins
+
+    load_platform_plugins()
+    active = [name for name in _PLATFORMS if name != CPU]
     chosen = os.environ.get("PAGELLM_PLATFORM")
     if chosen:
         if chosen not in _PLATFORMS:
             raise ValueError(
-                f"PAGELLM_PLATFORM={chosen!r} names no installed platform; installed: {sorted(_PLATFORMS)}."
+                f"PAGELLM_PLATFORM={chosen!r} names no active platform; active: {sorted(_PLATFORMS)}."
             )
         return _load(_PLATFORMS[chosen])
-    active = [name for name, qn in _PLATFORMS.items() if name != "cpu" and _load(qn).is_available()]
     if len(active) > 1:
         raise ValueError(
-            f"Several platforms are active ({', '.join(active)}); choose one with PAGELLM_PLATFORM."
+            f"Several platforms are active ({', '.join(active)}); choose one with PAGELLM_PLATFORM "
+            "(or --device)."
         )
-    return _load(_PLATFORMS[active[0] if active else "cpu"])
+    return _load(_PLATFORMS[active[0] if active else CPU])
 
 
 def get_current_platform() -> type[Platform]:
@@ -55,7 +61,7 @@ def get_current_platform() -> type[Platform]:
 
 class _LazyPlatform:
     """``current_platform`` resolves on first attribute access, so importing pagellm stays cheap
-    and plugins registered before that first access are taken into account."""
+    and platform plugins are asked only in processes that need a platform."""
 
     def __getattr__(self, name: str) -> Any:
         return getattr(get_current_platform(), name)

@@ -5,12 +5,14 @@ from __future__ import annotations
 from pagellm.config import EngineConfig
 from pagellm.kv_cache.spec import KVCacheSpec
 from pagellm.platforms import current_platform
+from pagellm.plugins import load_general_plugins
 from pagellm.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from pagellm.worker.model_runner import ModelRunner
 
 
 class Worker:
     def __init__(self, config: EngineConfig, rank: int = 0, local_rank: int = 0) -> None:
+        load_general_plugins()  # workers may run in processes of their own
         self.config = config
         self.rank = rank
         self.local_rank = local_rank
