@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
 from collections.abc import Sequence
 
+from pagellm.plugins.loader import PluginError
 from pagellm.version import __version__
 
 DEFAULT_PROMPTS = [
@@ -72,6 +75,34 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_plugins_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "plugins", help="List every discovered plugin by group and its status in this process."
+    )
+    parser.add_argument("--json", action="store_true", help="Print one JSON object.")
+    parser.set_defaults(func=_run_plugins)
+
+
+def _run_plugins(args: argparse.Namespace) -> int:
+    import json
+
+    from pagellm.plugins import GROUPS, plugin_report
+
+    report = plugin_report()
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    for group, records in report.items():
+        print(f"{group}  ({GROUPS[group].loaded_in})")
+        if not records:
+            print("  (none installed)")
+        for r in records:
+            dist = f"{r['distribution']} {r['version']}" if r["distribution"] else "?"
+            reason = f": {r['reason']}" if r["reason"] else ""
+            print(f"  {r['name']:<24} {dist:<36} {r['status']}{reason}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="pagellm", description="pagellm: LLM inference and serving."
@@ -79,10 +110,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=f"pagellm {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_generate_parser(subparsers)
+    _add_plugins_parser(subparsers)
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("pagellm").setLevel(logging.INFO)
+    if getattr(args, "device", None):
+        os.environ["PAGELLM_PLATFORM"] = args.device
     try:
         return int(args.func(args))
-    except ValueError as exc:
+    except (ValueError, PluginError) as exc:
         print(f"pagellm: error: {exc}", file=sys.stderr)
         return 2
 

@@ -1,0 +1,3 @@
+"""Fails at import, like a plugin whose dependency is missing."""
+
+import pagellm_missing_dependency  # noqa: F401

@@ -1,0 +1,342 @@
+"""The plugin system against really installed plugin packages (tests/plugins/*, `pip install -e`).
+
+Plugin loading is once per process, so each scenario runs in a fresh Python process with its own
+environment (VLLM_PLUGINS, PAGELLM_PLUGINS_STRICT, the dummy platform's switches).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+PLUGIN_DIRS = sorted(
+    p for p in (Path(__file__).parent / "plugins").iterdir() if (p / "pyproject.toml").exists()
+)
+PLUGIN_DISTS = [
+    "pagellm-broken-plugin",
+    "pagellm-dummy-attention",
+    "pagellm-dummy-endpoint",
+    "pagellm-dummy-frontend",
+    "pagellm-dummy-model",
+    "pagellm-dummy-platform",
+    "pagellm-dummy-quant",
+]
+CONTROL_VARS = (
+    "VLLM_PLUGINS",
+    "PAGELLM_PLUGINS_STRICT",
+    "PAGELLM_PLATFORM",
+    "PAGELLM_DUMMY_PLATFORM",
+    "PAGELLM_DUMMY_PLATFORM_B",
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def installed_plugins():
+    pip = [sys.executable, "-m", "pip", "-q"]
+    args = [a for d in PLUGIN_DIRS for a in ("-e", str(d))]
+    subprocess.run([*pip, "install", "--no-deps", "--no-build-isolation", *args], check=True)
+    yield
+    subprocess.run([*pip, "uninstall", "-y", *PLUGIN_DISTS], check=True)
+
+
+def run(code: str, env: dict[str, str] | None = None, *args: str) -> subprocess.CompletedProcess:
+    full_env = {k: v for k, v in os.environ.items() if k not in CONTROL_VARS}
+    full_env.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def plugins_json(env: dict[str, str] | None = None) -> dict:
+    proc = run(
+        "from pagellm.entrypoints.cli import main; raise SystemExit(main(['plugins', '--json']))",
+        env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    return {group: {r["name"]: r for r in records} for group, records in report.items()}
+
+
+GENERATE = """
+import sys
+from pagellm import LLM, SamplingParams
+llm = LLM(sys.argv[1], max_model_len=64, kv_cache_memory=4 << 20, **eval(sys.argv[2] if len(sys.argv) > 2 else "{}"))
+out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+cfg = llm.llm_engine.config
+from pagellm.platforms import current_platform
+print(current_platform.name, cfg.attention_backend, cfg.cache.block_size, out[0].outputs[0].token_ids)
+"""
+
+
+def test_plugins_json_reports_each_plugin_with_distribution_status_and_reason():
+    report = plugins_json()
+    assert list(report) == [
+        "pagellm.general_plugins",
+        "pagellm.platform_plugins",
+        "pagellm.attention_backends",
+        "pagellm.quantization_methods",
+        "pagellm.io_processor_plugins",
+        "pagellm.stat_logger_plugins",
+        "pagellm.endpoint_plugins",
+    ]
+    general = report["pagellm.general_plugins"]
+    model = general["dummy_model"]
+    assert (model["distribution"], model["version"], model["status"]) == (
+        "pagellm-dummy-model",
+        "0.1.0",
+        "loaded",
+    )
+    assert general["broken_import"]["status"] == "failed"
+    assert "pagellm_missing_dependency" in general["broken_import"]["reason"]
+    misspelled = general["misspelled_hook"]
+    assert misspelled["status"] == "failed"
+    assert (
+        "pagellm_regsiter" in misspelled["reason"] and "pagellm_register()" in misspelled["reason"]
+    )
+    wrong = general["wrong_args"]["reason"]
+    assert "registry" in wrong and "pagellm_register()" in wrong
+    future = general["future_api"]["reason"]
+    assert "2.0" in future and "1.0" in future
+    assert report["pagellm.platform_plugins"]["dummy"]["reason"].startswith("inactive")
+    assert report["pagellm.attention_backends"]["dummy_attn"]["status"] == "loaded"
+    assert report["pagellm.quantization_methods"]["dummy_int8"]["status"] == "loaded"
+    assert report["pagellm.io_processor_plugins"]["dummy_io"]["status"] == "loaded"
+    assert report["pagellm.stat_logger_plugins"]["dummy_stats"]["status"] == "loaded"
+    for record in report["pagellm.endpoint_plugins"].values():
+        assert record["status"] == "skipped" and "off unless named" in record["reason"]
+
+
+def test_plugins_command_prints_a_table_per_group():
+    proc = run("from pagellm.entrypoints.cli import main; raise SystemExit(main(['plugins']))")
+    assert proc.returncode == 0
+    assert "pagellm.general_plugins" in proc.stdout
+    assert "broken_import" in proc.stdout and "failed" in proc.stdout
+    assert "Traceback" in proc.stderr  # the failure is logged with its traceback
+
+
+def test_broken_plugins_are_logged_and_llm_still_generates(tiny_models):
+    proc = run(GENERATE, None, tiny_models["llama3"])
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split()[0:3] == ["cpu", "TORCH_SDPA", "16"]
+    assert "broken_import" in proc.stderr and "pagellm_missing_dependency" in proc.stderr
+
+
+def test_strict_mode_fails_start_up_naming_the_plugin(tiny_models):
+    proc = run(GENERATE, {"PAGELLM_PLUGINS_STRICT": "1"}, tiny_models["llama3"])
+    assert proc.returncode != 0
+    assert "PluginError" in proc.stderr and "'broken_import'" in proc.stderr
+    assert "PAGELLM_PLUGINS_STRICT=1" in proc.stderr
+    cli = run(
+        "from pagellm.entrypoints.cli import main; raise SystemExit(main(['plugins']))",
+        {"PAGELLM_PLUGINS_STRICT": "1"},
+    )
+    assert cli.returncode == 2 and "broken_import" in cli.stderr
+
+
+def test_empty_allowlist_loads_nothing_and_runs_on_builtin_cpu_and_reference_backend(tiny_models):
+    report = plugins_json({"VLLM_PLUGINS": ""})
+    records = [r for group in report.values() for r in group.values()]
+    assert records and all(r["status"] == "skipped" for r in records)
+    assert all(r["reason"] == "not in the VLLM_PLUGINS allowlist" for r in records)
+    proc = run(GENERATE, {"VLLM_PLUGINS": "", "PAGELLM_DUMMY_PLATFORM": "1"}, tiny_models["llama3"])
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split()[0:2] == ["cpu", "TORCH_SDPA"]
+    assert "WARNING" not in proc.stderr and "ERROR" not in proc.stderr
+
+
+def test_allowlist_loads_only_the_named_plugins():
+    report = plugins_json({"VLLM_PLUGINS": "dummy_model,dummy_attn,dummy_endpoint"})
+    statuses = {name: r["status"] for group in report.values() for name, r in group.items()}
+    assert (
+        statuses.pop("dummy_model")
+        == statuses.pop("dummy_attn")
+        == statuses.pop("dummy_endpoint")
+        == "loaded"
+    )
+    assert set(statuses.values()) == {"skipped"}
+
+
+def test_endpoint_plugins_are_deny_by_default_and_need_matching_tasks():
+    code = """
+    import json, logging, sys
+    logging.basicConfig(level=logging.INFO)
+    from pagellm.plugins import load_endpoint_plugins
+    endpoints = json.loads(sys.argv[1])
+    print(json.dumps([name for name, _ in load_endpoint_plugins(endpoints, {"generate"})]))
+    """
+
+    def served(endpoints, env=None):
+        proc = run(code, env, json.dumps(endpoints))
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout), proc.stderr
+
+    assert served(None)[0] == []
+    assert served(["openai"])[0] == []
+    assert served(["dummy_endpoint"])[0] == ["dummy_endpoint"]
+    names, log = served(["dummy_endpoint", "embed_endpoint"])
+    assert names == ["dummy_endpoint"]
+    assert "embed_endpoint" in log and "required_tasks ['embed']" in log
+    # VLLM_PLUGINS, when set, is the allowlist whatever the serve command enables.
+    assert served(["dummy_endpoint"], {"VLLM_PLUGINS": "dummy_model"})[0] == []
+    assert served(None, {"VLLM_PLUGINS": "dummy_endpoint"})[0] == ["dummy_endpoint"]
+
+
+def make_dummy_arch_model(tiny_models, tmp_path) -> str:
+    import shutil
+
+    target = tmp_path / "dummy-arch"
+    shutil.copytree(tiny_models["llama3"], target)
+    config = json.loads((target / "config.json").read_text())
+    config["architectures"] = ["DummyLlamaForCausalLM"]
+    (target / "config.json").write_text(json.dumps(config))
+    return str(target)
+
+
+def test_out_of_tree_model_from_general_plugin_is_usable_by_llm(tiny_models, tmp_path):
+    model = make_dummy_arch_model(tiny_models, tmp_path)
+    proc = run(GENERATE, None, model)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().endswith("[7, 7, 7, 7]")  # the plugin model's favoured token
+    refused = run(GENERATE, {"VLLM_PLUGINS": ""}, model)
+    assert refused.returncode != 0 and "DummyLlamaForCausalLM" in refused.stderr
+
+
+def test_general_plugin_registration_is_visible_in_a_separate_engine_core_process(
+    tiny_models, tmp_path
+):
+    """The front end builds the config; a spawned engine-core process (a fresh interpreter that never
+    saw the front end's registrations) must resolve the out-of-tree architecture by itself."""
+    code = """
+    import multiprocessing, sys
+    from pagellm.engine.args import EngineArgs
+    from pagellm.plugins import load_general_plugins
+    sys.path.insert(0, sys.argv[2])
+    from engine_core_child import run_engine_core
+
+    if __name__ == "__main__":
+        load_general_plugins()
+        config = EngineArgs(sys.argv[1], max_model_len=64, kv_cache_memory=4 << 20).create_engine_config()
+        ctx = multiprocessing.get_context("spawn")
+        queue = ctx.Queue()
+        child = ctx.Process(target=run_engine_core, args=(config, queue))
+        child.start()
+        tokens, groups = queue.get(timeout=240)
+        child.join(timeout=60)
+        print(child.exitcode, tokens, groups)
+    """
+    model = make_dummy_arch_model(tiny_models, tmp_path)
+    proc = run(code, None, model, str(Path(__file__).parent))
+    assert proc.returncode == 0, proc.stderr
+    exitcode, rest = proc.stdout.split(" ", 1)
+    assert exitcode == "0"
+    assert rest.startswith("[7, 7, 7]")  # the plugin model's favoured token
+    # The engine-core process loads its groups and not the front end's.
+    assert "pagellm.general_plugins" in rest
+    assert "pagellm.io_processor_plugins" not in rest and "pagellm.stat_logger_plugins" not in rest
+
+
+def test_active_platform_plugin_is_selected_and_ranks_its_backend_first(tiny_models):
+    reference = run(GENERATE, None, tiny_models["llama3"])
+    proc = run(GENERATE, {"PAGELLM_DUMMY_PLATFORM": "1"}, tiny_models["llama3"])
+    assert proc.returncode == 0, proc.stderr
+    name, backend, block_size, *tokens = proc.stdout.split()
+    assert (name, backend, block_size) == (
+        "dummy",
+        "DUMMY_ATTN",
+        "32",
+    )  # block size follows the backend
+    assert tokens == reference.stdout.split()[3:]
+
+
+def test_several_active_platforms_need_an_explicit_choice(tiny_models):
+    both = {"PAGELLM_DUMMY_PLATFORM": "1", "PAGELLM_DUMMY_PLATFORM_B": "1"}
+    proc = run(GENERATE, both, tiny_models["llama3"])
+    assert proc.returncode != 0 and "Several platforms are active (dummy, dummy_b)" in proc.stderr
+    chosen = run(GENERATE, {**both, "PAGELLM_PLATFORM": "dummy_b"}, tiny_models["llama3"])
+    assert chosen.returncode == 0, chosen.stderr
+    assert chosen.stdout.split()[0] == "dummy_b"
+    cpu = run(GENERATE, {**both, "PAGELLM_PLATFORM": "cpu"}, tiny_models["llama3"])
+    assert cpu.stdout.split()[0] == "cpu"
+
+
+def test_attention_backend_override_and_rejections_are_explained(tiny_models):
+    forced = run(GENERATE, None, tiny_models["llama3"], "{'attention_backend': 'DUMMY_ATTN'}")
+    assert forced.returncode == 0, forced.stderr
+    assert forced.stdout.split()[1:3] == ["DUMMY_ATTN", "32"]
+    bad_block = run(
+        GENERATE,
+        None,
+        tiny_models["llama3"],
+        "{'attention_backend': 'DUMMY_ATTN', 'block_size': 16}",
+    )
+    assert "block_size 16 not supported (supports multiples of 32)" in bad_block.stderr
+    window = run(GENERATE, None, tiny_models["mistral"], "{'attention_backend': 'DUMMY_ATTN'}")
+    assert "sliding window attention not supported" in window.stderr
+    # With the dummy platform active, a sliding-window model falls back to the next ranked backend.
+    fallback = run(GENERATE, {"PAGELLM_DUMMY_PLATFORM": "1"}, tiny_models["mistral"])
+    assert fallback.stdout.split()[0:2] == ["dummy", "TORCH_SDPA"]
+    nothing_fits = run("""
+    import torch
+    from pagellm.attention.selector import select_attention_backend
+    select_attention_backend(requested=None, ranking=["DUMMY_ATTN"], device_type="tpu", head_size=16,
+                             dtype=torch.float32, block_size=None, sliding_window=None)
+    """)
+    assert "TORCH_SDPA: device 'tpu' not supported" in nothing_fits.stderr
+    assert "DUMMY_ATTN: device 'tpu' not supported" in nothing_fits.stderr
+
+
+def test_quantization_method_from_plugin_by_name(tiny_models):
+    code = (
+        GENERATE
+        + """
+    from pagellm.layers.linear import Linear
+    model = llm.llm_engine.engine_core.executor.worker.model_runner.model
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    print(sorted({type(m.linear_method).__name__ for m in linears}), {str(m.qweight.dtype) for m in linears})
+    """.replace("\n    ", "\n")
+    )
+    proc = run(code, None, tiny_models["llama3"], "{'quantization': 'dummy_int8'}")
+    assert proc.returncode == 0, proc.stderr
+    assert "['Int8WeightOnlyLinearMethod'] {'torch.int8'}" in proc.stdout
+    unknown = run(GENERATE, None, tiny_models["llama3"], "{'quantization': 'awq'}")
+    assert (
+        "quantization='awq' is not an installed quantization method (dummy_int8)" in unknown.stderr
+    )
+
+
+def test_front_end_groups_fill_their_registries_in_the_front_end(tiny_models):
+    code = (
+        GENERATE
+        + """
+    from pagellm.io_processors import get_io_processor_cls
+    from pagellm.metrics.registry import get_stat_logger_cls
+    print(get_io_processor_cls("upper_text")().process_input("hi"), get_stat_logger_cls("collecting").__name__)
+    """.replace("\n    ", "\n")
+    )
+    proc = run(code, None, tiny_models["llama3"])
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().endswith("HI CollectingStatLogger")
+
+
+def test_loading_is_idempotent_and_import_loads_nothing():
+    proc = run("""
+    import pagellm
+    from pagellm.plugins import load_general_plugins
+    from pagellm.plugins.loader import loaded_records
+    before = dict(loaded_records())
+    first = load_general_plugins()
+    second = load_general_plugins()
+    print(before == {}, first is second, len([r for r in first if r.status == "loaded"]))
+    """)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["True", "True", "1"]
