@@ -39,3 +39,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    """Per prompt token: None for the first, then its logprob given the tokens before it (and the top-k)."""
+    num_cached_tokens: int = 0
+    """Prompt tokens found in the prefix cache."""

@@ -1,4 +1,4 @@
-"""Sampling parameters of one request, validated when constructed."""
+"""Sampling parameters of one request, validated when constructed (vLLM's ``SamplingParams``)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from enum import IntEnum
 import msgspec
 
 _GREEDY_EPS = 1e-5
+MAX_LOGPROBS = 20
 
 
 class SamplingType(IntEnum):
@@ -16,47 +17,105 @@ class SamplingType(IntEnum):
     RANDOM_SEED = 2
 
 
-class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
-    """How to pick the next tokens of one request (the vLLM ``SamplingParams`` subset built so far).
+class RequestOutputKind(IntEnum):
+    CUMULATIVE = 0
+    """Each output carries everything generated so far."""
+    DELTA = 1
+    """Each output carries only what is new since the previous one (streaming)."""
+    FINAL_ONLY = 2
+    """Only the finished output is returned."""
 
-    Invalid values raise ``ValueError`` naming the field as soon as the object is created.
-    """
+
+def _number(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        raise ValueError(f"{name} must be a number, got {value!r}.")
+    return float(value)
+
+
+class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """How to pick the next tokens of one request. Invalid values raise ``ValueError`` naming the
+    field as soon as the object is created; checks that need the vocabulary (token ids) happen
+    when the request is added."""
 
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
-    max_tokens: int | None = 16
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
-    stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    max_tokens: int | None = 16
+    min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     detokenize: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    bad_words_token_ids: list[list[int]] | None = None
+    """Filled by the front end from ``bad_words`` (tokenized with and without a leading space)."""
 
     def __post_init__(self) -> None:
-        if self.n != 1:
-            raise ValueError(f"n must be 1 for now (got {self.n}); n > 1 is not supported yet.")
-        if not isinstance(self.temperature, (int, float)) or math.isnan(self.temperature):
-            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}.")
-        if self.temperature < 0.0:
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n!r}.")
+        if _number("temperature", self.temperature) < 0.0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}.")
-        if not 0.0 < self.top_p <= 1.0:
+        if not 0.0 < _number("top_p", self.top_p) <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1 or 0 (disable) or at least 1, got {self.top_k}.")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError(f"logprobs must be non-negative, got {self.logprobs}.")
-        if any(t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative, got {self.stop_token_ids}.")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 or 0 (disabled) or at least 1, got {self.top_k!r}.")
+        if not 0.0 <= _number("min_p", self.min_p) <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= _number(name, getattr(self, name)) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}.")
+        if _number("repetition_penalty", self.repetition_penalty) <= 0.0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}.")
+        if self.max_tokens is not None and (
+            not isinstance(self.max_tokens, int) or self.max_tokens < 1
+        ):
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens!r}.")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens!r}.")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})."
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value!r}.")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}.")
+        if self.logit_bias is not None:
+            self.logit_bias = {
+                int(k): max(-100.0, min(100.0, _number("logit_bias", v)))
+                for k, v in self.logit_bias.items()
+            }
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise ValueError("allowed_token_ids must not be empty (omit it to allow every token).")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.stop is not None and any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}.")
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            ids = getattr(self, name)
+            if ids is not None and any(not isinstance(t, int) or t < 0 for t in ids):
+                raise ValueError(f"{name} must be non-negative token ids, got {ids!r}.")
         if self.top_k == -1:
             self.top_k = 0
         if self.temperature < _GREEDY_EPS:
             # Greedy: the other knobs do not matter; normalise them so the sampler can skip work.
-            self.top_p = 1.0
-            self.top_k = 0
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
 
     @property
     def sampling_type(self) -> SamplingType:
@@ -65,6 +124,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         if self.seed is not None:
             return SamplingType.RANDOM_SEED
         return SamplingType.RANDOM
+
+    @property
+    def all_stop_token_ids(self) -> list[int]:
+        return list(self.stop_token_ids or ())
 
     def clone(self) -> SamplingParams:
         return msgspec.structs.replace(self)

@@ -7,9 +7,7 @@ import importlib
 
 from pagellm.attention.backend import AttentionBackend
 
-_BACKENDS: dict[str, str] = {
-    "TORCH_SDPA": "pagellm.attention.backends.torch_sdpa:TorchSDPABackend",
-}
+_BACKENDS: dict[str, str] = {}
 
 
 def register_backend(name: str, qualname: str) -> None:
@@ -31,8 +29,16 @@ def get_backend_cls(name: str) -> type[AttentionBackend]:
         )
     module_name, _, cls_name = _BACKENDS[name].partition(":")
     cls = getattr(importlib.import_module(module_name), cls_name)
+    if isinstance(cls, type) and issubclass(cls, AttentionBackend) and cls.name != name:
+        raise TypeError(
+            f"{_BACKENDS[name]} is registered as {name!r} but its name is {cls.name!r}."
+        )
     if not (isinstance(cls, type) and issubclass(cls, AttentionBackend)):
         raise TypeError(
             f"{_BACKENDS[name]} registered as attention backend {name!r} is not an AttentionBackend."
         )
     return cls
+
+
+# The built-in reference backend goes through the same registry as the plugins' backends.
+register_backend("TORCH_SDPA", "pagellm.attention.backends.torch_sdpa:TorchSDPABackend")

@@ -45,9 +45,13 @@ def select_attention_backend(
             return cls
         rejected[name] = reasons
     details = "; ".join(f"{name}: {', '.join(r)}" for name, r in rejected.items())
-    what = f"attention backend {requested!r}" if requested else "no installed attention backend"
+    what = (
+        f"attention backend {requested!r} cannot"
+        if requested
+        else "no installed attention backend can"
+    )
     raise NoAttentionBackendError(
-        f"{what} can serve this model (head size {head_size}, dtype {dtype}, block size "
+        f"{what} serve this model (head size {head_size}, dtype {dtype}, block size "
         f"{block_size}, sliding window {sliding_window}, device {device_type}): {details}. "
         "Pass --block-size / --dtype to fit a backend, or choose one with --attention-backend."
     )

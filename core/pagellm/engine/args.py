@@ -24,7 +24,7 @@ from pagellm.config import (
 )
 from pagellm.model_loader.source import load_hf_config, resolve_model_source
 from pagellm.models.registry import resolve_model_cls
-from pagellm.platforms import current_platform
+from pagellm.platforms import current_platform, current_platform_name
 from pagellm.quantization.registry import get_quantization_config_cls
 
 _DEFAULT_MAX_NUM_SEQS = 256
@@ -75,7 +75,10 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         platform = current_platform
-        if self.device is not None and self.device not in (platform.name, platform.device_type):
+        if self.device is not None and self.device not in (
+            current_platform_name(),
+            platform.device_type,
+        ):
             raise ValueError(
                 f"device={self.device!r} but this process runs on platform {platform.name!r}; "
                 "choose the platform before first use with PAGELLM_PLATFORM (the CLI's --device does)."

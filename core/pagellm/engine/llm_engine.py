@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import msgspec
+
 from pagellm.config import EngineConfig
 from pagellm.engine.args import EngineArgs
 from pagellm.engine.core import EngineCore
@@ -13,6 +15,17 @@ from pagellm.outputs import RequestOutput
 from pagellm.plugins import load_frontend_plugins, load_general_plugins
 from pagellm.sampling_params import SamplingParams
 from pagellm.tokenizer import get_tokenizer
+
+
+def child_params(params: SamplingParams) -> list[SamplingParams]:
+    """A request with n > 1 runs as n engine requests; with a seed, completion i uses seed + i,
+    so each is reproducible on its own and independent of the batch."""
+    if params.n == 1:
+        return [params]
+    return [
+        msgspec.structs.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+        for i in range(params.n)
+    ]
 
 
 class LLMEngine:
@@ -32,7 +45,7 @@ class LLMEngine:
 
     def validate_request(self, prompt: PromptType, params: SamplingParams) -> None:
         """Raise ValueError for a request that `add_request` would refuse, changing nothing."""
-        self.processor.process("validation", prompt, params)
+        self.processor.process(prompt, params)
 
     def add_request(
         self,
@@ -44,19 +57,33 @@ class LLMEngine:
     ) -> None:
         if request_id in self.output_processor.requests:
             raise ValueError(f"A request with id {request_id!r} is already in the engine.")
-        text, request = self.processor.process(request_id, prompt, params, priority, cache_salt)
-        self.engine_core.add_request(request)
-        self.output_processor.add_request(
-            request_id, text, request.prompt_token_ids, request.sampling_params
+        processed = self.processor.process(prompt, params)
+        children = child_params(processed.params)
+        engine_ids = (
+            [request_id]
+            if len(children) == 1
+            else [f"{i}_{request_id}" for i in range(len(children))]
         )
+        self.output_processor.add_request(
+            request_id, processed.text, processed.token_ids, processed.params, engine_ids, children
+        )
+        for engine_id, cparams in zip(engine_ids, children, strict=True):
+            request = self.processor.make_request(
+                engine_id, processed, cparams, priority, cache_salt
+            )
+            self.engine_core.add_request(request)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        self.engine_core.abort_requests(ids)
+        engine_ids = [e for r in ids for e in self.output_processor.engine_ids(r)]
+        self.engine_core.abort_requests(engine_ids)
         return self.output_processor.abort_requests(ids)
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
-        return self.output_processor.process_outputs(self.engine_core.step())
+        outputs, to_abort = self.output_processor.process_outputs(self.engine_core.step())
+        if to_abort:
+            self.engine_core.abort_requests(to_abort)
+        return outputs

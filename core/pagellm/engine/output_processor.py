@@ -1,33 +1,90 @@
-"""Front-end output processing: engine-core outputs → detokenized `RequestOutput`s."""
+"""Front-end output processing: engine-core outputs → detokenized `RequestOutput`s.
+
+Per engine request (one per completion: a request with ``n > 1`` is fanned out into n): the
+incremental detokenizer, stop strings (found even across tokens; the earliest-ending one wins;
+suppressed until ``min_tokens``), logprobs, and the text held back while streaming so no delta
+ever holds the start of a stop string that later matches. Per user request: the n completions
+gathered into one `RequestOutput` in the requested output kind.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagellm.engine.detokenizer import IncrementalDetokenizer
+from pagellm.engine.detokenizer import IncrementalDetokenizer, make_detokenizer
 from pagellm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from pagellm.request import FinishReason
-from pagellm.sampling_params import SamplingParams
-from pagellm.scheduler.output import EngineCoreOutputs
+from pagellm.sampling_params import RequestOutputKind, SamplingParams
+from pagellm.scheduler.output import EngineCoreOutputs, SampleLogprobs
+
+
+def find_stop_string(
+    text: str, new_chars: int, stops: list[str], include: bool
+) -> tuple[str, int] | None:
+    """The stop string that ends earliest in ``text`` among those touching its last ``new_chars``
+    characters, and where the text is cut (after it if ``include``, else before it)."""
+    best: tuple[int, int, str] | None = None
+    for stop in stops:
+        start = text.find(stop, max(0, len(text) - new_chars - len(stop) + 1))
+        if start != -1 and (best is None or start + len(stop) < best[0]):
+            best = (start + len(stop), start, stop)
+    if best is None:
+        return None
+    end, start, stop = best
+    return stop, end if include else start
+
+
+@dataclass
+class CompletionState:
+    """One engine request: one completion of a user request."""
+
+    engine_id: str
+    index: int
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer | None
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[PositionLogprobs] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    sent_tokens: int = 0
+    sent_chars: int = 0
+    sent_logprobs: int = 0
+
+    @property
+    def holdback(self) -> int:
+        """Characters kept back from an unfinished stream: a stop string may still complete there."""
+        stops = self.params.stop
+        if self.finish_reason is not None or not stops:
+            return 0
+        return max(len(s) for s in ([stops] if isinstance(stops, str) else stops)) - 1
 
 
 @dataclass
 class RequestState:
+    """One user request and its completions."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
-    detokenizer: IncrementalDetokenizer | None
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[PositionLogprobs] | None = None
-    cumulative_logprob: float | None = None
+    completions: list[CompletionState]
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    prompt_logprobs_sent: bool = False
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.completions)
 
 
 class OutputProcessor:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.requests: dict[str, RequestState] = {}
+        self.engine_to_request: dict[str, tuple[RequestState, CompletionState]] = {}
 
     def add_request(
         self,
@@ -35,82 +92,170 @@ class OutputProcessor:
         prompt: str | None,
         prompt_token_ids: list[int],
         params: SamplingParams,
+        engine_ids: list[str],
+        child_params: list[SamplingParams],
     ) -> None:
-        detok = (
-            IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
-            if params.detokenize
-            else None
-        )
-        state = RequestState(request_id, prompt, prompt_token_ids, params, detok)
-        if params.logprobs is not None:
-            state.logprobs, state.cumulative_logprob = [], 0.0
+        completions = []
+        for index, (engine_id, cparams) in enumerate(zip(engine_ids, child_params, strict=True)):
+            detok = (
+                make_detokenizer(self.tokenizer, prompt_token_ids, cparams)
+                if cparams.detokenize
+                else None
+            )
+            completion = CompletionState(engine_id, index, cparams, detok)
+            if cparams.logprobs is not None:
+                completion.logprobs, completion.cumulative_logprob = [], 0.0
+            completions.append(completion)
+        state = RequestState(request_id, prompt, prompt_token_ids, params, completions)
+        if params.prompt_logprobs is not None:
+            state.prompt_logprobs = [None]
         self.requests[request_id] = state
+        for completion in completions:
+            self.engine_to_request[completion.engine_id] = (state, completion)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def engine_ids(self, request_id: str) -> list[str]:
+        state = self.requests.get(request_id)
+        return [c.engine_id for c in state.completions] if state else []
+
     def abort_requests(self, request_ids: list[str]) -> list[RequestOutput]:
         outputs = []
         for req_id in request_ids:
-            state = self.requests.pop(req_id, None)
-            if state is not None:
-                outputs.append(self._make_output(state, str(FinishReason.ABORT), None))
+            state = self.requests.get(req_id)
+            if state is None:
+                continue
+            for completion in state.completions:
+                if completion.finish_reason is None:
+                    completion.finish_reason = str(FinishReason.ABORT)
+            outputs.append(self._finish(state))
         return outputs
 
-    def process_outputs(self, engine_outputs: EngineCoreOutputs) -> list[RequestOutput]:
-        results = []
+    def process_outputs(
+        self, engine_outputs: EngineCoreOutputs
+    ) -> tuple[list[RequestOutput], list[str]]:
+        """The user-visible outputs of this step, and the engine requests to abort (stopped by a
+        stop string, which only the front end can see)."""
+        touched: dict[str, RequestState] = {}
+        to_abort: list[str] = []
         for out in engine_outputs.outputs:
-            state = self.requests.get(out.request_id)
-            if state is None:
+            entry = self.engine_to_request.get(out.request_id)
+            if entry is None:
                 continue  # aborted meanwhile
-            state.token_ids.extend(out.new_token_ids)
-            if state.detokenizer is not None:
-                state.detokenizer.update(out.new_token_ids)
-            if out.new_logprobs and state.logprobs is not None:
-                for sample in out.new_logprobs:
-                    state.logprobs.append(
-                        self._position_logprobs(
-                            sample.token_ids, sample.logprobs, sample.sampled_rank
-                        )
-                    )
-                    state.cumulative_logprob = (state.cumulative_logprob or 0.0) + sample.logprobs[
-                        0
-                    ]
-            finish = str(FinishReason(out.finish_reason)) if out.finish_reason is not None else None
-            if finish is not None:
-                del self.requests[out.request_id]
-            results.append(self._make_output(state, finish, out.stop_reason))
-        return results
-
-    def _position_logprobs(
-        self, token_ids: list[int], logprobs: list[float], sampled_rank: int
-    ) -> PositionLogprobs:
-        position: PositionLogprobs = {}
-        for rank, (tok, lp) in enumerate(zip(token_ids, logprobs, strict=True)):
-            if tok in position:
+            state, completion = entry
+            if completion.finish_reason is not None:
                 continue
-            position[tok] = Logprob(
-                lp, sampled_rank if rank == 0 else rank, self.tokenizer.decode([tok])
-            )
+            state.num_cached_tokens = out.num_cached_tokens
+            if (
+                out.new_prompt_logprobs
+                and state.prompt_logprobs is not None
+                and completion.index == 0
+            ):
+                state.prompt_logprobs.extend(
+                    self._position_logprobs(s) for s in out.new_prompt_logprobs
+                )
+            if not out.new_token_ids:
+                continue  # a prefill chunk: its prompt logprobs wait for the first token
+            if self._add_tokens(completion, out.new_token_ids, out.new_logprobs):
+                to_abort.append(completion.engine_id)
+            elif out.finish_reason is not None:
+                completion.finish_reason = str(FinishReason(out.finish_reason))
+                completion.stop_reason = out.stop_reason
+            touched[state.request_id] = state
+        results = []
+        for state in touched.values():
+            if state.finished:
+                results.append(self._finish(state))
+            elif state.params.output_kind != RequestOutputKind.FINAL_ONLY:
+                results.append(self._make_output(state))
+        return results, to_abort
+
+    def _add_tokens(
+        self,
+        completion: CompletionState,
+        token_ids: list[int],
+        logprobs: list[SampleLogprobs] | None,
+    ) -> bool:
+        """Returns True when a stop string ended the completion."""
+        completion.token_ids.extend(token_ids)
+        if logprobs and completion.logprobs is not None:
+            for sample in logprobs:
+                completion.logprobs.append(self._position_logprobs(sample))
+                completion.cumulative_logprob = (
+                    completion.cumulative_logprob or 0.0
+                ) + sample.logprobs[0]
+        if completion.detokenizer is None:
+            return False
+        new_text = completion.detokenizer.update(token_ids)
+        completion.text += new_text
+        params = completion.params
+        if not params.stop or not new_text or len(completion.token_ids) < params.min_tokens:
+            return False
+        stops = [params.stop] if isinstance(params.stop, str) else params.stop
+        found = find_stop_string(
+            completion.text, len(new_text), stops, params.include_stop_str_in_output
+        )
+        if found is None:
+            return False
+        completion.stop_reason, cut = found
+        completion.text = completion.text[:cut]
+        completion.finish_reason = str(FinishReason.STOP)
+        return True
+
+    def _position_logprobs(self, sample: SampleLogprobs) -> PositionLogprobs:
+        position: PositionLogprobs = {}
+        for rank, (tok, lp) in enumerate(zip(sample.token_ids, sample.logprobs, strict=True)):
+            if tok not in position:
+                decoded = self.tokenizer.decode([tok])
+                position[tok] = Logprob(lp, sample.sampled_rank if rank == 0 else rank, decoded)
         return position
 
-    @staticmethod
-    def _make_output(
-        state: RequestState, finish_reason: str | None, stop_reason: int | str | None
-    ) -> RequestOutput:
-        completion = CompletionOutput(
-            index=0,
-            text=state.detokenizer.output_text if state.detokenizer else "",
-            token_ids=list(state.token_ids),
-            cumulative_logprob=state.cumulative_logprob,
-            logprobs=list(state.logprobs) if state.logprobs is not None else None,
-            finish_reason=finish_reason,
-            stop_reason=stop_reason,
-        )
+    def _finish(self, state: RequestState) -> RequestOutput:
+        del self.requests[state.request_id]
+        for completion in state.completions:
+            self.engine_to_request.pop(completion.engine_id, None)
+        return self._make_output(state)
+
+    def _make_output(self, state: RequestState) -> RequestOutput:
+        delta = state.params.output_kind == RequestOutputKind.DELTA
+        completions = []
+        for c in state.completions:
+            visible = len(c.text) - c.holdback
+            if delta:
+                text = c.text[c.sent_chars : max(visible, c.sent_chars)]
+                token_ids = c.token_ids[c.sent_tokens :]
+                logprobs = c.logprobs[c.sent_logprobs :] if c.logprobs is not None else None
+                if not text and not token_ids and c.finish_reason is None:
+                    continue  # nothing new for this completion
+            else:
+                text = c.text[: max(visible, 0)]
+                token_ids = list(c.token_ids)
+                logprobs = list(c.logprobs) if c.logprobs is not None else None
+            c.sent_chars = max(visible, c.sent_chars)
+            c.sent_tokens = len(c.token_ids)
+            c.sent_logprobs = len(c.logprobs) if c.logprobs is not None else 0
+            completions.append(
+                CompletionOutput(
+                    index=c.index,
+                    text=text,
+                    token_ids=token_ids,
+                    cumulative_logprob=c.cumulative_logprob,
+                    logprobs=logprobs,
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                )
+            )
+        prompt_logprobs = state.prompt_logprobs
+        if delta and state.prompt_logprobs_sent:
+            prompt_logprobs = None
+        state.prompt_logprobs_sent = True
         return RequestOutput(
             request_id=state.request_id,
             prompt=state.prompt,
             prompt_token_ids=state.prompt_token_ids,
-            outputs=[completion],
-            finished=finish_reason is not None,
+            outputs=completions,
+            finished=state.finished,
+            prompt_logprobs=prompt_logprobs,
+            num_cached_tokens=state.num_cached_tokens,
         )

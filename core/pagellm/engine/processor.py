@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from pagellm.config import EngineConfig
@@ -11,6 +12,13 @@ from pagellm.request import EngineCoreRequest
 from pagellm.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]
+
+
+@dataclass
+class ProcessedPrompt:
+    text: str | None
+    token_ids: list[int]
+    params: SamplingParams
 
 
 def _generation_config_eos_ids(config: EngineConfig) -> set[int]:
@@ -70,14 +78,25 @@ class InputProcessor:
             )
         return ids
 
-    def process(
-        self,
-        request_id: str,
-        prompt: PromptType,
-        params: SamplingParams,
-        priority: int = 0,
-        cache_salt: str | None = None,
-    ) -> tuple[str | None, EngineCoreRequest]:
+    def _check_vocab(self, name: str, ids: list[int]) -> None:
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"{name} has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}."
+            )
+
+    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word as token sequences, with and without a leading space (as it may follow a word)."""
+        sequences: list[list[int]] = []
+        for word in words:
+            for prefix in ("", " "):
+                ids = list(self.tokenizer.encode(prefix + word.lstrip(), add_special_tokens=False))
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        return sequences
+
+    def process(self, prompt: PromptType, params: SamplingParams) -> ProcessedPrompt:
+        """Tokenize and validate; returns the prompt and the parameters as the engine core gets them."""
         text, ids = self.tokenize(prompt)
         if not ids:
             raise ValueError("prompt is empty after tokenization.")
@@ -87,12 +106,32 @@ class InputProcessor:
                 f"prompt is {len(ids)} tokens long, which leaves no room to generate within "
                 f"max_model_len={max_len}."
             )
+        if params.n > self.config.scheduler.max_num_seqs:
+            raise ValueError(
+                f"n={params.n} is larger than max_num_seqs={self.config.scheduler.max_num_seqs}."
+            )
+        if params.logit_bias:
+            self._check_vocab("logit_bias", list(params.logit_bias))
+        if params.allowed_token_ids:
+            self._check_vocab("allowed_token_ids", params.allowed_token_ids)
         params = params.clone()
         if not params.ignore_eos and self.extra_eos_ids:
-            params.stop_token_ids = sorted(set(params.stop_token_ids) | self.extra_eos_ids)
-        return text, EngineCoreRequest(
+            params.stop_token_ids = sorted(set(params.stop_token_ids or ()) | self.extra_eos_ids)
+        if params.bad_words:
+            params.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
+        return ProcessedPrompt(text, ids, params)
+
+    def make_request(
+        self,
+        request_id: str,
+        prompt: ProcessedPrompt,
+        params: SamplingParams,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> EngineCoreRequest:
+        return EngineCoreRequest(
             request_id=request_id,
-            prompt_token_ids=ids,
+            prompt_token_ids=prompt.token_ids,
             sampling_params=params,
             eos_token_id=self.eos_token_id,
             arrival_time=time.time(),

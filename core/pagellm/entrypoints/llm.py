@@ -6,13 +6,14 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
 from tqdm.auto import tqdm
 
 from pagellm.engine.args import EngineArgs
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.engine.processor import PromptType
 from pagellm.outputs import RequestOutput
-from pagellm.sampling_params import SamplingParams
+from pagellm.sampling_params import RequestOutputKind, SamplingParams
 
 ChatMessage = dict[str, Any]
 
@@ -87,6 +88,11 @@ class LLM:
         for prompt, params in zip(prompt_list, params_list, strict=True):
             engine.validate_request(prompt, params)
 
+        # Only finished outputs are returned: no need to build intermediate ones.
+        params_list = [
+            msgspec.structs.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
+            for p in params_list
+        ]
         request_ids = [str(next(self._request_counter)) for _ in prompt_list]
         for req_id, prompt, params, prio in zip(
             request_ids, prompt_list, params_list, priorities, strict=True

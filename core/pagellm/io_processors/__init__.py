@@ -13,11 +13,14 @@ def register_io_processor(name: str, qualname: str) -> None:
 
 
 def registered_io_processors() -> list[str]:
+    from pagellm.plugins import load_frontend_plugins
+
+    load_frontend_plugins()
     return sorted(_PROCESSORS)
 
 
 def get_io_processor_cls(name: str) -> type:
-    if name not in _PROCESSORS:
+    if name not in registered_io_processors():
         installed = ", ".join(registered_io_processors()) or "none installed"
         raise ValueError(f"IO processor {name!r} is not installed ({installed}).")
     module_name, _, cls_name = _PROCESSORS[name].partition(":")

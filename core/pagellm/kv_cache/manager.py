@@ -47,8 +47,8 @@ class KVCacheManager:
         The hit is capped at ``num_tokens - 1`` so the step still computes at least one token
         (the logits of the last token are needed to sample).
         """
-        if not self.enable_caching:
-            return [], 0
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return [], 0  # prompt logprobs need every prompt position computed
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVCacheBlock] = []
         for block_hash in request.block_hashes[:max_hit_blocks]:

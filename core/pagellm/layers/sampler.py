@@ -1,8 +1,10 @@
 """Turning logits into next tokens, batched over requests with different parameters.
 
-Order: raw logprobs snapshot (when asked), float32, temperature, top-k/top-p, then greedy rows
-take the argmax and random rows sample with the exponential-race trick (argmax of p / q with
-q ~ Exp(1)), drawing q from the request's own generator when it has a seed.
+Order: raw logprobs snapshot (when asked); float32; allowed-token and banned-token masks (bad
+words, stop tokens before ``min_tokens``); logit bias; repetition, frequency and presence penalties
+(all before temperature, so greedy rows get them too); greedy rows take the argmax; then
+temperature, min-p, top-k/top-p, and random rows sample with the exponential race (argmax of
+p / q with q ~ Exp(1)), drawing q from the request's own generator when it has a seed.
 """
 
 from __future__ import annotations
@@ -12,6 +14,20 @@ from dataclasses import dataclass
 import torch
 
 from pagellm.scheduler.output import SampleLogprobs
+
+NEG_INF = float("-inf")
+
+
+@dataclass
+class Penalties:
+    presence: torch.Tensor
+    """[N] float32."""
+    frequency: torch.Tensor
+    repetition: torch.Tensor
+    output_counts: torch.Tensor
+    """[N, V] float32: how often each token occurs in the row's output so far."""
+    prompt_mask: torch.Tensor | None
+    """[N, V] bool: tokens of the row's prompt (needed by the repetition penalty only)."""
 
 
 @dataclass
@@ -24,11 +40,19 @@ class SamplingMetadata:
     """[N] float32, or None when no row uses top-p."""
     top_k: torch.Tensor | None
     """[N] int64 (vocab size = off), or None when no row uses top-k."""
+    min_p: torch.Tensor | None
     generators: dict[int, torch.Generator]
     """Row -> the request's own generator (seeded requests only)."""
     default_generator: torch.Generator
     max_num_logprobs: int | None
     """The largest ``logprobs`` asked for in the batch, or None when no row wants them."""
+    allowed_mask: torch.Tensor | None = None
+    """[N, V] bool: True where a token may be sampled."""
+    banned: tuple[torch.Tensor, torch.Tensor] | None = None
+    """(rows, token ids) that must not be sampled this step."""
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    """(rows, token ids, biases)."""
+    penalties: Penalties | None = None
 
 
 @dataclass
@@ -36,6 +60,21 @@ class SamplerOutput:
     sampled_token_ids: torch.Tensor
     """[N] int64."""
     logprobs: list[SampleLogprobs] | None
+
+
+def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
+    if p.prompt_mask is not None:
+        seen = p.prompt_mask | (p.output_counts > 0)
+        factor = torch.where(seen, p.repetition.unsqueeze(1), 1.0)
+        logits = torch.where(logits > 0, logits / factor, logits * factor)
+    occurred = (p.output_counts > 0).float()
+    return logits - p.frequency.unsqueeze(1) * p.output_counts - p.presence.unsqueeze(1) * occurred
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    probs = logits.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return logits.masked_fill(probs < threshold, NEG_INF)
 
 
 def apply_top_k_top_p(
@@ -47,50 +86,70 @@ def apply_top_k_top_p(
     sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
     if top_k is not None:
         kth = sorted_logits.gather(1, (top_k.clamp(min=1) - 1).unsqueeze(1))
-        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, NEG_INF)
     if top_p is not None:
         probs = sorted_logits.softmax(dim=-1)
         # Drop a token when the mass before it already reaches top_p.
         mass_before = probs.cumsum(dim=-1) - probs
         drop = mass_before >= top_p.unsqueeze(1)
         drop[:, 0] = False
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        sorted_logits = sorted_logits.masked_fill(drop, NEG_INF)
     return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
 
 
+def process_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """Masks, bias and penalties: everything that applies to greedy and random rows alike."""
+    if md.allowed_mask is not None:
+        logits = logits.masked_fill(~md.allowed_mask, NEG_INF)
+    if md.banned is not None:
+        logits = logits.index_put(md.banned, torch.tensor(NEG_INF, device=logits.device))
+    if md.logit_bias is not None:
+        rows, tokens, bias = md.logit_bias
+        logits = logits.index_put((rows, tokens), bias, accumulate=True)
+    if md.penalties is not None:
+        logits = apply_penalties(logits, md.penalties)
+    return logits
+
+
 class Sampler(torch.nn.Module):
-    def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+    def forward(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         logits = logits.float()
-        raw_logprobs = logits.log_softmax(dim=-1) if metadata.max_num_logprobs is not None else None
+        raw_logprobs = logits.log_softmax(dim=-1) if md.max_num_logprobs is not None else None
+        logits = process_logits(logits, md)
 
         greedy = logits.argmax(dim=-1)
-        if metadata.all_greedy:
+        if md.all_greedy:
             sampled = greedy
         else:
-            temp = torch.where(metadata.temperature > 0, metadata.temperature, 1.0)
-            scaled = apply_top_k_top_p(logits / temp.unsqueeze(1), metadata.top_k, metadata.top_p)
+            temp = torch.where(md.temperature > 0, md.temperature, 1.0)
+            scaled = logits / temp.unsqueeze(1)
+            if md.min_p is not None:
+                scaled = apply_min_p(scaled, md.min_p)
+            scaled = apply_top_k_top_p(scaled, md.top_k, md.top_p)
             probs = scaled.softmax(dim=-1)
             q = torch.empty_like(probs)
-            q.exponential_(generator=metadata.default_generator)
-            for row, gen in metadata.generators.items():
+            q.exponential_(generator=md.default_generator)
+            for row, gen in md.generators.items():
                 q[row].exponential_(generator=gen)
             random = probs.div(q).argmax(dim=-1)
-            sampled = (
-                random
-                if metadata.all_random
-                else torch.where(metadata.temperature > 0, random, greedy)
-            )
+            sampled = random if md.all_random else torch.where(md.temperature > 0, random, greedy)
 
         logprobs = None
         if raw_logprobs is not None:
-            logprobs = self._gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs or 0)
+            logprobs = gather_logprobs(raw_logprobs, sampled, md.max_num_logprobs or 0)
         return SamplerOutput(sampled, logprobs)
 
-    @staticmethod
-    def _gather_logprobs(raw: torch.Tensor, sampled: torch.Tensor, k: int) -> list[SampleLogprobs]:
-        token_lp = raw.gather(1, sampled.unsqueeze(1))
-        ranks = (raw > token_lp).sum(dim=-1) + 1
-        top_lp, top_ids = raw.topk(k, dim=-1) if k else (raw[:, :0], sampled[:, None][:, :0])
-        ids = torch.cat([sampled.unsqueeze(1), top_ids], dim=1).tolist()
-        lps = torch.cat([token_lp, top_lp], dim=1).tolist()
-        return [SampleLogprobs(i, lp, r) for i, lp, r in zip(ids, lps, ranks.tolist(), strict=True)]
+
+def gather_logprobs(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, k: int
+) -> list[SampleLogprobs]:
+    """Per row: the given token's logprob and rank, then the top-k (token ids and logprobs)."""
+    token_lp = logprobs.gather(1, token_ids.unsqueeze(1))
+    ranks = (logprobs > token_lp).sum(dim=-1) + 1
+    if k:
+        top_lp, top_ids = logprobs.topk(k, dim=-1)
+    else:
+        top_lp, top_ids = logprobs[:, :0], token_ids[:, None][:, :0]
+    ids = torch.cat([token_ids.unsqueeze(1), top_ids], dim=1).tolist()
+    lps = torch.cat([token_lp, top_lp], dim=1).tolist()
+    return [SampleLogprobs(i, lp, r) for i, lp, r in zip(ids, lps, ranks.tolist(), strict=True)]

@@ -13,11 +13,14 @@ def register_stat_logger(name: str, qualname: str) -> None:
 
 
 def registered_stat_loggers() -> list[str]:
+    from pagellm.plugins import load_frontend_plugins
+
+    load_frontend_plugins()
     return sorted(_LOGGERS)
 
 
 def get_stat_logger_cls(name: str) -> type:
-    if name not in _LOGGERS:
+    if name not in registered_stat_loggers():
         installed = ", ".join(registered_stat_loggers()) or "none installed"
         raise ValueError(f"Stat logger {name!r} is not installed ({installed}).")
     module_name, _, cls_name = _LOGGERS[name].partition(":")

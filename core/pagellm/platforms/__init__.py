@@ -15,13 +15,19 @@ from typing import Any
 from pagellm.platforms.interface import Platform
 
 CPU = "cpu"
-_PLATFORMS: dict[str, str] = {CPU: "pagellm.platforms.cpu:CpuPlatform"}
+_PLATFORMS: dict[str, str] = {}
 _current: type[Platform] | None = None
+_current_name: str | None = None
 
 
 def register_platform(name: str, qualname: str) -> None:
     """Register an active platform's ``"package.module:Class"`` under ``name``."""
     _PLATFORMS[name] = qualname
+
+
+# The built-in CPU platform goes through the same registry as the plugins' platforms; it is the
+# one chosen when no other is active.
+register_platform(CPU, "pagellm.platforms.cpu:CpuPlatform")
 
 
 def _load(qualname: str) -> type[Platform]:
@@ -32,7 +38,8 @@ def _load(qualname: str) -> type[Platform]:
     return cls
 
 
-def resolve_platform() -> type[Platform]:
+def resolve_platform() -> tuple[str, type[Platform]]:
+    """(registered name, class) of the platform this process should use."""
     from pagellm.plugins import load_platform_plugins
 
     load_platform_plugins()
@@ -43,20 +50,28 @@ def resolve_platform() -> type[Platform]:
             raise ValueError(
                 f"PAGELLM_PLATFORM={chosen!r} names no active platform; active: {sorted(_PLATFORMS)}."
             )
-        return _load(_PLATFORMS[chosen])
+        return chosen, _load(_PLATFORMS[chosen])
     if len(active) > 1:
         raise ValueError(
             f"Several platforms are active ({', '.join(active)}); choose one with PAGELLM_PLATFORM "
             "(or --device)."
         )
-    return _load(_PLATFORMS[active[0] if active else CPU])
+    name = active[0] if active else CPU
+    return name, _load(_PLATFORMS[name])
 
 
 def get_current_platform() -> type[Platform]:
-    global _current
+    global _current, _current_name
     if _current is None:
-        _current = resolve_platform()
+        _current_name, _current = resolve_platform()
     return _current
+
+
+def current_platform_name() -> str:
+    """The name the current platform is registered under (what PAGELLM_PLATFORM takes)."""
+    get_current_platform()
+    assert _current_name is not None
+    return _current_name
 
 
 class _LazyPlatform:
@@ -72,4 +87,10 @@ class _LazyPlatform:
 
 current_platform: Any = _LazyPlatform()
 
-__all__ = ["Platform", "current_platform", "get_current_platform", "register_platform"]
+__all__ = [
+    "Platform",
+    "current_platform",
+    "current_platform_name",
+    "get_current_platform",
+    "register_platform",
+]

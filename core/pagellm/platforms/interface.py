@@ -18,10 +18,6 @@ class Platform:
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32,)
 
     @classmethod
-    def is_available(cls) -> bool:
-        return True
-
-    @classmethod
     def device(cls, local_rank: int = 0) -> torch.device:
         return torch.device(cls.device_type)
 

@@ -131,7 +131,8 @@ def load_endpoint_plugins(
 
     logger = logging.getLogger(__name__)
     enabled = []
-    for record in load_group(groups.ENDPOINT, allowed=set(endpoints or ())):
+    # Not cached like the other groups: the answer depends on the endpoint list and the tasks.
+    for record in load_group(groups.ENDPOINT, allowed=set(endpoints or ()), force=True):
         if record.status != "loaded":
             if record.status == "skipped":
                 logger.info("Endpoint plugin %r skipped: %s", record.name, record.reason)

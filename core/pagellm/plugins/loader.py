@@ -212,7 +212,9 @@ def load_group(
             level = logging.INFO if group_name in (g.PLATFORM, g.ENDPOINT) else logging.DEBUG
             if record.status == "loaded":
                 note = f" ({record.reason})" if record.reason else ""
-                logger.log(level, "Loaded plugin %r (%s) of group %s%s", ep.name, dist, group_name, note)
+                logger.log(
+                    level, "Loaded plugin %r (%s) of group %s%s", ep.name, dist, group_name, note
+                )
     if names:
         known = {ep.name for grp in g.GROUPS for ep in discover(grp)}
         unknown = names - known

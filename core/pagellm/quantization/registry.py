@@ -14,14 +14,14 @@ def register_quantization_method(name: str, qualname: str) -> None:
 
 
 def registered_quantization_methods() -> list[str]:
+    from pagellm.plugins import load_quantization_plugins
+
+    load_quantization_plugins()
     return sorted(_METHODS)
 
 
 def get_quantization_config_cls(name: str) -> type[QuantizationConfig]:
-    from pagellm.plugins import load_quantization_plugins
-
-    load_quantization_plugins()
-    if name not in _METHODS:
+    if name not in registered_quantization_methods():
         installed = ", ".join(registered_quantization_methods()) or "none installed"
         raise ValueError(
             f"quantization={name!r} is not an installed quantization method ({installed})."

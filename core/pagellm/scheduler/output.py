@@ -18,6 +18,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    eos_token_id: int | None = None
 
 
 @dataclass
@@ -56,6 +57,8 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True):
     sampled_token_ids: list[list[int]]
     """Per request (in ``req_ids`` order): the tokens sampled this step; empty for a prefill chunk."""
     logprobs: list[SampleLogprobs | None] | None = None
+    prompt_logprobs: dict[str, list[SampleLogprobs]] | None = None
+    """Per request asking for them: the prompt positions computed this step (next-token logprobs)."""
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -66,6 +69,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     """A `FinishReason` value once the request ended."""
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    new_prompt_logprobs: list[SampleLogprobs] | None = None
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

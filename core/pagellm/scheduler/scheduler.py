@@ -154,6 +154,7 @@ class Scheduler:
                     sampling_params=r.sampling_params,
                     block_ids=kv.get_block_ids(r.request_id),
                     num_computed_tokens=r.num_computed_tokens,
+                    eos_token_id=None if r.sampling_params.ignore_eos else r.eos_token_id,
                 )
                 for r in scheduled_new
             ],
@@ -216,8 +217,15 @@ class Scheduler:
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted or preempted while the step ran
             new_token_ids = runner_output.sampled_token_ids[index]
+            prompt_logprobs = (
+                runner_output.prompt_logprobs.get(req_id) if runner_output.prompt_logprobs else None
+            )
             if not new_token_ids:
-                continue  # a prefill chunk: nothing sampled yet
+                if prompt_logprobs:  # a prefill chunk: only its prompt logprobs to pass on
+                    outputs.append(
+                        EngineCoreOutput(req_id, [], new_prompt_logprobs=prompt_logprobs)
+                    )
+                continue
             kept: list[int] = []
             for token_id in new_token_ids:
                 request.append_output_token_ids([token_id])
@@ -234,6 +242,7 @@ class Scheduler:
                     finish_reason=int(finish) if finish is not None else None,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=request.num_cached_tokens,
+                    new_prompt_logprobs=prompt_logprobs,
                 )
             )
             if finish is not None:
@@ -244,9 +253,13 @@ class Scheduler:
     def _check_stop(self, request: Request) -> bool:
         token_id = request.output_token_ids[-1]
         params = request.sampling_params
+        if request.num_output_tokens <= params.min_tokens and request.num_output_tokens < (
+            request.max_tokens or 0
+        ):
+            return False  # the sampler keeps stop tokens out until min_tokens are generated
         if not params.ignore_eos and token_id == request.eos_token_id:
             request.status = RequestStatus.FINISHED_STOPPED
-        elif token_id in params.stop_token_ids:
+        elif params.stop_token_ids and token_id in params.stop_token_ids:
             request.status = RequestStatus.FINISHED_STOPPED
             request.stop_reason = token_id
         elif (

@@ -25,7 +25,10 @@ class CachedRequestState:
     generator: torch.Generator | None
     block_ids: list[int]
     num_computed_tokens: int
+    eos_token_id: int | None = None
     output_token_ids: list[int] = field(default_factory=list)
+    num_prompt_logprobs_done: int = 0
+    """Prompt positions whose logprobs were already returned (kept across preemption)."""
 
     @property
     def num_tokens(self) -> int:
@@ -46,8 +49,35 @@ class InputBatch:
         self.temperature = np.zeros(max_num_reqs, dtype=np.float32)
         self.top_p = np.ones(max_num_reqs, dtype=np.float32)
         self.top_k = np.zeros(max_num_reqs, dtype=np.int64)
+        self.min_p = np.zeros(max_num_reqs, dtype=np.float32)
+        self.presence_penalty = np.zeros(max_num_reqs, dtype=np.float32)
+        self.frequency_penalty = np.zeros(max_num_reqs, dtype=np.float32)
+        self.repetition_penalty = np.ones(max_num_reqs, dtype=np.float32)
+        self.min_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)
+        self.num_prompt_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)
+        self.has_sparse_params = np.zeros(max_num_reqs, dtype=bool)
+        """Rows whose parameters need per-row work (logit bias, allowed ids, bad words, min tokens)."""
         self.generators: dict[int, torch.Generator] = {}
+        self._arrays = (
+            self.num_tokens,
+            self.num_computed_tokens,
+            self.block_table,
+            self.num_blocks,
+            self.temperature,
+            self.top_p,
+            self.top_k,
+            self.min_p,
+            self.presence_penalty,
+            self.frequency_penalty,
+            self.repetition_penalty,
+            self.min_tokens,
+            self.num_prompt_tokens,
+            self.num_logprobs,
+            self.num_prompt_logprobs,
+            self.has_sparse_params,
+        )
 
     @property
     def num_reqs(self) -> int:
@@ -68,7 +98,22 @@ class InputBatch:
         self.temperature[index] = 0.0 if greedy else params.temperature
         self.top_p[index] = params.top_p
         self.top_k[index] = params.top_k
+        self.min_p[index] = params.min_p
+        self.presence_penalty[index] = params.presence_penalty
+        self.frequency_penalty[index] = params.frequency_penalty
+        self.repetition_penalty[index] = params.repetition_penalty
+        self.min_tokens[index] = params.min_tokens
+        self.num_prompt_tokens[index] = prompt_len
         self.num_logprobs[index] = -1 if params.logprobs is None else params.logprobs
+        self.num_prompt_logprobs[index] = (
+            -1 if params.prompt_logprobs is None else params.prompt_logprobs
+        )
+        self.has_sparse_params[index] = bool(
+            params.logit_bias
+            or params.allowed_token_ids
+            or params.bad_words_token_ids
+            or params.min_tokens
+        )
         if state.generator is not None:
             self.generators[index] = state.generator
 
@@ -100,16 +145,7 @@ class InputBatch:
         self.req_id_to_index[req_id] = hole
         n = int(self.num_tokens[last])
         self.token_ids[hole, :n] = self.token_ids[last, :n]
-        for array in (
-            self.num_tokens,
-            self.num_computed_tokens,
-            self.block_table,
-            self.num_blocks,
-            self.temperature,
-            self.top_p,
-            self.top_k,
-            self.num_logprobs,
-        ):
+        for array in self._arrays:
             array[hole] = array[last]
         if last in self.generators:
             self.generators[hole] = self.generators.pop(last)

@@ -16,10 +16,10 @@ from pagellm.config import EngineConfig
 from pagellm.forward_context import set_forward_context
 from pagellm.kv_cache.manager import cdiv
 from pagellm.kv_cache.spec import KVCacheSpec
-from pagellm.layers.sampler import Sampler, SamplingMetadata
+from pagellm.layers.sampler import Penalties, Sampler, SamplingMetadata, gather_logprobs
 from pagellm.model_loader import load_model
 from pagellm.models.llama import uniform_sliding_window
-from pagellm.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from pagellm.scheduler.output import ModelRunnerOutput, SampleLogprobs, SchedulerOutput
 from pagellm.worker.input_batch import CachedRequestState, InputBatch
 
 logger = logging.getLogger(__name__)
@@ -102,6 +102,7 @@ class ModelRunner:
                 generator=generator,
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
+                eos_token_id=new.eos_token_id,
             )
             self.requests[new.req_id] = state
             batch.add_request(state)
@@ -175,15 +176,18 @@ class ModelRunner:
                 torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev)
             )
 
+        prompt_logprobs = self._prompt_logprobs(hidden, rows, req_ids, num_sched, query_start_loc)
+
         # Sample only for requests whose scheduled tokens reach their last token.
         done = seq_lens >= batch.num_tokens[rows]
         sample_pos = np.flatnonzero(done)
         sampled_lists: list[list[int]] = [[] for _ in rows]
-        logprob_lists: list = [None] * len(rows)
+        logprob_lists: list[SampleLogprobs | None] = [None] * len(rows)
         if len(sample_pos):
             logits = self.model.compute_logits(hidden[torch.from_numpy(cu[sample_pos] - 1).to(dev)])
             sample_rows = rows[sample_pos]
-            result = self.sampler(logits, self._sampling_metadata(sample_rows))
+            sample_ids = [req_ids[p] for p in sample_pos]
+            result = self.sampler(logits, self._sampling_metadata(sample_rows, sample_ids))
             tokens = result.sampled_token_ids.tolist()
             for j, (pos, row, token) in enumerate(
                 zip(sample_pos, sample_rows, tokens, strict=True)
@@ -203,20 +207,54 @@ class ModelRunner:
             req_ids=req_ids,
             sampled_token_ids=sampled_lists,
             logprobs=logprob_lists if any(lp is not None for lp in logprob_lists) else None,
+            prompt_logprobs=prompt_logprobs,
         )
 
-    def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
+    def _prompt_logprobs(
+        self,
+        hidden: torch.Tensor,
+        rows: np.ndarray,
+        req_ids: list[str],
+        num_sched: np.ndarray,
+        query_start_loc: np.ndarray,
+    ) -> dict[str, list[SampleLogprobs]] | None:
+        """Logprobs of each prompt token given the tokens before it, for the prompt positions
+        computed this step (only for requests that asked, each position once)."""
+        batch = self.input_batch
+        wanted = np.flatnonzero(batch.num_prompt_logprobs[rows] >= 0)
+        if not len(wanted):
+            return None
+        result: dict[str, list[SampleLogprobs]] = {}
+        for pos in wanted:
+            row, state = rows[pos], self.requests[req_ids[pos]]
+            start = int(batch.num_computed_tokens[row])
+            # Position p predicts prompt token p + 1; skip positions already returned.
+            first = max(start, state.num_prompt_logprobs_done)
+            last = min(start + int(num_sched[pos]), len(state.prompt_token_ids) - 1)
+            if first >= last:
+                continue
+            token_idx = torch.arange(first - start, last - start) + int(query_start_loc[pos])
+            logits = self.model.compute_logits(hidden[token_idx.to(self.device)]).float()
+            targets = torch.tensor(state.prompt_token_ids[first + 1 : last + 1], device=self.device)
+            result[state.req_id] = gather_logprobs(
+                logits.log_softmax(dim=-1), targets, int(batch.num_prompt_logprobs[row])
+            )
+            state.num_prompt_logprobs_done = last
+        return result or None
+
+    def _sampling_metadata(self, rows: np.ndarray, req_ids: list[str]) -> SamplingMetadata:
         batch = self.input_batch
         dev = self.device
         temperature = batch.temperature[rows]
         top_p = batch.top_p[rows]
         top_k = batch.top_k[rows]
+        min_p = batch.min_p[rows]
         num_logprobs = batch.num_logprobs[rows]
         vocab = self.config.model.vocab_size
         generators = {
             j: batch.generators[int(r)] for j, r in enumerate(rows) if int(r) in batch.generators
         }
-        return SamplingMetadata(
+        md = SamplingMetadata(
             temperature=torch.from_numpy(temperature).to(dev),
             all_greedy=bool((temperature == 0).all()),
             all_random=bool((temperature > 0).all()),
@@ -224,7 +262,91 @@ class ModelRunner:
             top_k=torch.from_numpy(np.where(top_k > 0, top_k, vocab)).to(dev)
             if (top_k > 0).any()
             else None,
+            min_p=torch.from_numpy(min_p).to(dev) if (min_p > 0).any() else None,
             generators=generators,
             default_generator=self.default_generator,
             max_num_logprobs=int(num_logprobs.max()) if (num_logprobs >= 0).any() else None,
+            penalties=self._penalties(rows),
         )
+        sparse = np.flatnonzero(batch.has_sparse_params[rows])
+        if len(sparse):
+            self._add_sparse_params(md, sparse, [req_ids[j] for j in sparse], len(rows))
+        return md
+
+    def _penalties(self, rows: np.ndarray) -> Penalties | None:
+        batch = self.input_batch
+        presence = batch.presence_penalty[rows]
+        frequency = batch.frequency_penalty[rows]
+        repetition = batch.repetition_penalty[rows]
+        if not ((presence != 0).any() or (frequency != 0).any() or (repetition != 1).any()):
+            return None
+        vocab = self.config.model.vocab_size
+        counts = torch.zeros(len(rows), vocab)
+        use_repetition = bool((repetition != 1).any())
+        prompt_mask = torch.zeros(len(rows), vocab, dtype=torch.bool) if use_repetition else None
+        for j, row in enumerate(rows):
+            n_prompt, n = int(batch.num_prompt_tokens[row]), int(batch.num_tokens[row])
+            output = torch.from_numpy(batch.token_ids[row, n_prompt:n])
+            counts[j] = torch.bincount(output, minlength=vocab)[:vocab].float()
+            if prompt_mask is not None:
+                prompt_mask[j, torch.from_numpy(batch.token_ids[row, :n_prompt])] = True
+        dev = self.device
+        return Penalties(
+            presence=torch.from_numpy(presence).to(dev),
+            frequency=torch.from_numpy(frequency).to(dev),
+            repetition=torch.from_numpy(repetition).to(dev),
+            output_counts=counts.to(dev),
+            prompt_mask=prompt_mask.to(dev) if prompt_mask is not None else None,
+        )
+
+    def _add_sparse_params(
+        self, md: SamplingMetadata, positions: np.ndarray, req_ids: list[str], num_rows: int
+    ) -> None:
+        """Logit bias, allowed tokens, bad words and min_tokens: per-row lists, rare enough to
+        gather in Python for the rows that use them."""
+        vocab = self.config.model.vocab_size
+        bias_rows: list[int] = []
+        bias_tokens: list[int] = []
+        bias_values: list[float] = []
+        ban_rows: list[int] = []
+        ban_tokens: list[int] = []
+        allowed: torch.Tensor | None = None
+        for j, req_id in zip(positions.tolist(), req_ids, strict=True):
+            state = self.requests[req_id]
+            params = state.sampling_params
+            output = state.output_token_ids
+            if params.logit_bias:
+                bias_rows += [j] * len(params.logit_bias)
+                bias_tokens += list(params.logit_bias)
+                bias_values += list(params.logit_bias.values())
+            if params.allowed_token_ids:
+                if allowed is None:
+                    allowed = torch.ones(num_rows, vocab, dtype=torch.bool)
+                allowed[j] = False
+                allowed[j, params.allowed_token_ids] = True
+            for seq in params.bad_words_token_ids or ():
+                prefix = seq[:-1]
+                if not prefix or output[-len(prefix) :] == prefix:
+                    ban_rows.append(j)
+                    ban_tokens.append(seq[-1])
+            if len(output) < params.min_tokens:
+                stops = list(params.stop_token_ids or ())
+                if state.eos_token_id is not None:
+                    stops.append(state.eos_token_id)
+                ban_rows += [j] * len(stops)
+                ban_tokens += stops
+        dev = self.device
+        if bias_rows:
+            md.logit_bias = (
+                torch.tensor(bias_rows, device=dev),
+                torch.tensor(bias_tokens, device=dev),
+                torch.tensor(bias_values, dtype=torch.float32, device=dev),
+            )
+        if ban_rows:
+            keep = [i for i, t in enumerate(ban_tokens) if t < vocab]
+            md.banned = (
+                torch.tensor([ban_rows[i] for i in keep], device=dev, dtype=torch.long),
+                torch.tensor([ban_tokens[i] for i in keep], device=dev, dtype=torch.long),
+            )
+        if allowed is not None:
+            md.allowed_mask = allowed.to(dev)
