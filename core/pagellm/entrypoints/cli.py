@@ -103,6 +103,16 @@ def _run_plugins(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
+    from pagellm.benchmarks import throughput
+
+    bench = subparsers.add_parser("bench", help="Benchmarks.")
+    kinds = bench.add_subparsers(dest="bench_kind", required=True)
+    parser = kinds.add_parser("throughput", help="Offline throughput on a random workload (JSON).")
+    throughput.add_args(parser)
+    parser.set_defaults(func=throughput.main)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="pagellm", description="pagellm: LLM inference and serving."
@@ -111,6 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_generate_parser(subparsers)
     _add_plugins_parser(subparsers)
+    _add_bench_parser(subparsers)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("pagellm").setLevel(logging.INFO)

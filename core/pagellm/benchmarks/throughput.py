@@ -1,0 +1,208 @@
+"""``pagellm bench throughput``: offline throughput on a random workload, optionally side by side
+with Hugging Face transformers in the same process (``--backend hf``).
+
+Every request generates exactly its output length (``ignore_eos``); throughput counts the tokens
+requested, so a peer that pads or overruns pays for the waste.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import time
+from typing import Any
+
+import torch
+
+from pagellm.benchmarks.datasets import BenchRequest, random_requests
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    from pagellm.engine.args import EngineArgs
+
+    parser.add_argument("--model", default=None, help="Model directory or GGUF (default: the packaged SmolLM2).")
+    parser.add_argument("--backend", choices=["pagellm", "hf"], default="pagellm",
+                        help="pagellm alone, or hf: pagellm then transformers on the same requests, with the ratio.")
+    parser.add_argument("--hf-mode", choices=["generate", "continuous"], default="generate",
+                        help="transformers' padded-batch generate, or its continuous batching.")
+    parser.add_argument("--hf-max-batch-size", type=int, default=64)
+    parser.add_argument("--hf-attn-implementation", default=None,
+                        help="attn_implementation for transformers (continuous default: paged|sdpa).")
+    parser.add_argument("--dataset", choices=["random"], default="random")
+    parser.add_argument("--num-prompts", type=int, default=100)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--random-range-ratio", type=float, default=0.0)
+    parser.add_argument("--random-token-range", type=int, nargs=2, default=None, metavar=("LOW", "HIGH"),
+                        help="Draw prompt token ids from [LOW, HIGH) instead of the whole vocabulary.")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--output-json", default=None, help="Also write the result JSON to this file.")
+    EngineArgs.add_cli_args(parser)
+
+
+def _summary(name: str, requests: list[BenchRequest], elapsed: float) -> dict[str, Any]:
+    prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
+    output_tokens = sum(r.output_len for r in requests)
+    return {
+        "backend": name,
+        "elapsed_s": round(elapsed, 3),
+        "requests_per_s": round(len(requests) / elapsed, 3),
+        "total_tokens_per_s": round((prompt_tokens + output_tokens) / elapsed, 2),
+        "output_tokens_per_s": round(output_tokens / elapsed, 2),
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": output_tokens,
+    }
+
+
+def run_pagellm(args: argparse.Namespace, requests: list[BenchRequest]) -> tuple[dict[str, Any], Any]:
+    from pagellm import LLM, SamplingParams
+    from pagellm.engine.args import EngineArgs
+
+    engine_args = EngineArgs.from_cli_args(args)
+    llm = LLM(engine_args.model, **{k: v for k, v in vars(engine_args).items() if k != "model"})
+    params = [
+        SamplingParams(temperature=args.temperature, max_tokens=r.output_len, ignore_eos=True, detokenize=True)
+        for r in requests
+    ]
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
+    llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    produced = sum(len(o.outputs[0].token_ids) for o in outputs)
+    expected = sum(r.output_len for r in requests)
+    if produced != expected:
+        raise RuntimeError(f"pagellm produced {produced} output tokens, expected {expected}.")
+    result = _summary("pagellm", requests, elapsed)
+    result["num_preemptions"] = llm.llm_engine.engine_core.scheduler.num_preemptions
+    return result, llm
+
+
+def _hf_model(args: argparse.Namespace, llm: Any) -> Any:
+    """The same weights in transformers: loaded from the checkpoint, or (dummy) copied from pagellm."""
+    from transformers import AutoModelForCausalLM
+
+    config = llm.llm_engine.config
+    dtype = config.model.torch_dtype
+    device = config.device.device
+    kwargs: dict[str, Any] = {"dtype": dtype}
+    if args.hf_attn_implementation or args.hf_mode == "continuous":
+        kwargs["attn_implementation"] = args.hf_attn_implementation or "paged|sdpa"
+    if config.load.load_format == "dummy":
+        model = AutoModelForCausalLM.from_config(config.model.hf_config, **kwargs)
+    elif config.model.gguf_file:
+        directory, name = os.path.split(config.model.gguf_file)
+        model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, **kwargs)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(config.model.model, **kwargs)
+    return model.to(device).eval()
+
+
+def run_hf(args: argparse.Namespace, requests: list[BenchRequest], llm: Any) -> dict[str, Any]:
+    from transformers import GenerationConfig
+
+    model = _hf_model(args, llm)
+    device = next(model.parameters()).device
+    pad = llm.get_tokenizer().pad_token_id or 0
+    sample = args.temperature > 0
+    start = time.perf_counter()
+    if args.hf_mode == "continuous":
+        gen_config = GenerationConfig(do_sample=sample, temperature=args.temperature or None,
+                                      max_new_tokens=max(r.output_len for r in requests), eos_token_id=-1,
+                                      pad_token_id=pad)
+        manager = model.init_continuous_batching(generation_config=gen_config)
+        manager.start()
+        try:
+            for i, r in enumerate(requests):
+                manager.add_request(r.prompt_token_ids, request_id=str(i), max_new_tokens=r.output_len)
+            for _ in requests:
+                if manager.get_result(timeout=600) is None:
+                    raise RuntimeError("transformers continuous batching returned no result in 600 s.")
+        finally:
+            manager.stop(block=True)
+    else:
+        with torch.inference_mode():
+            for b in range(0, len(requests), args.hf_max_batch_size):
+                batch = requests[b : b + args.hf_max_batch_size]
+                width = max(len(r.prompt_token_ids) for r in batch)
+                ids = torch.full((len(batch), width), pad, dtype=torch.long)
+                mask = torch.zeros_like(ids)
+                for i, r in enumerate(batch):  # left padding
+                    ids[i, width - len(r.prompt_token_ids) :] = torch.tensor(r.prompt_token_ids)
+                    mask[i, width - len(r.prompt_token_ids) :] = 1
+                new = max(r.output_len for r in batch)
+                model.generate(
+                    ids.to(device), attention_mask=mask.to(device), do_sample=sample,
+                    temperature=args.temperature if sample else None, top_p=None, top_k=None,
+                    max_new_tokens=new, min_new_tokens=new, pad_token_id=pad,
+                )
+    elapsed = time.perf_counter() - start
+    result = _summary(f"hf-{args.hf_mode}", requests, elapsed)
+    del model
+    gc.collect()
+    return result
+
+
+def main(args: argparse.Namespace) -> int:
+    from pagellm.model_loader import default_model_path
+
+    if args.model is None:
+        args.model = default_model_path()
+    if args.max_model_len is None:
+        args.max_model_len = int(args.input_len * (1 + args.random_range_ratio)) + int(
+            args.output_len * (1 + args.random_range_ratio)
+        ) + 1
+    result: dict[str, Any] = {
+        "workload": {
+            "model": os.path.basename(args.model.rstrip("/")),
+            "load_format": args.load_format,
+            "dataset": args.dataset,
+            "num_prompts": args.num_prompts,
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "random_range_ratio": args.random_range_ratio,
+            "seed": args.seed,
+            "temperature": args.temperature,
+        },
+        "machine": {
+            "platform": platform.platform(),
+            "cpu_count": os.cpu_count(),
+            "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(),
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        },
+    }
+    llm_result, llm = None, None
+    # Build the engine first: its tokenizer and config define the workload's vocabulary.
+    from pagellm import LLM  # noqa: F401  (import cost outside the timed region)
+
+    requests: list[BenchRequest] = []
+
+    def make_requests(tokenizer: Any, vocab: int) -> list[BenchRequest]:
+        special = set(getattr(tokenizer, "all_special_ids", []) or [])
+        token_range = tuple(args.random_token_range) if args.random_token_range else None
+        return random_requests(args.num_prompts, args.input_len, args.output_len, args.random_range_ratio,
+                               vocab, args.seed, token_range, special)
+
+    from pagellm.engine.args import EngineArgs
+    from pagellm.tokenizer import get_tokenizer
+
+    config = EngineArgs.from_cli_args(args).create_engine_config()
+    requests = make_requests(get_tokenizer(config.model.tokenizer), config.model.vocab_size)
+    llm_result, llm = run_pagellm(args, requests)
+    result["pagellm"] = llm_result
+    if args.backend == "hf":
+        hf_result = run_hf(args, requests, llm)
+        result["hf"] = hf_result
+        result["output_throughput_ratio"] = round(
+            llm_result["output_tokens_per_s"] / hf_result["output_tokens_per_s"], 2
+        )
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            f.write(text + "\n")
+    return 0
