@@ -118,6 +118,11 @@ class BlockPool:
                 del self.cached_block_hash_to_block[block.block_hash]
             block.block_hash = None
 
+    def uncache(self, block: KVCacheBlock) -> None:
+        """Forget a block's hash: its contents will never be computed (its request was preempted
+        in the step that registered it)."""
+        self._evict(block)
+
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on prefix-cache hits, reviving those that sat in the free queue."""
         for block in blocks:

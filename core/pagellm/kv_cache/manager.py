@@ -106,9 +106,17 @@ class KVCacheManager:
                 self.num_cached_blocks[request.request_id] = num_full
         return new_blocks
 
-    def free(self, request: Request) -> None:
-        """Release every block of the request; the tail blocks are the first to be evicted."""
+    def free(self, request: Request, num_valid_tokens: int | None = None) -> None:
+        """Release every block of the request; the tail blocks are the first to be evicted.
+
+        ``num_valid_tokens``: only this many tokens' K/V were really computed (a request preempted
+        in the step that scheduled it): blocks it registered beyond them leave the prefix cache.
+        """
         blocks = self.req_to_blocks.pop(request.request_id, [])
+        if num_valid_tokens is not None:
+            for block in blocks[num_valid_tokens // self.block_size :]:
+                if block.block_hash is not None and block.ref_cnt == 1:
+                    self.block_pool.uncache(block)
         self.num_cached_blocks.pop(request.request_id, None)
         self.block_pool.free_blocks(reversed(blocks))
 

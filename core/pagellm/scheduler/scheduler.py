@@ -100,12 +100,13 @@ class Scheduler:
                 victim = self._pick_victim()
                 victim_index = self.running.index(victim)
                 self.running.remove(victim)
-                if victim.request_id in num_scheduled:
+                scheduled_this_step = victim.request_id in num_scheduled
+                if scheduled_this_step:
                     # Already scheduled this step: give back what it took.
                     token_budget += num_scheduled.pop(victim.request_id)
                     new_block_ids.pop(victim.request_id, None)
                     scheduled_running.remove(victim)
-                self._preempt(victim)
+                self._preempt(victim, scheduled_this_step)
                 preempted.append(victim)
                 if victim_index < i:
                     i -= 1
@@ -198,8 +199,10 @@ class Scheduler:
             return max(self.running, key=lambda r: (r.priority, r.arrival_time))
         return self.running[-1]
 
-    def _preempt(self, request: Request) -> None:
-        self.kv_cache_manager.free(request)
+    def _preempt(self, request: Request, scheduled_this_step: bool = False) -> None:
+        # Blocks it registered this step will not be computed: keep them out of the prefix cache.
+        valid = request.num_computed_tokens if scheduled_this_step else None
+        self.kv_cache_manager.free(request, num_valid_tokens=valid)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
