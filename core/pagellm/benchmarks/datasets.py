@@ -29,9 +29,15 @@ def random_requests(
         raise ValueError(f"--random-range-ratio must be in [0, 1), got {range_ratio}.")
     rng = np.random.default_rng(seed)
     low, high = token_range or (0, vocab_size)
-    candidates = np.setdiff1d(np.arange(low, high), np.array(sorted(exclude_ids or ()), dtype=np.int64))
-    in_lens = rng.integers(int(input_len * (1 - range_ratio)), int(input_len * (1 + range_ratio)) + 1, num_prompts)
-    out_lens = rng.integers(int(output_len * (1 - range_ratio)), int(output_len * (1 + range_ratio)) + 1, num_prompts)
+    candidates = np.setdiff1d(
+        np.arange(low, high), np.array(sorted(exclude_ids or ()), dtype=np.int64)
+    )
+    in_lens = rng.integers(
+        int(input_len * (1 - range_ratio)), int(input_len * (1 + range_ratio)) + 1, num_prompts
+    )
+    out_lens = rng.integers(
+        int(output_len * (1 - range_ratio)), int(output_len * (1 + range_ratio)) + 1, num_prompts
+    )
     return [
         BenchRequest(rng.choice(candidates, size=max(int(n), 1)).tolist(), max(int(m), 1))
         for n, m in zip(in_lens, out_lens, strict=True)

@@ -23,23 +23,44 @@ from pagellm.benchmarks.datasets import BenchRequest, random_requests
 def add_args(parser: argparse.ArgumentParser) -> None:
     from pagellm.engine.args import EngineArgs
 
-    parser.add_argument("--model", default=None, help="Model directory or GGUF (default: the packaged SmolLM2).")
-    parser.add_argument("--backend", choices=["pagellm", "hf"], default="pagellm",
-                        help="pagellm alone, or hf: pagellm then transformers on the same requests, with the ratio.")
-    parser.add_argument("--hf-mode", choices=["generate", "continuous"], default="generate",
-                        help="transformers' padded-batch generate, or its continuous batching.")
+    parser.add_argument(
+        "--model", default=None, help="Model directory or GGUF (default: the packaged SmolLM2)."
+    )
+    parser.add_argument(
+        "--backend",
+        choices=["pagellm", "hf"],
+        default="pagellm",
+        help="pagellm alone, or hf: pagellm then transformers on the same requests, with the ratio.",
+    )
+    parser.add_argument(
+        "--hf-mode",
+        choices=["generate", "continuous"],
+        default="generate",
+        help="transformers' padded-batch generate, or its continuous batching.",
+    )
     parser.add_argument("--hf-max-batch-size", type=int, default=64)
-    parser.add_argument("--hf-attn-implementation", default=None,
-                        help="attn_implementation for transformers (continuous default: paged|sdpa).")
+    parser.add_argument(
+        "--hf-attn-implementation",
+        default=None,
+        help="attn_implementation for transformers (continuous default: paged|sdpa).",
+    )
     parser.add_argument("--dataset", choices=["random"], default="random")
     parser.add_argument("--num-prompts", type=int, default=100)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--random-range-ratio", type=float, default=0.0)
-    parser.add_argument("--random-token-range", type=int, nargs=2, default=None, metavar=("LOW", "HIGH"),
-                        help="Draw prompt token ids from [LOW, HIGH) instead of the whole vocabulary.")
+    parser.add_argument(
+        "--random-token-range",
+        type=int,
+        nargs=2,
+        default=None,
+        metavar=("LOW", "HIGH"),
+        help="Draw prompt token ids from [LOW, HIGH) instead of the whole vocabulary.",
+    )
     parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--output-json", default=None, help="Also write the result JSON to this file.")
+    parser.add_argument(
+        "--output-json", default=None, help="Also write the result JSON to this file."
+    )
     EngineArgs.add_cli_args(parser)
 
 
@@ -57,14 +78,18 @@ def _summary(name: str, requests: list[BenchRequest], elapsed: float) -> dict[st
     }
 
 
-def run_pagellm(args: argparse.Namespace, requests: list[BenchRequest]) -> tuple[dict[str, Any], Any]:
+def run_pagellm(
+    args: argparse.Namespace, requests: list[BenchRequest]
+) -> tuple[dict[str, Any], Any]:
     from pagellm import LLM, SamplingParams
     from pagellm.engine.args import EngineArgs
 
     engine_args = EngineArgs.from_cli_args(args)
     llm = LLM(engine_args.model, **{k: v for k, v in vars(engine_args).items() if k != "model"})
     params = [
-        SamplingParams(temperature=args.temperature, max_tokens=r.output_len, ignore_eos=True, detokenize=True)
+        SamplingParams(
+            temperature=args.temperature, max_tokens=r.output_len, ignore_eos=True, detokenize=True
+        )
         for r in requests
     ]
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
@@ -110,17 +135,25 @@ def run_hf(args: argparse.Namespace, requests: list[BenchRequest], llm: Any) -> 
     sample = args.temperature > 0
     start = time.perf_counter()
     if args.hf_mode == "continuous":
-        gen_config = GenerationConfig(do_sample=sample, temperature=args.temperature or None,
-                                      max_new_tokens=max(r.output_len for r in requests), eos_token_id=-1,
-                                      pad_token_id=pad)
+        gen_config = GenerationConfig(
+            do_sample=sample,
+            temperature=args.temperature or None,
+            max_new_tokens=max(r.output_len for r in requests),
+            eos_token_id=-1,
+            pad_token_id=pad,
+        )
         manager = model.init_continuous_batching(generation_config=gen_config)
         manager.start()
         try:
             for i, r in enumerate(requests):
-                manager.add_request(r.prompt_token_ids, request_id=str(i), max_new_tokens=r.output_len)
+                manager.add_request(
+                    r.prompt_token_ids, request_id=str(i), max_new_tokens=r.output_len
+                )
             for _ in requests:
                 if manager.get_result(timeout=600) is None:
-                    raise RuntimeError("transformers continuous batching returned no result in 600 s.")
+                    raise RuntimeError(
+                        "transformers continuous batching returned no result in 600 s."
+                    )
         finally:
             manager.stop(block=True)
     else:
@@ -135,9 +168,15 @@ def run_hf(args: argparse.Namespace, requests: list[BenchRequest], llm: Any) -> 
                     mask[i, width - len(r.prompt_token_ids) :] = 1
                 new = max(r.output_len for r in batch)
                 model.generate(
-                    ids.to(device), attention_mask=mask.to(device), do_sample=sample,
-                    temperature=args.temperature if sample else None, top_p=None, top_k=None,
-                    max_new_tokens=new, min_new_tokens=new, pad_token_id=pad,
+                    ids.to(device),
+                    attention_mask=mask.to(device),
+                    do_sample=sample,
+                    temperature=args.temperature if sample else None,
+                    top_p=None,
+                    top_k=None,
+                    max_new_tokens=new,
+                    min_new_tokens=new,
+                    pad_token_id=pad,
                 )
     elapsed = time.perf_counter() - start
     result = _summary(f"hf-{args.hf_mode}", requests, elapsed)
@@ -152,9 +191,11 @@ def main(args: argparse.Namespace) -> int:
     if args.model is None:
         args.model = default_model_path()
     if args.max_model_len is None:
-        args.max_model_len = int(args.input_len * (1 + args.random_range_ratio)) + int(
-            args.output_len * (1 + args.random_range_ratio)
-        ) + 1
+        args.max_model_len = (
+            int(args.input_len * (1 + args.random_range_ratio))
+            + int(args.output_len * (1 + args.random_range_ratio))
+            + 1
+        )
     result: dict[str, Any] = {
         "workload": {
             "model": os.path.basename(args.model.rstrip("/")),
@@ -184,8 +225,16 @@ def main(args: argparse.Namespace) -> int:
     def make_requests(tokenizer: Any, vocab: int) -> list[BenchRequest]:
         special = set(getattr(tokenizer, "all_special_ids", []) or [])
         token_range = tuple(args.random_token_range) if args.random_token_range else None
-        return random_requests(args.num_prompts, args.input_len, args.output_len, args.random_range_ratio,
-                               vocab, args.seed, token_range, special)
+        return random_requests(
+            args.num_prompts,
+            args.input_len,
+            args.output_len,
+            args.random_range_ratio,
+            vocab,
+            args.seed,
+            token_range,
+            special,
+        )
 
     from pagellm.engine.args import EngineArgs
     from pagellm.tokenizer import get_tokenizer
