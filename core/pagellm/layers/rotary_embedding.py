@@ -39,20 +39,14 @@ def rope_parameters(hf_config: Any) -> dict[str, Any]:
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(
-        self,
-        head_size: int,
-        max_position: int,
-        params: dict[str, Any],
-        rotary_dim: int | None = None,
-    ) -> None:
+    """Rotates the first and second half of each head (HF's layout). One instance serves every
+    layer: the cos/sin rows of a step's positions are looked up once and reused by all layers."""
+
+    def __init__(self, head_size: int, max_position: int, params: dict[str, Any]) -> None:
         super().__init__()
         self.head_size = head_size
-        self.rotary_dim = rotary_dim or head_size
         base = float(params["rope_theta"])
-        inv_freq = 1.0 / (
-            base ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.float32) / self.rotary_dim)
-        )
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_size, 2, dtype=torch.float32) / head_size))
         rope_type = params["rope_type"]
         if rope_type == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, params)
@@ -60,24 +54,23 @@ class RotaryEmbedding(nn.Module):
             inv_freq = inv_freq / params["factor"]
         elif rope_type != "default":
             raise NotImplementedError(f"RoPE scaling type {rope_type!r} is not supported yet.")
-        t = torch.arange(max_position, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
         self.cos_sin_cache: torch.Tensor
         self.register_buffer(
             "cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], -1), persistent=False
         )
+        self._positions: torch.Tensor | None = None
+        self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def forward(
-        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)
-        return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
+    def _lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions is not self._positions or self._cos_sin is None:
+            cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
+            self._positions, self._cos_sin = positions, (cos, sin)
+        return self._cos_sin
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x = x.view(shape[0], -1, self.head_size)
-        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
-        x1, x2 = rot.float().chunk(2, dim=-1)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
-        return torch.cat([out, rest], dim=-1).view(shape)
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``x``: [tokens, heads * head_size] (any number of heads, e.g. q and k together)."""
+        cos, sin = self._lookup(positions)
+        shape, dtype = x.shape, x.dtype
+        x1, x2 = x.view(shape[0], -1, self.head_size).float().chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(dtype).view(shape)

@@ -3,8 +3,8 @@
 Order: raw logprobs snapshot (when asked); float32; allowed-token and banned-token masks (bad
 words, stop tokens before ``min_tokens``); logit bias; repetition, frequency and presence penalties
 (all before temperature, so greedy rows get them too); greedy rows take the argmax; then
-temperature, min-p, top-k/top-p, and random rows sample with the exponential race (argmax of
-p / q with q ~ Exp(1)), drawing q from the request's own generator when it has a seed.
+temperature, min-p, top-k/top-p, and random rows draw by inverting their cumulative distribution,
+with a uniform number from the request's own generator when it has a seed.
 """
 
 from __future__ import annotations
@@ -111,6 +111,18 @@ def process_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     return logits
 
 
+def sample_from_probs(probs: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """One draw per row by inverting the cumulative distribution: one uniform number per row,
+    taken from the request's own generator when it has a seed (so its stream does not depend on
+    the batch). Zero-probability tokens are never drawn (``right=True`` skips flat stretches)."""
+    uniform = torch.rand(probs.shape[0], 1, generator=md.default_generator, device=probs.device)
+    for row, gen in md.generators.items():
+        uniform[row] = torch.rand(1, generator=gen, device=probs.device)
+    cdf = probs.cumsum(dim=-1)
+    picked = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).squeeze(1)
+    return picked.clamp(max=probs.shape[-1] - 1)
+
+
 class Sampler(torch.nn.Module):
     def forward(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         logits = logits.float()
@@ -126,12 +138,7 @@ class Sampler(torch.nn.Module):
             if md.min_p is not None:
                 scaled = apply_min_p(scaled, md.min_p)
             scaled = apply_top_k_top_p(scaled, md.top_k, md.top_p)
-            probs = scaled.softmax(dim=-1)
-            q = torch.empty_like(probs)
-            q.exponential_(generator=md.default_generator)
-            for row, gen in md.generators.items():
-                q[row].exponential_(generator=gen)
-            random = probs.div(q).argmax(dim=-1)
+            random = sample_from_probs(scaled.softmax(dim=-1), md)
             sampled = random if md.all_random else torch.where(md.temperature > 0, random, greedy)
 
         logprobs = None

@@ -88,12 +88,15 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm:
-            t = q.shape[0]
+            t = qk.shape[0]
+            q, k = qk.split([self.q_size, self.kv_size], dim=-1)
             q = self.q_norm(q.reshape(t, -1, self.head_size)).reshape(t, -1)
             k = self.k_norm(k.reshape(t, -1, self.head_size)).reshape(t, -1)
-        q, k = self.rotary_emb(positions, q, k)
+            qk = torch.cat([q, k], dim=-1)
+        # q and k heads rotated in one pass.
+        q, k = self.rotary_emb(positions, qk).split([self.q_size, self.kv_size], dim=-1)
         return self.o_proj(self.attn(q, k, v.contiguous()))
 
 

@@ -39,7 +39,7 @@ class TorchSDPAMetadata:
     decode_slots: torch.Tensor | None = None
     """[num_decodes, max_context] cache slots (padding points at the null block)."""
     decode_mask: torch.Tensor | None = None
-    """[num_decodes, 1, 1, max_context] bool."""
+    """[1, num_decodes, 1, max_context] bool (broadcast over KV heads and query groups)."""
     prefills: list[PrefillRow] = field(default_factory=list)
 
 
@@ -66,7 +66,7 @@ class TorchSDPAMetadataBuilder(AttentionMetadataBuilder):
                 valid &= pos > lens - 1 - window
             meta.decode_token_idx = common.query_start_loc[rows].long()
             meta.decode_slots = torch.where(valid, decode_slots, 0)
-            meta.decode_mask = valid[:, None, None, :]
+            meta.decode_mask = valid[None, :, None, :]
 
         for row in np.flatnonzero(query_lens > 1):
             start, end = int(qsl[row]), int(qsl[row + 1])
@@ -88,6 +88,35 @@ class TorchSDPAMetadataBuilder(AttentionMetadataBuilder):
 
 
 class TorchSDPAImpl(AttentionImpl):
+    """The cache is head-major — [K/V, kv_head, slot, head_size] — so gathering a batch's context
+    gives [kv_head, tokens, head_size] slabs that batched matmuls and SDPA read without copies."""
+
+    def _decode(
+        self,
+        q: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slots: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """One new token per row against its gathered context, as two batched matmuls with the
+        query heads grouped by KV head (no K/V repeat). On CPU this beats SDPA's kernel for
+        single-token queries, by far in bfloat16."""
+        batch, length = slots.shape
+        hkv, group, dim = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_size
+        # Row gathers (index_select along dim 0) are the fast path: one row per (head, slot).
+        num_slots = key_cache.shape[1]
+        head_offsets = torch.arange(hkv, device=slots.device).unsqueeze(1) * num_slots
+        rows = (head_offsets + slots.reshape(1, -1)).reshape(-1)
+        keys = key_cache.view(-1, dim).index_select(0, rows).view(hkv * batch, length, dim)
+        values = value_cache.view(-1, dim).index_select(0, rows).view(hkv * batch, length, dim)
+        grouped = q.view(batch, hkv, group, dim).transpose(0, 1).reshape(hkv * batch, group, dim)
+        scores = torch.bmm(grouped, keys.transpose(1, 2)).float() * self.scale  # [Hkv*B, G, L]
+        scores = scores.view(hkv, batch, group, length).masked_fill_(~mask, float("-inf"))
+        probs = scores.softmax(dim=-1).to(values.dtype).view(hkv * batch, group, length)
+        out = torch.bmm(probs, values).view(hkv, batch, group, dim)
+        return out.transpose(0, 1).reshape(batch, self.num_heads, dim)
+
     def forward(
         self,
         query: torch.Tensor,
@@ -98,34 +127,31 @@ class TorchSDPAImpl(AttentionImpl):
     ) -> torch.Tensor:
         num_tokens = attn_metadata.num_actual_tokens
         q = query[:num_tokens].view(num_tokens, self.num_heads, self.head_size)
-        k = key[:num_tokens].view(num_tokens, self.num_kv_heads, self.head_size)
-        v = value[:num_tokens].view(num_tokens, self.num_kv_heads, self.head_size)
-        key_cache = kv_cache[0].view(-1, self.num_kv_heads, self.head_size)
-        value_cache = kv_cache[1].view(-1, self.num_kv_heads, self.head_size)
-        key_cache.index_copy_(0, attn_metadata.slot_mapping, k)
-        value_cache.index_copy_(0, attn_metadata.slot_mapping, v)
+        k = key[:num_tokens].view(num_tokens, self.num_kv_heads, self.head_size).transpose(0, 1)
+        v = value[:num_tokens].view(num_tokens, self.num_kv_heads, self.head_size).transpose(0, 1)
+        key_cache = kv_cache[0].view(self.num_kv_heads, -1, self.head_size)
+        value_cache = kv_cache[1].view(self.num_kv_heads, -1, self.head_size)
+        key_cache.index_copy_(1, attn_metadata.slot_mapping, k)
+        value_cache.index_copy_(1, attn_metadata.slot_mapping, v)
 
         out = torch.empty_like(q)
         gqa = self.num_heads != self.num_kv_heads
         if attn_metadata.decode_token_idx is not None:
             idx = attn_metadata.decode_token_idx
-            slots = attn_metadata.decode_slots
-            # [B, H, 1, D] queries against [B, Hkv, L, D] gathered context.
-            dq = q[idx].unsqueeze(2)
-            dk = key_cache[slots].transpose(1, 2)
-            dv = value_cache[slots].transpose(1, 2)
-            dout = F.scaled_dot_product_attention(
-                dq, dk, dv, attn_mask=attn_metadata.decode_mask, scale=self.scale, enable_gqa=gqa
+            out[idx] = self._decode(
+                q[idx],
+                key_cache,
+                value_cache,
+                attn_metadata.decode_slots,
+                attn_metadata.decode_mask,
             )
-            out[idx] = dout.squeeze(2)
         for row in attn_metadata.prefills:
-            pq = q[row.start : row.end].transpose(0, 1)
+            pq = q[row.start : row.end].transpose(0, 1)  # [H, Lq, D]
             if row.slots is None:
-                pk = k[row.start : row.end].transpose(0, 1)
-                pv = v[row.start : row.end].transpose(0, 1)
+                pk, pv = k[:, row.start : row.end], v[:, row.start : row.end]
             else:
-                pk = key_cache[row.slots].transpose(0, 1)
-                pv = value_cache[row.slots].transpose(0, 1)
+                pk = key_cache.index_select(1, row.slots)  # [Hkv, S, D]
+                pv = value_cache.index_select(1, row.slots)
             pout = F.scaled_dot_product_attention(
                 pq,
                 pk,
@@ -147,7 +173,7 @@ class TorchSDPABackend(AttentionBackend):
     def get_kv_cache_shape(
         num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
     ) -> tuple[int, ...]:
-        return (2, num_blocks, block_size, num_kv_heads, head_size)
+        return (2, num_kv_heads, num_blocks, block_size, head_size)
 
     @staticmethod
     def allocate_kv_cache(
@@ -156,7 +182,7 @@ class TorchSDPABackend(AttentionBackend):
         # Only the null block is ever read before being written (decode padding points at it);
         # leaving the rest unfilled lets the OS hand pages out lazily.
         cache = torch.empty(shape, dtype=dtype, device=device)
-        cache[:, 0].zero_()
+        cache[:, :, 0].zero_()
         return cache
 
     @staticmethod
