@@ -32,14 +32,21 @@ class PrefillRow:
 
 
 @dataclass
+class DecodeRows:
+    """The rows with one new token, batched: their token indices, context slots and mask."""
+
+    token_idx: torch.Tensor
+    slots: torch.Tensor
+    """[num_decodes, max_context] cache slots (padding points at the null block)."""
+    mask: torch.Tensor
+    """[1, num_decodes, 1, max_context] bool (broadcast over KV heads and query groups)."""
+
+
+@dataclass
 class TorchSDPAMetadata:
     num_actual_tokens: int
     slot_mapping: torch.Tensor
-    decode_token_idx: torch.Tensor | None = None
-    decode_slots: torch.Tensor | None = None
-    """[num_decodes, max_context] cache slots (padding points at the null block)."""
-    decode_mask: torch.Tensor | None = None
-    """[1, num_decodes, 1, max_context] bool (broadcast over KV heads and query groups)."""
+    decodes: DecodeRows | None = None
     prefills: list[PrefillRow] = field(default_factory=list)
 
 
@@ -64,9 +71,11 @@ class TorchSDPAMetadataBuilder(AttentionMetadataBuilder):
             valid = pos < lens
             if window is not None:
                 valid &= pos > lens - 1 - window
-            meta.decode_token_idx = common.query_start_loc[rows].long()
-            meta.decode_slots = torch.where(valid, decode_slots, 0)
-            meta.decode_mask = valid[None, :, None, :]
+            meta.decodes = DecodeRows(
+                token_idx=common.query_start_loc[rows].long(),
+                slots=torch.where(valid, decode_slots, 0),
+                mask=valid[None, :, None, :],
+            )
 
         for row in np.flatnonzero(query_lens > 1):
             start, end = int(qsl[row]), int(qsl[row + 1])
@@ -136,14 +145,10 @@ class TorchSDPAImpl(AttentionImpl):
 
         out = torch.empty_like(q)
         gqa = self.num_heads != self.num_kv_heads
-        if attn_metadata.decode_token_idx is not None:
-            idx = attn_metadata.decode_token_idx
-            out[idx] = self._decode(
-                q[idx],
-                key_cache,
-                value_cache,
-                attn_metadata.decode_slots,
-                attn_metadata.decode_mask,
+        decodes = attn_metadata.decodes
+        if decodes is not None:
+            out[decodes.token_idx] = self._decode(
+                q[decodes.token_idx], key_cache, value_cache, decodes.slots, decodes.mask
             )
         for row in attn_metadata.prefills:
             pq = q[row.start : row.end].transpose(0, 1)  # [H, Lq, D]
