@@ -157,15 +157,16 @@ class TorchSDPAImpl(AttentionImpl):
             else:
                 pk = key_cache.index_select(1, row.slots)  # [Hkv, S, D]
                 pv = value_cache.index_select(1, row.slots)
+            # A leading batch dimension of 1 lets torch pick its fused CPU kernel.
             pout = F.scaled_dot_product_attention(
-                pq,
-                pk,
-                pv,
+                pq.unsqueeze(0),
+                pk.unsqueeze(0),
+                pv.unsqueeze(0),
                 attn_mask=row.mask,
                 is_causal=row.mask is None,
                 scale=self.scale,
                 enable_gqa=gqa,
-            )
+            )[0]
             out[row.start : row.end] = pout.transpose(0, 1)
         return out.view(num_tokens, self.num_heads * self.head_size)
 
