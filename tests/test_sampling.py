@@ -98,11 +98,20 @@ def test_allowed_token_ids_and_bad_words_never_violated_over_many_samples(llm):
         ],
         use_tqdm=False,
     )
-    common = max(range(3, 1024), key=lambda t: sum(o.outputs[0].token_ids.count(t) for o in free))
+    counts = {t: sum(o.outputs[0].token_ids.count(t) for o in free) for t in range(3, 1024)}
+    processor = llm.llm_engine.processor
+
+    def single_token_bans(token: int) -> set[int]:
+        sequences = processor._bad_words_token_ids([tokenizer.decode([token])])
+        return {seq[0] for seq in sequences if len(seq) == 1}
+
+    # The most frequent sampled token that is a word of its own (its text tokenizes back to it).
+    common = next(
+        t for t in sorted(counts, key=counts.get, reverse=True) if t in single_token_bans(t)
+    )
+    assert counts[common] > 0
     word = tokenizer.decode([common])
-    banned = llm.llm_engine.processor._bad_words_token_ids([word])
-    single = {seq[0] for seq in banned if len(seq) == 1}
-    assert common in single
+    single = single_token_bans(common)
     params = [
         SamplingParams(temperature=1.2, seed=s, max_tokens=16, ignore_eos=True, bad_words=[word])
         for s in range(20)
