@@ -13,13 +13,13 @@ install-test: install
 	$(PIP) install -q -e '.[test,lint]'
 
 run: install
-	pagellm generate
+	$(PYTHON) -m pagellm.entrypoints.cli generate
 
 test: install-test
 	$(MAKE) lint
 	$(PYTHON) -m pytest -q
 
 lint:
-	ruff check core tests examples
-	ruff format --check core tests examples
-	mypy
+	$(PYTHON) -m ruff check core tests examples
+	$(PYTHON) -m ruff format --check core tests examples
+	$(PYTHON) -m mypy
