@@ -3,26 +3,16 @@ theirs here. Loaded in the front end only."""
 
 from __future__ import annotations
 
-import importlib
-
-_PROCESSORS: dict[str, str] = {}
+from pagellm.plugins.class_registry import ClassRegistry
 
 
-def register_io_processor(name: str, qualname: str) -> None:
-    _PROCESSORS[name] = qualname
-
-
-def registered_io_processors() -> list[str]:
+def _load_plugins() -> None:
     from pagellm.plugins import load_frontend_plugins
 
     load_frontend_plugins()
-    return sorted(_PROCESSORS)
 
 
-def get_io_processor_cls(name: str) -> type:
-    if name not in registered_io_processors():
-        installed = ", ".join(registered_io_processors()) or "none installed"
-        raise ValueError(f"IO processor {name!r} is not installed ({installed}).")
-    module_name, _, cls_name = _PROCESSORS[name].partition(":")
-    cls: type = getattr(importlib.import_module(module_name), cls_name)
-    return cls
+_REGISTRY: ClassRegistry[object] = ClassRegistry("IO processor", object, _load_plugins)
+register_io_processor = _REGISTRY.register
+registered_io_processors = _REGISTRY.names
+get_io_processor_cls = _REGISTRY.get

@@ -2,22 +2,23 @@
 
 from __future__ import annotations
 
-import importlib
-
+from pagellm.plugins.class_registry import ClassRegistry
 from pagellm.quantization.base import QuantizationConfig
 
-_METHODS: dict[str, str] = {}
 
-
-def register_quantization_method(name: str, qualname: str) -> None:
-    _METHODS[name] = qualname
-
-
-def registered_quantization_methods() -> list[str]:
+def _load_plugins() -> None:
     from pagellm.plugins import load_quantization_plugins
 
     load_quantization_plugins()
-    return sorted(_METHODS)
+
+
+_REGISTRY: ClassRegistry[QuantizationConfig] = ClassRegistry(
+    "quantization method",
+    QuantizationConfig,  # type: ignore[type-abstract]  # only used for the subclass check
+    _load_plugins,
+)
+register_quantization_method = _REGISTRY.register
+registered_quantization_methods = _REGISTRY.names
 
 
 def get_quantization_config_cls(name: str) -> type[QuantizationConfig]:
@@ -26,10 +27,4 @@ def get_quantization_config_cls(name: str) -> type[QuantizationConfig]:
         raise ValueError(
             f"quantization={name!r} is not an installed quantization method ({installed})."
         )
-    module_name, _, cls_name = _METHODS[name].partition(":")
-    cls = getattr(importlib.import_module(module_name), cls_name)
-    if not (isinstance(cls, type) and issubclass(cls, QuantizationConfig)):
-        raise TypeError(
-            f"{_METHODS[name]} registered as quantization method {name!r} is not a QuantizationConfig."
-        )
-    return cls
+    return _REGISTRY.get(name)
