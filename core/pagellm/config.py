@@ -126,6 +126,17 @@ class DeviceConfig(_Config):
     """The platform's device type ("cpu", "cuda", ...)."""
 
 
+class CompilationConfig(_Config):
+    enforce_eager: bool = False
+    """Never capture CUDA graphs (the user's ``--enforce-eager``)."""
+    cudagraph_mode: Literal["none", "decode"] = "none"
+    """``decode``: decode-only batches replay captured graphs. Set by the platform in
+    ``check_and_update_config`` (and kept ``none`` when ``enforce_eager``)."""
+    cudagraph_capture_sizes: list[int] = Field(default_factory=list)
+    """Batch sizes (requests = tokens in a decode-only batch) with a captured graph, ascending;
+    a batch is padded up to the next one. Filled in by the platform."""
+
+
 class LoadConfig(_Config):
     load_format: Literal["auto", "safetensors", "gguf", "dummy"] = "auto"
 
@@ -137,6 +148,7 @@ class EngineConfig(_Config):
     parallel: ParallelConfig
     device: DeviceConfig
     load: LoadConfig
+    compilation: CompilationConfig = Field(default_factory=CompilationConfig)
     attention_backend: str | None = None
     """The attention backend's registered name, chosen by the platform unless the user forced one."""
     quantization: str | None = None

@@ -45,6 +45,19 @@ class AttentionMetadataBuilder(ABC):
     def build(self, common: CommonAttentionMetadata) -> Any:
         """Per-step metadata shared by every attention layer."""
 
+    def build_for_cudagraph(self, common: CommonAttentionMetadata) -> Any:
+        """Metadata for a decode-only batch that is captured once and replayed many times.
+
+        ``common`` then describes a padded batch whose tensors are views of the model runner's
+        persistent buffers: between replays the runner rewrites their contents in place, never
+        their addresses or shapes. So the returned metadata may hold only those tensors (or views
+        of them) and scratch buffers the builder keeps for its lifetime; host-side values
+        (``max_seq_len``, ``max_query_len``) are the capture-time worst case (``max_seq_len`` is
+        ``max_model_len``). Padding rows have a query length of 1, a ``seq_len`` of 0 and a
+        ``slot_mapping`` of -1: kernels must skip them without reading the cache. Only backends
+        with ``cudagraph_support`` are asked."""
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs.")
+
 
 class AttentionImpl(ABC):
     def __init__(
@@ -90,6 +103,9 @@ class AttentionBackend(ABC):
     default_block_size: ClassVar[int] = 16
     supports_sliding_window: ClassVar[bool] = True
     supported_device_types: ClassVar[tuple[str, ...]] = ("cpu",)
+    cudagraph_support: ClassVar[bool] = False
+    """True when decode-only batches may be captured in a CUDA graph: see
+    `AttentionMetadataBuilder.build_for_cudagraph`."""
 
     @staticmethod
     @abstractmethod

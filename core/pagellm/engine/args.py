@@ -14,6 +14,7 @@ from pagellm.attention.selector import select_attention_backend
 from pagellm.config import (
     DTYPE_ALIASES,
     CacheConfig,
+    CompilationConfig,
     DeviceConfig,
     EngineConfig,
     LoadConfig,
@@ -52,6 +53,7 @@ class EngineArgs:
     quantization: str | None = None
     device: str | None = None
     tensor_parallel_size: int = 1
+    enforce_eager: bool = False
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
@@ -162,6 +164,7 @@ class EngineArgs:
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
             device=DeviceConfig(device=platform.device_type),
             load=LoadConfig(load_format=self.load_format),  # type: ignore[arg-type]
+            compilation=CompilationConfig(enforce_eager=self.enforce_eager),
             attention_backend=backend.name,
             quantization=self.quantization,
         )

@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagellm.layers.custom_ops import get_custom_op
+
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
     factor = params["factor"]
@@ -40,7 +42,8 @@ def rope_parameters(hf_config: Any) -> dict[str, Any]:
 
 class RotaryEmbedding(nn.Module):
     """Rotates the first and second half of each head (HF's layout). One instance serves every
-    layer: the cos/sin rows of a step's positions are looked up once and reused by all layers."""
+    layer. With the platform's fused kernel, q and k are rotated in place; otherwise the cos/sin
+    rows of a step's positions are looked up once (`set_positions`) and reused by all layers."""
 
     def __init__(self, head_size: int, max_position: int, params: dict[str, Any]) -> None:
         super().__init__()
@@ -59,18 +62,27 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer(
             "cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], -1), persistent=False
         )
-        self._positions: torch.Tensor | None = None
+        self._op = get_custom_op("rotary_embedding")
         self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def _lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if positions is not self._positions or self._cos_sin is None:
+    def set_positions(self, positions: torch.Tensor) -> None:
+        """Called once per forward pass, before the first layer."""
+        if self._op is None:
             cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
-            self._positions, self._cos_sin = positions, (cos, sin)
-        return self._cos_sin
+            self._cos_sin = (cos, sin)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """``x``: [tokens, heads * head_size] (any number of heads, e.g. q and k together)."""
-        cos, sin = self._lookup(positions)
+    def _rotate(self, x: torch.Tensor) -> torch.Tensor:
+        assert self._cos_sin is not None, "set_positions() must be called first"
+        cos, sin = self._cos_sin
         shape, dtype = x.shape, x.dtype
-        x1, x2 = x.view(shape[0], -1, self.head_size).float().chunk(2, dim=-1)
+        x1, x2 = x.reshape(shape[0], -1, self.head_size).float().chunk(2, dim=-1)
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(dtype).view(shape)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``q`` [tokens, heads * head_size], ``k`` [tokens, kv_heads * head_size]."""
+        if self._op is not None:
+            self._op(positions, q, k, self.head_size, self.cos_sin_cache)
+            return q, k
+        return self._rotate(q), self._rotate(k)

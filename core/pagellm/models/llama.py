@@ -88,16 +88,13 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)
-        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm:
-            t = qk.shape[0]
-            q, k = qk.split([self.q_size, self.kv_size], dim=-1)
+            t = q.shape[0]
             q = self.q_norm(q.reshape(t, -1, self.head_size)).reshape(t, -1)
             k = self.k_norm(k.reshape(t, -1, self.head_size)).reshape(t, -1)
-            qk = torch.cat([q, k], dim=-1)
-        # q and k heads rotated in one pass.
-        q, k = self.rotary_emb(positions, qk).split([self.q_size, self.kv_size], dim=-1)
-        return self.o_proj(self.attn(q, k, v.contiguous()))
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
 
 
 class LlamaMLP(nn.Module):
@@ -151,9 +148,11 @@ class LlamaModel(nn.Module):
             layer_cls(ctx, f"{prefix}.layers.{i}") for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary_emb = ctx.rotary_emb
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)
+        self.rotary_emb.set_positions(positions)
         residual = None
         for layer in self.layers:
             hidden_states, residual = layer(positions, hidden_states, residual)

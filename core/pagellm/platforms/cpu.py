@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -36,7 +37,9 @@ class CpuPlatform(Platform):
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
     @classmethod
-    def available_kv_cache_memory(cls, config: EngineConfig, model_bytes: int) -> int:
+    def available_kv_cache_memory(
+        cls, config: EngineConfig, model_bytes: int, profile_run: Callable[[], None]
+    ) -> int:
         """``kv_cache_memory`` bytes, else a quarter of RAM capped at 4 GiB."""
         if config.cache.kv_cache_memory is not None:
             return config.cache.kv_cache_memory

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -42,9 +43,26 @@ class Platform:
         raise NotImplementedError
 
     @classmethod
-    def available_kv_cache_memory(cls, config: EngineConfig, model_bytes: int) -> int:
-        """Bytes the KV cache may take on this device once the model is loaded."""
+    def available_kv_cache_memory(
+        cls, config: EngineConfig, model_bytes: int, profile_run: Callable[[], None]
+    ) -> int:
+        """Bytes the KV cache may take on this device once the model is loaded.
+
+        ``profile_run`` runs the model once on a batch of ``max_num_batched_tokens`` tokens (no KV
+        cache yet), so a platform can measure the activations' peak memory."""
         raise NotImplementedError
+
+    @classmethod
+    def custom_ops(cls) -> dict[str, Callable[..., Any]]:
+        """Fused kernels the model layers use instead of their plain torch code, by name
+        (``"rms_norm"``, ``"fused_add_rms_norm"``, ``"rotary_embedding"``, ``"silu_and_mul"``;
+        see `pagellm.layers.custom_ops`). Layers look them up once, when they are built."""
+        return {}
+
+    @classmethod
+    def is_pin_memory_available(cls) -> bool:
+        """Whether host staging buffers should be pinned (for non-blocking host→device copies)."""
+        return False
 
     @classmethod
     def seed_everything(cls, seed: int) -> None:

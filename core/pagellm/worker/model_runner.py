@@ -66,6 +66,21 @@ class ModelRunner:
         assert self.model is not None
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
+    @torch.inference_mode()
+    def profile_run(self) -> None:
+        """One forward pass over ``max_num_batched_tokens`` tokens and a sampling step over
+        ``max_num_seqs`` rows, before the KV cache exists, so the platform can measure peak
+        activation memory (attention itself is skipped)."""
+        assert self.model is not None
+        sched = self.config.scheduler
+        n = sched.max_num_batched_tokens
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        positions = torch.arange(n, device=self.device) % self.max_model_len
+        with set_forward_context(None):
+            hidden = self.model(ids, positions)
+        logits = self.model.compute_logits(hidden[: min(sched.max_num_seqs, n)])
+        logits.float().log_softmax(dim=-1).argmax(dim=-1)
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
         from pagellm.attention.layer import Attention
 

@@ -33,7 +33,7 @@ class Worker:
         """Bytes this worker can give the KV cache (all layers together)."""
         return int(
             current_platform.available_kv_cache_memory(
-                self.config, self.model_runner.model_memory_bytes()
+                self.config, self.model_runner.model_memory_bytes(), self.model_runner.profile_run
             )
         )
 
