@@ -4,7 +4,10 @@ context and samples one token for each request whose scheduled tokens reach its 
 
 from __future__ import annotations
 
+import bisect
 import logging
+import time
+from dataclasses import dataclass
 from typing import Any, cast
 
 import numpy as np
@@ -19,10 +22,23 @@ from pagellm.kv_cache.spec import KVCacheSpec
 from pagellm.layers.sampler import Penalties, Sampler, SamplingMetadata, gather_logprobs
 from pagellm.model_loader import load_model
 from pagellm.models.llama import uniform_sliding_window
+from pagellm.platforms import current_platform
 from pagellm.scheduler.output import ModelRunnerOutput, SampleLogprobs, SchedulerOutput
 from pagellm.worker.input_batch import CachedRequestState, InputBatch
+from pagellm.worker.step_buffers import StepBuffers
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class CapturedGraph:
+    """A decode step of ``size`` rows captured once: replaying it re-runs the forward pass on
+    whatever the persistent buffers hold, writing into ``hidden``."""
+
+    size: int
+    graph: Any  # torch.cuda.CUDAGraph
+    hidden: torch.Tensor
+    attn_metadata: Any
 
 
 class ModelRunner:
@@ -56,6 +72,15 @@ class ModelRunner:
         self.model: Any = None
         self.kv_caches: list[torch.Tensor] = []
         self.attn_builder = self.attn_backend.get_builder_cls()(self.kv_cache_spec, device)
+        self.buffers = StepBuffers(
+            config.scheduler.max_num_batched_tokens,
+            config.scheduler.max_num_seqs,
+            cdiv(self.max_model_len, block_size),
+            device,
+            pin_memory=current_platform.is_pin_memory_available(),
+        )
+        self.cudagraph_sizes: list[int] = []
+        self.cudagraphs: dict[int, CapturedGraph] = {}
 
     # ---------------------------------------------------------------- setup
 
@@ -95,6 +120,63 @@ class ModelRunner:
         ]
         for layer, cache in zip(layers, self.kv_caches, strict=True):
             layer.kv_cache = cache
+
+    @torch.inference_mode()
+    def capture_model(self) -> None:
+        """Capture one CUDA graph per configured decode batch size (largest first, sharing one
+        memory pool). Does nothing unless the platform turned CUDA graphs on."""
+        comp = self.config.compilation
+        if comp.cudagraph_mode != "decode" or not comp.cudagraph_capture_sizes:
+            return
+        if not self.attn_backend.cudagraph_support:
+            raise ValueError(
+                f"Attention backend {self.attn_backend.name} does not support CUDA graphs; "
+                "pass --enforce-eager."
+            )
+        assert self.model is not None
+        sizes = sorted(s for s in comp.cudagraph_capture_sizes if s <= self.buffers.max_reqs)
+        started = time.perf_counter()
+        buf, h = self.buffers, self.buffers.host
+        pool = torch.cuda.graph_pool_handle()
+        for size in reversed(sizes):
+            # Every row is padding (seq_len 0, slot -1): capture reads no KV cache.
+            h.input_ids[:size] = 0
+            h.positions[:size] = 0
+            h.slot_mapping[:size] = -1
+            h.query_start_loc[: size + 1] = np.arange(size + 1)
+            h.seq_lens[:size] = 0
+            buf.copy_to_device(size, size, 0)
+            d = buf.device_tensors
+            common = CommonAttentionMetadata(
+                num_reqs=size,
+                num_actual_tokens=size,
+                max_query_len=1,
+                max_seq_len=self.max_model_len,
+                query_start_loc=d.query_start_loc[: size + 1],
+                query_start_loc_cpu=buf.host_tensors.query_start_loc[: size + 1],
+                seq_lens=d.seq_lens[:size],
+                seq_lens_cpu=buf.host_tensors.seq_lens[:size],
+                block_table=d.block_table[:size],
+                slot_mapping=d.slot_mapping[:size],
+            )
+            meta = self.attn_builder.build_for_cudagraph(common)
+            with set_forward_context(meta):
+                for _ in range(2):  # warm-up: kernels compiled and autotuned outside capture
+                    self.model(buf.input_ids[:size], buf.positions[:size])
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    hidden = self.model(buf.input_ids[:size], buf.positions[:size])
+            self.cudagraphs[size] = CapturedGraph(size, graph, hidden, meta)
+        torch.cuda.synchronize()
+        self.cudagraph_sizes = sizes
+        logger.info(
+            "Captured %d CUDA graphs (decode batch sizes %d..%d) in %.1f s",
+            len(sizes),
+            sizes[0],
+            sizes[-1],
+            time.perf_counter() - started,
+        )
 
     # ---------------------------------------------------------------- one step
 
@@ -150,48 +232,36 @@ class ModelRunner:
         batch = self.input_batch
 
         # Scheduled rows in batch order, and their token counts.
-        rows = np.array(
-            sorted(batch.req_id_to_index[r] for r in out.num_scheduled_tokens), dtype=np.int64
-        )
-        req_ids = [cast(str, batch.req_ids[i]) for i in rows]
-        num_sched = np.array([out.num_scheduled_tokens[r] for r in req_ids], dtype=np.int64)
-        total = int(num_sched.sum())
-        cu = np.cumsum(num_sched)
-        query_start_loc = np.concatenate([[0], cu])
-        row_of_token = np.repeat(rows, num_sched)
-        offsets = np.arange(total) - np.repeat(query_start_loc[:-1], num_sched)
-        positions = batch.num_computed_tokens[row_of_token] + offsets
-        input_ids = batch.token_ids[row_of_token, positions]
-        slot_mapping = (
-            batch.block_table[row_of_token, positions // self.block_size].astype(np.int64)
-            * self.block_size
-            + positions % self.block_size
-        )
-        seq_lens = batch.num_computed_tokens[rows] + num_sched
-        max_blocks = int(cdiv(int(seq_lens.max()), self.block_size))
-
-        dev = self.device
-        qsl_cpu = torch.from_numpy(query_start_loc.astype(np.int32))
-        seq_lens_cpu = torch.from_numpy(seq_lens.astype(np.int32))
-        common = CommonAttentionMetadata(
-            num_reqs=len(rows),
-            num_actual_tokens=total,
-            max_query_len=int(num_sched.max()),
-            max_seq_len=int(seq_lens.max()),
-            query_start_loc=qsl_cpu.to(dev),
-            query_start_loc_cpu=qsl_cpu,
-            seq_lens=seq_lens_cpu.to(dev),
-            seq_lens_cpu=seq_lens_cpu,
-            block_table=torch.from_numpy(batch.block_table[rows, :max_blocks]).to(dev),
-            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
-        )
-        attn_metadata = self.attn_builder.build(common)
-        with set_forward_context(attn_metadata):
-            hidden = self.model(
-                torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev)
+        num_reqs = len(out.num_scheduled_tokens)
+        if num_reqs == batch.num_reqs:
+            rows = np.arange(num_reqs)  # everyone runs: rows are already contiguous and ordered
+        else:
+            rows = np.array(
+                sorted(batch.req_id_to_index[r] for r in out.num_scheduled_tokens), dtype=np.int64
             )
+        req_ids = cast(list[str], [batch.req_ids[i] for i in rows])
+        sched = out.num_scheduled_tokens
+        num_sched = np.fromiter((sched[r] for r in req_ids), dtype=np.int64, count=num_reqs)
+        total = out.total_num_scheduled_tokens
+        cu = np.cumsum(num_sched)
+        seq_lens = batch.num_computed_tokens[rows] + num_sched
 
-        prompt_logprobs = self._prompt_logprobs(hidden, rows, req_ids, num_sched, query_start_loc)
+        graph = None
+        if total == num_reqs and self.cudagraph_sizes and num_reqs <= self.cudagraph_sizes[-1]:
+            size = self.cudagraph_sizes[bisect.bisect_left(self.cudagraph_sizes, num_reqs)]
+            graph = self.cudagraphs[size]
+        padded = graph.size if graph is not None else total
+        common = self._prepare_inputs(rows, num_sched, cu, seq_lens, padded)
+        buf = self.buffers
+        if graph is not None:
+            graph.graph.replay()
+            hidden = graph.hidden[:total]
+        else:
+            attn_metadata = self.attn_builder.build(common)
+            with set_forward_context(attn_metadata):
+                hidden = self.model(buf.input_ids[:total], buf.positions[:total])
+
+        prompt_logprobs = self._prompt_logprobs(hidden, rows, req_ids, num_sched, cu - num_sched)
 
         # Sample only for requests whose scheduled tokens reach their last token.
         done = seq_lens >= batch.num_tokens[rows]
@@ -199,30 +269,96 @@ class ModelRunner:
         sampled_lists: list[list[int]] = [[] for _ in rows]
         logprob_lists: list[SampleLogprobs | None] = [None] * len(rows)
         if len(sample_pos):
-            logits = self.model.compute_logits(hidden[torch.from_numpy(cu[sample_pos] - 1).to(dev)])
+            if len(sample_pos) == total:  # decode-only: every token samples
+                sample_hidden = hidden
+            else:
+                idx = buf.to_device(cu[sample_pos] - 1)
+                sample_hidden = hidden.index_select(0, idx)
+            logits = self.model.compute_logits(sample_hidden)
             sample_rows = rows[sample_pos]
             sample_ids = [req_ids[p] for p in sample_pos]
             result = self.sampler(logits, self._sampling_metadata(sample_rows, sample_ids))
-            tokens = result.sampled_token_ids.tolist()
-            for j, (pos, row, token) in enumerate(
-                zip(sample_pos, sample_rows, tokens, strict=True)
-            ):
+            tokens = result.sampled_token_ids.tolist()  # the step's one device→host copy
+            n_tok = batch.num_tokens[sample_rows]
+            fits = n_tok < self.max_model_len
+            batch.token_ids[sample_rows[fits], n_tok[fits]] = np.asarray(tokens)[fits]
+            batch.num_tokens[sample_rows] = n_tok + 1
+            requests = self.requests
+            for pos, token in zip(sample_pos.tolist(), tokens, strict=True):
                 sampled_lists[pos] = [token]
-                n = int(batch.num_tokens[row])
-                if n < self.max_model_len:
-                    batch.token_ids[row, n] = token
-                batch.num_tokens[row] = n + 1
-                self.requests[req_ids[pos]].output_token_ids.append(token)
-                if result.logprobs is not None and batch.num_logprobs[row] >= 0:
+                requests[req_ids[pos]].output_token_ids.append(token)
+            if result.logprobs is not None:
+                for j, (p, row) in enumerate(zip(sample_pos.tolist(), sample_rows, strict=True)):
+                    if batch.num_logprobs[row] < 0:
+                        continue
                     lp = result.logprobs[j]
                     k = int(batch.num_logprobs[row]) + 1
                     lp.token_ids, lp.logprobs = lp.token_ids[:k], lp.logprobs[:k]
-                    logprob_lists[pos] = lp
+                    logprob_lists[p] = lp
         return ModelRunnerOutput(
             req_ids=req_ids,
             sampled_token_ids=sampled_lists,
             logprobs=logprob_lists if any(lp is not None for lp in logprob_lists) else None,
             prompt_logprobs=prompt_logprobs,
+        )
+
+    def _prepare_inputs(
+        self,
+        rows: np.ndarray,
+        num_sched: np.ndarray,
+        cu: np.ndarray,
+        seq_lens: np.ndarray,
+        padded: int,
+    ) -> CommonAttentionMetadata:
+        """Lay the step's inputs out in the host staging buffers, copy them to the device buffers
+        (non-blocking from pinned memory) and describe them. ``padded`` > the token count only for
+        a CUDA-graph replay: padding rows get one token, ``seq_len`` 0 and slot -1."""
+        batch, buf, bs = self.input_batch, self.buffers, self.block_size
+        num_reqs, total = len(rows), int(cu[-1])
+        h = buf.host
+        if total == num_reqs:  # decode-only: one token per row, no repeats needed
+            positions = batch.num_computed_tokens[rows]
+            row_of_token = rows
+        else:
+            row_of_token = np.repeat(rows, num_sched)
+            positions = batch.num_computed_tokens[row_of_token] + (
+                np.arange(total) - np.repeat(cu - num_sched, num_sched)
+            )
+        h.positions[:total] = positions
+        h.input_ids[:total] = batch.token_ids[row_of_token, positions]
+        h.slot_mapping[:total] = batch.block_table[row_of_token, positions // bs] * bs + (
+            positions % bs
+        )
+        h.query_start_loc[0] = 0
+        h.query_start_loc[1 : num_reqs + 1] = cu
+        h.seq_lens[:num_reqs] = seq_lens
+        num_rows = num_reqs
+        if padded > total:
+            h.input_ids[total:padded] = 0
+            h.positions[total:padded] = 0
+            h.slot_mapping[total:padded] = -1
+            h.query_start_loc[num_reqs + 1 : padded + 1] = np.arange(total + 1, padded + 1)
+            h.seq_lens[num_reqs:padded] = 0
+            num_rows = padded
+        max_seq_len = int(seq_lens.max())
+        max_blocks = cdiv(max_seq_len, bs)
+        if num_reqs == batch.num_reqs and rows[0] == 0:
+            h.block_table[:num_reqs, :max_blocks] = batch.block_table[:num_reqs, :max_blocks]
+        else:
+            h.block_table[:num_reqs, :max_blocks] = batch.block_table[rows, :max_blocks]
+        buf.copy_to_device(padded, num_rows, max_blocks)
+        d = buf.device_tensors
+        return CommonAttentionMetadata(
+            num_reqs=num_rows,
+            num_actual_tokens=padded,
+            max_query_len=int(num_sched.max()),
+            max_seq_len=max_seq_len,
+            query_start_loc=d.query_start_loc[: num_rows + 1],
+            query_start_loc_cpu=buf.host_tensors.query_start_loc[: num_rows + 1],
+            seq_lens=d.seq_lens[:num_rows],
+            seq_lens_cpu=buf.host_tensors.seq_lens[:num_rows],
+            block_table=d.block_table[:num_rows, :max_blocks],
+            slot_mapping=d.slot_mapping[:padded],
         )
 
     def _prompt_logprobs(

@@ -1,0 +1,116 @@
+"""The model runner's persistent per-step input buffers.
+
+Each step's token ids, positions, slot mapping, query start locations, sequence lengths and block
+table are written into host staging arrays (numpy views of pinned tensors when the platform pins
+memory) and copied into device tensors of fixed address, non-blocking. Fixed addresses are what
+lets a captured CUDA graph be replayed on new inputs; pinned staging is what lets the copies
+overlap with the host's work. On the CPU the device tensors are the host tensors themselves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class _Tensors:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+
+
+@dataclass
+class _HostArrays:
+    input_ids: np.ndarray
+    positions: np.ndarray
+    slot_mapping: np.ndarray
+    query_start_loc: np.ndarray
+    seq_lens: np.ndarray
+    block_table: np.ndarray
+
+
+def _allocate(
+    max_tokens: int, max_reqs: int, max_blocks: int, device: torch.device, pin: bool
+) -> _Tensors:
+    def empty(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin)
+
+    return _Tensors(
+        input_ids=empty(max_tokens, dtype=torch.int64),
+        positions=empty(max_tokens, dtype=torch.int64),
+        slot_mapping=empty(max_tokens, dtype=torch.int64),
+        query_start_loc=empty(max_reqs + 1, dtype=torch.int32),
+        seq_lens=empty(max_reqs, dtype=torch.int32),
+        block_table=empty(max_reqs, max_blocks, dtype=torch.int32),
+    )
+
+
+class StepBuffers:
+    def __init__(
+        self,
+        max_num_tokens: int,
+        max_num_reqs: int,
+        max_blocks_per_req: int,
+        device: torch.device,
+        pin_memory: bool,
+    ) -> None:
+        self.device = device
+        self.max_reqs = max_num_reqs
+        on_cpu = device.type == "cpu"
+        # Graph replays pad a decode batch up to a capture size, which may exceed the token budget.
+        max_num_tokens = max(max_num_tokens, max_num_reqs)
+        cpu = torch.device("cpu")
+        self.host_tensors = _allocate(
+            max_num_tokens, max_num_reqs, max_blocks_per_req, cpu, pin_memory and not on_cpu
+        )
+        self.device_tensors = (
+            self.host_tensors
+            if on_cpu
+            else _allocate(max_num_tokens, max_num_reqs, max_blocks_per_req, device, False)
+        )
+        t = self.host_tensors
+        self.host = _HostArrays(
+            input_ids=t.input_ids.numpy(),
+            positions=t.positions.numpy(),
+            slot_mapping=t.slot_mapping.numpy(),
+            query_start_loc=t.query_start_loc.numpy(),
+            seq_lens=t.seq_lens.numpy(),
+            block_table=t.block_table.numpy(),
+        )
+        self._non_blocking = pin_memory and not on_cpu
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return self.device_tensors.input_ids
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.device_tensors.positions
+
+    def copy_to_device(self, num_tokens: int, num_reqs: int, num_block_cols: int) -> None:
+        """Copy the staged prefix of every buffer; the block table only in its used columns."""
+        h, d = self.host_tensors, self.device_tensors
+        if h is d:
+            return
+        nb = self._non_blocking
+        d.input_ids[:num_tokens].copy_(h.input_ids[:num_tokens], non_blocking=nb)
+        d.positions[:num_tokens].copy_(h.positions[:num_tokens], non_blocking=nb)
+        d.slot_mapping[:num_tokens].copy_(h.slot_mapping[:num_tokens], non_blocking=nb)
+        d.query_start_loc[: num_reqs + 1].copy_(h.query_start_loc[: num_reqs + 1], non_blocking=nb)
+        d.seq_lens[:num_reqs].copy_(h.seq_lens[:num_reqs], non_blocking=nb)
+        d.block_table[:num_reqs, :num_block_cols].copy_(
+            h.block_table[:num_reqs, :num_block_cols], non_blocking=nb
+        )
+
+    def to_device(self, array: np.ndarray) -> torch.Tensor:
+        """A small per-step array (e.g. sampling indices) on the device."""
+        tensor = torch.from_numpy(np.ascontiguousarray(array))
+        if self.device.type == "cpu":
+            return tensor
+        return tensor.to(self.device, non_blocking=False)
