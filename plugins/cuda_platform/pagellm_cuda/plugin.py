@@ -1,0 +1,19 @@
+"""The ``pagellm.platform_plugins`` entry point: names `CudaPlatform` when a CUDA GPU is present.
+
+Asked in every process the first time ``current_platform`` is read, so it must stay cheap and must
+not initialise CUDA: see `pagellm_cuda.devices.cuda_device_count`.
+"""
+
+from __future__ import annotations
+
+from pagellm.plugins import hookimpl
+from pagellm_cuda.devices import cuda_device_count
+
+pagellm_plugin_api = "1.0"
+
+
+@hookimpl
+def pagellm_platform() -> str | None:
+    if cuda_device_count() > 0:
+        return "pagellm_cuda.platform:CudaPlatform"
+    return None

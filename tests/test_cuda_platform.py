@@ -1,0 +1,363 @@
+"""The CUDA platform plugin (`plugins/cuda_platform`) on a machine without a GPU.
+
+What runs for real here: the installed plugin's discovery and its inactive answer, the device-id
+mapping, dtype choice, CUDA-graph sizes, the memory arithmetic and `check_and_update_config` on a
+real engine config. What needs a GPU (device facts, profiling) is in tests/gpu/.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagellm.attention.backends.torch_sdpa import TorchSDPABackend
+from pagellm.attention.selector import select_attention_backend
+from pagellm.config import EngineConfig
+from pagellm.engine.args import EngineArgs
+from pagellm.layers.custom_ops import OP_NAMES
+
+PLUGIN_DIR = Path(__file__).resolve().parents[1] / "plugins" / "cuda_platform"
+if importlib.util.find_spec("pagellm_cuda") is None:
+    # Installed by the fixture below for the subprocesses; this process started before that, and
+    # an editable install's import hook is only read at start-up, so import from the source.
+    sys.path.insert(0, str(PLUGIN_DIR))
+
+from pagellm_cuda import platform as cuda_platform  # noqa: E402
+from pagellm_cuda.cudagraphs import cudagraph_capture_sizes  # noqa: E402
+from pagellm_cuda.devices import (  # noqa: E402
+    CudaDeviceError,
+    cuda_device_count,
+    parse_visible_devices,
+    physical_device_id,
+    visible_device_id,
+    visible_device_ids,
+)
+from pagellm_cuda.memory import (  # noqa: E402
+    CUDAGRAPH_OVERHEAD_PER_GRAPH,
+    InsufficientMemoryError,
+    MemoryProfile,
+    cudagraph_reserve,
+    kv_cache_bytes,
+)
+from pagellm_cuda.platform import CudaPlatform, auto_dtype  # noqa: E402
+from pagellm_cuda.plugin import pagellm_platform  # noqa: E402
+
+GiB = 2**30
+VAR = "CUDA_VISIBLE_DEVICES"
+
+
+@pytest.fixture(scope="module")
+def installed() -> Iterator[None]:
+    """``pip install -e`` the plugin unless it already is; uninstall only what was installed here."""
+    try:
+        importlib.metadata.distribution("pagellm-cuda")
+        yield
+        return
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    pip = [sys.executable, "-m", "pip", "-q"]
+    subprocess.run(
+        [*pip, "install", "--no-deps", "--no-build-isolation", "-e", str(PLUGIN_DIR)], check=True
+    )
+    yield
+    subprocess.run([*pip, "uninstall", "-y", "pagellm-cuda"], check=True)
+
+
+def run_python(code: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_PLUGINS", "PAGELLM_PLATFORM")}
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+# ---------------------------------------------------------------------- discovery
+
+
+def test_plugin_is_discovered_and_reports_itself_inactive_without_a_gpu(installed):
+    proc = run_python(
+        "from pagellm.entrypoints.cli import main; raise SystemExit(main(['plugins', '--json']))"
+    )
+    assert proc.returncode == 0, proc.stderr
+    records = {r["name"]: r for r in json.loads(proc.stdout)["pagellm.platform_plugins"]}
+    cuda = records["cuda"]
+    assert (cuda["distribution"], cuda["status"]) == ("pagellm-cuda", "loaded")
+    assert cuda["reason"].startswith("inactive")
+
+
+def test_cpu_platform_stays_current_with_the_plugin_installed(installed):
+    proc = run_python(
+        "from pagellm.platforms import current_platform_name; print(current_platform_name())"
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["cpu"]
+
+
+def test_hook_answers_none_on_a_cpu_build_of_torch():
+    assert torch.version.cuda is None  # this machine's torch: the case under test
+    assert cuda_device_count() == 0
+    assert pagellm_platform() is None
+
+
+def test_device_without_a_visible_gpu_is_a_clear_error():
+    with pytest.raises(CudaDeviceError, match="no CUDA device is visible"):
+        CudaPlatform.device(0)
+
+
+# ---------------------------------------------------------------------- device ids
+
+
+@pytest.mark.parametrize("env", [{}, {VAR: ""}, {VAR: "  "}], ids=["unset", "empty", "blank"])
+def test_unset_or_empty_visible_devices_means_every_device(env):
+    assert parse_visible_devices(env.get(VAR)) is None
+    assert visible_device_ids(env, 4) == [0, 1, 2, 3]
+    assert [physical_device_id(i, env, 4) for i in range(4)] == [0, 1, 2, 3]
+
+
+def test_visible_devices_list_maps_logical_to_physical():
+    env = {VAR: "6, 4,5"}
+    assert visible_device_ids(env, 3) == [6, 4, 5]
+    assert [visible_device_id(i, env, 3) for i in range(3)] == [0, 1, 2]
+    assert [physical_device_id(i, env, 3) for i in range(3)] == [6, 4, 5]
+
+
+def test_uuids_are_passed_through_as_strings():
+    env = {VAR: "GPU-5f1c2b7e-aaaa-bbbb-cccc-0123456789ab, MIG-0c2d-11,3"}
+    assert visible_device_ids(env, 3) == [
+        "GPU-5f1c2b7e-aaaa-bbbb-cccc-0123456789ab",
+        "MIG-0c2d-11",
+        3,
+    ]
+    assert physical_device_id(1, env, 3) == "MIG-0c2d-11"
+
+
+def test_negative_id_ends_the_list_as_in_cuda():
+    assert parse_visible_devices("2,-1,3") == [2]
+    assert parse_visible_devices("-1") == []
+
+
+def test_ids_cuda_does_not_expose_are_cut_off():
+    # CUDA_VISIBLE_DEVICES=0,1,7 on a 4-GPU machine: CUDA stops at 7 and exposes 2 devices.
+    assert visible_device_ids({VAR: "0,1,7"}, 2) == [0, 1]
+
+
+@pytest.mark.parametrize(
+    ("logical", "env", "num_devices", "message"),
+    [
+        (2, {VAR: "4,5"}, 2, r"CUDA device 2 does not exist: 2 CUDA device\(s\) are visible"),
+        (4, {}, 4, r"physical ids \[0, 1, 2, 3\]\) \(CUDA_VISIBLE_DEVICES unset\)"),
+        (-1, {VAR: "0"}, 1, "from 0 to 0"),
+        (0, {VAR: "-1"}, 0, "no CUDA device is visible"),
+    ],
+    ids=["past-list", "past-all", "negative", "none-visible"],
+)
+def test_out_of_range_logical_id_is_a_clear_error(logical, env, num_devices, message):
+    with pytest.raises(CudaDeviceError, match=message):
+        physical_device_id(logical, env, num_devices)
+
+
+# ---------------------------------------------------------------------- dtype, attention
+
+
+@pytest.mark.parametrize(
+    ("checkpoint", "capability", "expected"),
+    [
+        (torch.float16, (9, 0), torch.float16),
+        (torch.bfloat16, (9, 0), torch.bfloat16),
+        (torch.float32, (9, 0), torch.bfloat16),
+        (None, (8, 0), torch.bfloat16),
+        (torch.float16, (7, 5), torch.float16),
+        (torch.bfloat16, (7, 5), torch.float16),
+        (torch.float32, (7, 0), torch.float16),
+    ],
+)
+def test_auto_dtype_prefers_bfloat16_where_the_gpu_has_it(checkpoint, capability, expected):
+    assert auto_dtype(checkpoint, capability) == expected
+
+
+def test_explicit_float32_is_allowed():
+    assert set(CudaPlatform.supported_dtypes) == {torch.bfloat16, torch.float16, torch.float32}
+
+
+def test_attention_ranking_and_selection_among_installed_backends():
+    ranking = CudaPlatform.attention_backend_ranking()
+    assert ranking == ["FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "TORCH_SDPA"]
+    chosen = select_attention_backend(
+        requested=None,
+        ranking=ranking,
+        device_type=CudaPlatform.device_type,
+        head_size=64,
+        dtype=torch.bfloat16,
+        block_size=None,
+        sliding_window=None,
+    )
+    assert chosen.name in ranking
+
+
+def test_runtime_declarations():
+    assert (CudaPlatform.name, CudaPlatform.device_type, CudaPlatform.dist_backend) == (
+        "cuda",
+        "cuda",
+        "nccl",
+    )
+    assert CudaPlatform.is_pin_memory_available()
+
+
+# ---------------------------------------------------------------------- CUDA graphs
+
+
+def test_capture_sizes_ladder():
+    eights = list(range(16, 257, 8))
+    sixteens = list(range(272, 513, 16))
+    assert cudagraph_capture_sizes(512) == [1, 2, 4, 8, *eights, *sixteens]
+    assert cudagraph_capture_sizes(256) == [1, 2, 4, 8, *eights]
+    assert cudagraph_capture_sizes(100) == [1, 2, 4, 8, *range(16, 97, 8), 100]
+    assert cudagraph_capture_sizes(300) == [1, 2, 4, 8, *eights, 272, 288, 300]
+    assert cudagraph_capture_sizes(3) == [1, 2, 3]
+    assert cudagraph_capture_sizes(1) == [1]
+    assert cudagraph_capture_sizes(1000) == cudagraph_capture_sizes(512)
+
+
+class CudaGraphCapableBackend(TorchSDPABackend):
+    """Stands in for a GPU backend with CUDA-graph support (none is installed on this machine)."""
+
+    name = "CUDAGRAPH_TEST"
+    supported_device_types = ("cuda",)
+    cudagraph_support = True
+
+
+@pytest.fixture
+def capable_backend(monkeypatch: pytest.MonkeyPatch) -> str:
+    from pagellm.attention import registry
+
+    # Registered for this test only, so no later selection sees it.
+    monkeypatch.setitem(
+        registry._BACKENDS, CudaGraphCapableBackend.name, f"{__name__}:CudaGraphCapableBackend"
+    )
+    return CudaGraphCapableBackend.name
+
+
+def engine_config(model: str, **kwargs) -> EngineConfig:
+    return EngineArgs(
+        model=model, max_model_len=64, kv_cache_memory=4 << 20, **kwargs
+    ).create_engine_config()
+
+
+def test_cudagraphs_on_for_a_capable_backend(tiny_models, capable_backend):
+    config = engine_config(tiny_models["llama3"], max_num_seqs=48)
+    config.attention_backend = capable_backend
+    CudaPlatform.check_and_update_config(config)
+    assert config.compilation.cudagraph_mode == "decode"
+    assert config.compilation.cudagraph_capture_sizes == [1, 2, 4, 8, 16, 24, 32, 40, 48]
+
+
+def test_enforce_eager_turns_cudagraphs_off(tiny_models, capable_backend, caplog):
+    config = engine_config(tiny_models["llama3"], enforce_eager=True)
+    config.attention_backend = capable_backend
+    config.compilation.cudagraph_mode = "decode"
+    with caplog.at_level(logging.INFO, logger=cuda_platform.__name__):
+        CudaPlatform.check_and_update_config(config)
+    assert config.compilation.cudagraph_mode == "none"
+    assert config.compilation.cudagraph_capture_sizes == []
+    assert "--enforce-eager" in caplog.text
+
+
+def test_backend_without_cudagraph_support_turns_cudagraphs_off(tiny_models, caplog):
+    config = engine_config(tiny_models["llama3"])
+    assert config.attention_backend == "TORCH_SDPA"
+    config.compilation.cudagraph_mode = "decode"
+    config.compilation.cudagraph_capture_sizes = [1, 2]
+    with caplog.at_level(logging.INFO, logger=cuda_platform.__name__):
+        CudaPlatform.check_and_update_config(config)
+    assert config.compilation.cudagraph_mode == "none"
+    assert config.compilation.cudagraph_capture_sizes == []
+    assert "TORCH_SDPA does not support them" in caplog.text
+
+
+# ---------------------------------------------------------------------- KV cache memory
+
+
+def profile(**overrides: int) -> MemoryProfile:
+    numbers = dict(
+        total=80 * GiB, weights=16 * GiB, baseline=17 * GiB, peak=21 * GiB, non_torch=GiB
+    )
+    return MemoryProfile(**{**numbers, **overrides})
+
+
+def test_kv_cache_gets_the_budget_minus_the_peak():
+    p = profile(cudagraphs=GiB // 2)
+    assert p.activations == 4 * GiB
+    assert p.peak_used == 21 * GiB + GiB + GiB // 2
+    assert kv_cache_bytes(p, 0.9) == int(0.9 * 80 * GiB) - p.peak_used
+
+
+def test_no_room_for_the_kv_cache_explains_the_numbers_and_the_fixes():
+    with pytest.raises(InsufficientMemoryError) as err:
+        kv_cache_bytes(profile(cudagraphs=GiB), 0.25)
+    message = str(err.value)
+    for text in (
+        "gpu_memory_utilization 0.25 of 80.00 GiB allows 20.00 GiB",
+        "already takes 23.00 GiB",
+        "weights 16.00 GiB",
+        "other tensors 1.00 GiB",
+        "peak activations 4.00 GiB",
+        "1.00 GiB outside PyTorch",
+        "1.00 GiB set aside for CUDA graphs",
+        "--gpu-memory-utilization",
+        "--max-num-batched-tokens",
+        "--max-model-len",
+        "--enforce-eager",
+    ):
+        assert text in message
+    with pytest.raises(InsufficientMemoryError):  # exactly nothing left is no KV cache either
+        kv_cache_bytes(profile(total=100 * GiB, peak=20 * GiB, non_torch=0), 0.2)
+
+
+def test_cudagraph_reserve_scales_activations_to_the_largest_graph():
+    assert cudagraph_reserve(8 * GiB, 512, 8192, 35) == GiB // 2 + 35 * CUDAGRAPH_OVERHEAD_PER_GRAPH
+    assert cudagraph_reserve(GiB, 512, 256, 1) == GiB + CUDAGRAPH_OVERHEAD_PER_GRAPH
+    assert cudagraph_reserve(GiB, 512, 8192, 0) == 0
+
+
+def test_explicit_kv_cache_memory_skips_profiling(tiny_models):
+    config = engine_config(tiny_models["llama3"])
+
+    def profile_run() -> None:
+        raise AssertionError("profiling must not run when kv_cache_memory is set")
+
+    assert CudaPlatform.available_kv_cache_memory(config, 1 << 20, profile_run) == 4 << 20
+
+
+# ---------------------------------------------------------------------- custom ops
+
+
+def test_custom_ops_can_be_disabled_for_ab_comparisons(monkeypatch):
+    monkeypatch.setenv("PAGELLM_DISABLE_CUSTOM_OPS", "1")
+    assert CudaPlatform.custom_ops() == {}
+
+
+def test_custom_ops_name_known_ops(monkeypatch):
+    monkeypatch.delenv("PAGELLM_DISABLE_CUSTOM_OPS", raising=False)
+    assert set(CudaPlatform.custom_ops()) <= set(OP_NAMES)
+
+
+def test_custom_ops_that_cannot_import_fall_back_with_a_warning(monkeypatch, caplog):
+    """A missing Triton cannot be produced here (it is installed), so the import is made to fail."""
+    monkeypatch.delenv("PAGELLM_DISABLE_CUSTOM_OPS", raising=False)
+    monkeypatch.setitem(sys.modules, "pagellm_cuda.ops", None)
+    cuda_platform._load_custom_ops.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger=cuda_platform.__name__):
+            assert CudaPlatform.custom_ops() == {}
+    finally:
+        cuda_platform._load_custom_ops.cache_clear()
+    assert "CUDA custom ops unavailable" in caplog.text
