@@ -44,6 +44,8 @@ class ModelConfig(_Config):
     model: str
     """Local path: a Hugging Face model directory or a GGUF file."""
     tokenizer: str
+    skip_tokenizer_init: bool = False
+    """No tokenizer: prompts must be token ids and outputs carry no text."""
     gguf_file: str | None = None
     """Set when the weights come from a GGUF file (then tokenizer and config come from it too)."""
     dtype: str = "float32"

@@ -50,6 +50,22 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--random-range-ratio", type=float, default=0.0)
     parser.add_argument(
+        "--input-len-range",
+        type=int,
+        nargs=2,
+        default=None,
+        metavar=("LOW", "HIGH"),
+        help="Prompt lengths uniform in [LOW, HIGH] (overrides --input-len/--random-range-ratio).",
+    )
+    parser.add_argument(
+        "--output-len-range",
+        type=int,
+        nargs=2,
+        default=None,
+        metavar=("LOW", "HIGH"),
+        help="Output lengths uniform in [LOW, HIGH] (overrides --output-len/--random-range-ratio).",
+    )
+    parser.add_argument(
         "--random-token-range",
         type=int,
         nargs=2,
@@ -78,46 +94,131 @@ def _summary(name: str, requests: list[BenchRequest], elapsed: float) -> dict[st
     }
 
 
+def measure_copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
+    """Device memory bandwidth in bytes/s, counting bytes read plus bytes written, from the median
+    of timed copies of a ``nbytes`` buffer (after warm-up)."""
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(13):
+        if device.type == "cuda":
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            dst.copy_(src)
+            end.record()
+            end.synchronize()
+            elapsed = begin.elapsed_time(end) / 1e3
+        else:
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            elapsed = time.perf_counter() - t0
+        if i >= 3:
+            times.append(elapsed)
+    del src, dst
+    return 2 * nbytes / sorted(times)[len(times) // 2]
+
+
 def run_pagellm(
     args: argparse.Namespace, requests: list[BenchRequest]
-) -> tuple[dict[str, Any], Any]:
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Runs the workload through the engine, one timed step at a time; returns the summary and
+    what the peer run needs (config, pad id), after shutting the engine down."""
     from pagellm import LLM, SamplingParams
     from pagellm.engine.args import EngineArgs
+    from pagellm.sampling_params import RequestOutputKind
 
     engine_args = EngineArgs.from_cli_args(args)
     llm = LLM(engine_args.model, **{k: v for k, v in vars(engine_args).items() if k != "model"})
+    engine = llm.llm_engine
+    core = engine.engine_core
+    config = engine.config
+    detokenize = not config.model.skip_tokenizer_init
     params = [
         SamplingParams(
-            temperature=args.temperature, max_tokens=r.output_len, ignore_eos=True, detokenize=True
+            temperature=args.temperature,
+            max_tokens=r.output_len,
+            ignore_eos=True,
+            detokenize=detokenize,
+            output_kind=RequestOutputKind.FINAL_ONLY,
         )
         for r in requests
     ]
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    produced = sum(len(o.outputs[0].token_ids) for o in outputs)
+
+    device = torch.device(config.device.device)
+    copy_bw = measure_copy_bandwidth(device)
+    spec = core.executor.get_kv_cache_spec()
+    kv_bytes_per_token = spec.page_size_bytes // spec.block_size * config.model.num_layers
+    weight_bytes = core.executor.collective_rpc(lambda w: w.model_runner.decode_weight_bytes())[0]
+
+    clock = time.perf_counter
+    steady_time = 0.0
+    steady_bytes = 0
+    steady_steps = 0
+    num_steps = 0
+    produced = 0
+    start = clock()
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(f"bench-{i}", prompt, p)
+    while engine.has_unfinished_requests():
+        t0 = clock()
+        outputs = engine.step()
+        elapsed = clock() - t0
+        num_steps += 1
+        produced += sum(len(o.outputs[0].token_ids) for o in outputs if o.finished)
+        stats = core.last_step_stats
+        # Steady-state decode: every request has arrived and every running one decodes.
+        if stats.decode_only and stats.num_waiting == 0 and stats.num_scheduled_reqs > 1:
+            steady_time += elapsed
+            steady_bytes += weight_bytes + stats.context_tokens * kv_bytes_per_token
+            steady_steps += 1
+    total_elapsed = clock() - start
     expected = sum(r.output_len for r in requests)
     if produced != expected:
         raise RuntimeError(f"pagellm produced {produced} output tokens, expected {expected}.")
-    result = _summary("pagellm", requests, elapsed)
-    result["num_preemptions"] = llm.llm_engine.engine_core.scheduler.num_preemptions
-    return result, llm
+    result = _summary("pagellm", requests, total_elapsed)
+    result["num_steps"] = num_steps
+    result["num_preemptions"] = core.scheduler.num_preemptions
+    result["kv_cache_blocks"] = config.cache.num_blocks
+    result["attention_backend"] = config.attention_backend
+    result["cudagraph_mode"] = config.compilation.cudagraph_mode
+    if steady_steps:
+        achieved = steady_bytes / steady_time
+        result["decode_roofline"] = {
+            "steady_decode_steps": steady_steps,
+            "mean_step_ms": round(steady_time / steady_steps * 1e3, 3),
+            "bytes_per_step_gb": round(steady_bytes / steady_steps / 1e9, 3),
+            "achieved_gb_per_s": round(achieved / 1e9, 1),
+            "copy_bandwidth_gb_per_s": round(copy_bw / 1e9, 1),
+            "fraction_of_roofline": round(achieved / copy_bw, 3),
+        }
+    tokenizer = llm.get_tokenizer()
+    peer = {
+        "config": config,
+        "pad_token_id": (tokenizer.pad_token_id if tokenizer is not None else None) or 0,
+    }
+    core.shutdown()
+    del llm, engine, core
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result, peer
 
 
-def _hf_model(args: argparse.Namespace, llm: Any) -> Any:
-    """The same weights in transformers: loaded from the checkpoint, or (dummy) copied from pagellm."""
+def _hf_model(args: argparse.Namespace, config: Any) -> Any:
+    """The same checkpoint in transformers (dummy: the same architecture, randomly initialised
+    on the device)."""
     from transformers import AutoModelForCausalLM
 
-    config = llm.llm_engine.config
     dtype = config.model.torch_dtype
     device = config.device.device
     kwargs: dict[str, Any] = {"dtype": dtype}
     if args.hf_attn_implementation or args.hf_mode == "continuous":
         kwargs["attn_implementation"] = args.hf_attn_implementation or "paged|sdpa"
     if config.load.load_format == "dummy":
-        model = AutoModelForCausalLM.from_config(config.model.hf_config, **kwargs)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config.model.hf_config, **kwargs)
     elif config.model.gguf_file:
         directory, name = os.path.split(config.model.gguf_file)
         model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, **kwargs)
@@ -126,12 +227,14 @@ def _hf_model(args: argparse.Namespace, llm: Any) -> Any:
     return model.to(device).eval()
 
 
-def run_hf(args: argparse.Namespace, requests: list[BenchRequest], llm: Any) -> dict[str, Any]:
+def run_hf(
+    args: argparse.Namespace, requests: list[BenchRequest], peer: dict[str, Any]
+) -> dict[str, Any]:
     from transformers import GenerationConfig
 
-    model = _hf_model(args, llm)
+    model = _hf_model(args, peer["config"])
     device = next(model.parameters()).device
-    pad = llm.get_tokenizer().pad_token_id or 0
+    pad = peer["pad_token_id"]
     sample = args.temperature > 0
     start = time.perf_counter()
     if args.hf_mode == "continuous":
@@ -191,11 +294,17 @@ def main(args: argparse.Namespace) -> int:
     if args.model is None:
         args.model = default_model_path()
     if args.max_model_len is None:
-        args.max_model_len = (
-            int(args.input_len * (1 + args.random_range_ratio))
-            + int(args.output_len * (1 + args.random_range_ratio))
-            + 1
+        longest_in = (
+            args.input_len_range[1]
+            if args.input_len_range
+            else int(args.input_len * (1 + args.random_range_ratio))
         )
+        longest_out = (
+            args.output_len_range[1]
+            if args.output_len_range
+            else int(args.output_len * (1 + args.random_range_ratio))
+        )
+        args.max_model_len = longest_in + longest_out + 1
     result: dict[str, Any] = {
         "workload": {
             "model": os.path.basename(args.model.rstrip("/")),
@@ -204,6 +313,8 @@ def main(args: argparse.Namespace) -> int:
             "num_prompts": args.num_prompts,
             "input_len": args.input_len,
             "output_len": args.output_len,
+            "input_len_range": args.input_len_range,
+            "output_len_range": args.output_len_range,
             "random_range_ratio": args.random_range_ratio,
             "seed": args.seed,
             "temperature": args.temperature,
@@ -216,7 +327,6 @@ def main(args: argparse.Namespace) -> int:
             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         },
     }
-    llm_result, llm = None, None
     # Build the engine first: its tokenizer and config define the workload's vocabulary.
     from pagellm import LLM  # noqa: F401  (import cost outside the timed region)
 
@@ -234,17 +344,20 @@ def main(args: argparse.Namespace) -> int:
             args.seed,
             token_range,
             special,
+            tuple(args.input_len_range) if args.input_len_range else None,
+            tuple(args.output_len_range) if args.output_len_range else None,
         )
 
     from pagellm.engine.args import EngineArgs
     from pagellm.tokenizer import get_tokenizer
 
     config = EngineArgs.from_cli_args(args).create_engine_config()
-    requests = make_requests(get_tokenizer(config.model.tokenizer), config.model.vocab_size)
-    llm_result, llm = run_pagellm(args, requests)
+    tokenizer = None if config.model.skip_tokenizer_init else get_tokenizer(config.model.tokenizer)
+    requests = make_requests(tokenizer, config.model.vocab_size)
+    llm_result, peer = run_pagellm(args, requests)
     result["pagellm"] = llm_result
     if args.backend == "hf":
-        hf_result = run_hf(args, requests, llm)
+        hf_result = run_hf(args, requests, peer)
         result["hf"] = hf_result
         result["output_throughput_ratio"] = round(
             llm_result["output_tokens_per_s"] / hf_result["output_tokens_per_s"], 2

@@ -54,6 +54,7 @@ class EngineArgs:
     device: str | None = None
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
+    skip_tokenizer_init: bool = False
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
@@ -87,7 +88,8 @@ class EngineArgs:
             )
         source = resolve_model_source(self.model, field="model")
         tokenizer = self.tokenizer or self.model
-        resolve_model_source(tokenizer, field="tokenizer")
+        if not self.skip_tokenizer_init:
+            resolve_model_source(tokenizer, field="tokenizer")
         hf_config = load_hf_config(source)
         architectures = list(getattr(hf_config, "architectures", None) or [])
         architecture, _ = resolve_model_cls(architectures)
@@ -99,6 +101,7 @@ class EngineArgs:
             dtype=self._resolve_dtype(hf_config, platform),
             max_model_len=1,  # set below, once the config's own limit is known
             seed=self.seed,
+            skip_tokenizer_init=self.skip_tokenizer_init,
             architecture=architecture,
             hf_config=hf_config,
         )

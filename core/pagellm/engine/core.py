@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from pagellm.config import EngineConfig
 from pagellm.executor import Executor, UniProcExecutor
@@ -11,9 +12,26 @@ from pagellm.kv_cache import KVCacheManager, make_block_hasher
 from pagellm.kv_cache.manager import cdiv
 from pagellm.request import EngineCoreRequest, Request, RequestStatus
 from pagellm.scheduler import Scheduler
-from pagellm.scheduler.output import EngineCoreOutputs
+from pagellm.scheduler.output import EngineCoreOutputs, SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepStats:
+    """What the last `EngineCore.step()` did (for metrics and benchmarks)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_scheduled_reqs: int = 0
+    num_scheduled_tokens: int = 0
+    decode_only: bool = False
+    """Every scheduled request computed exactly one token."""
+    context_tokens: int = 0
+    """Sum over scheduled requests of their context length after the step (KV tokens attended)."""
+    kv_cache_usage: float = 0.0
+    num_preemptions: int = 0
+    """Total preemptions so far."""
 
 
 class EngineCore:
@@ -23,6 +41,7 @@ class EngineCore:
         self.config = config
         self.executor = executor_cls(config)
         num_blocks = self._initialize_kv_cache()
+        self.last_step_stats = StepStats()
         block_size = config.cache.block_size
         assert block_size is not None
         self.kv_cache_manager = KVCacheManager(
@@ -74,8 +93,25 @@ class EngineCore:
         if not self.scheduler.has_unfinished_requests():
             return EngineCoreOutputs()
         scheduler_output = self.scheduler.schedule()
+        self._record_stats(scheduler_output)
         runner_output = self.executor.execute_model(scheduler_output)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def _record_stats(self, out: SchedulerOutput) -> None:
+        sched = self.scheduler
+        num_tokens = out.num_scheduled_tokens
+        requests = sched.requests
+        self.last_step_stats = StepStats(
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting),
+            num_scheduled_reqs=len(num_tokens),
+            num_scheduled_tokens=out.total_num_scheduled_tokens,
+            decode_only=out.total_num_scheduled_tokens == len(num_tokens),
+            # The scheduler has already advanced num_computed_tokens past this step's tokens.
+            context_tokens=sum(requests[r].num_computed_tokens for r in num_tokens),
+            kv_cache_usage=self.kv_cache_manager.usage,
+            num_preemptions=sched.num_preemptions,
+        )
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()

@@ -33,7 +33,9 @@ class LLMEngine:
         load_general_plugins()
         load_frontend_plugins()
         self.config = config
-        self.tokenizer = get_tokenizer(config.model.tokenizer)
+        self.tokenizer = (
+            None if config.model.skip_tokenizer_init else get_tokenizer(config.model.tokenizer)
+        )
         self.processor = InputProcessor(config, self.tokenizer)
         self.engine_core = EngineCore(config)
         self.output_processor = OutputProcessor(self.tokenizer)

@@ -99,7 +99,7 @@ class OutputProcessor:
         for index, (engine_id, cparams) in enumerate(zip(engine_ids, child_params, strict=True)):
             detok = (
                 make_detokenizer(self.tokenizer, prompt_token_ids, cparams)
-                if cparams.detokenize
+                if cparams.detokenize and self.tokenizer is not None
                 else None
             )
             completion = CompletionState(engine_id, index, cparams, detok)
@@ -207,7 +207,7 @@ class OutputProcessor:
         position: PositionLogprobs = {}
         for rank, (tok, lp) in enumerate(zip(sample.token_ids, sample.logprobs, strict=True)):
             if tok not in position:
-                decoded = self.tokenizer.decode([tok])
+                decoded = self.tokenizer.decode([tok]) if self.tokenizer is not None else None
                 position[tok] = Logprob(lp, sample.sampled_rank if rank == 0 else rank, decoded)
         return position
 

@@ -21,6 +21,14 @@ class ProcessedPrompt:
     params: SamplingParams
 
 
+def _config_eos_id(config: EngineConfig) -> int | None:
+    """The model config's EOS id (the first, when it lists several), for tokenizer-less engines."""
+    eos = getattr(config.model.text_config, "eos_token_id", None)
+    if isinstance(eos, list):
+        return int(eos[0]) if eos else None
+    return None if eos is None else int(eos)
+
+
 def _generation_config_eos_ids(config: EngineConfig) -> set[int]:
     """EOS ids a checkpoint's generation_config.json adds (Llama 3 has several)."""
     if config.model.gguf_file:
@@ -41,7 +49,9 @@ class InputProcessor:
         self.config = config
         self.tokenizer = tokenizer
         self.vocab_size = config.model.vocab_size
-        self.eos_token_id: int | None = tokenizer.eos_token_id
+        self.eos_token_id: int | None = (
+            tokenizer.eos_token_id if tokenizer is not None else _config_eos_id(config)
+        )
         self.extra_eos_ids = _generation_config_eos_ids(config) - {self.eos_token_id}
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -56,6 +66,10 @@ class InputProcessor:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty.")
+            if self.tokenizer is None:
+                raise ValueError(
+                    "This engine has no tokenizer (skip_tokenizer_init): pass prompt_token_ids."
+                )
             return prompt, list(self.tokenizer.encode(prompt))
         if isinstance(prompt, (list, tuple)):
             return None, self._check_ids(list(prompt))
@@ -117,6 +131,11 @@ class InputProcessor:
         params = params.clone()
         if not params.ignore_eos and self.extra_eos_ids:
             params.stop_token_ids = sorted(set(params.stop_token_ids or ()) | self.extra_eos_ids)
+        if self.tokenizer is None and (params.bad_words or params.stop):
+            raise ValueError(
+                "bad_words and stop strings need a tokenizer, and this engine has none "
+                "(skip_tokenizer_init); use stop_token_ids."
+            )
         if params.bad_words:
             params.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
         return ProcessedPrompt(text, ids, params)

@@ -91,6 +91,17 @@ class ModelRunner:
         assert self.model is not None
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
+    def decode_weight_bytes(self) -> int:
+        """Weight bytes one decode step reads: every parameter, except an untied input embedding
+        table (only a few of its rows are read)."""
+        assert self.model is not None
+        total = self.model_memory_bytes()
+        embed = getattr(getattr(self.model, "model", None), "embed_tokens", None)
+        lm_head = getattr(self.model, "lm_head", None)
+        if embed is not None and lm_head is not embed:
+            total -= sum(p.numel() * p.element_size() for p in embed.parameters())
+        return total
+
     @torch.inference_mode()
     def profile_run(self) -> None:
         """One forward pass over ``max_num_batched_tokens`` tokens and a sampling step over
