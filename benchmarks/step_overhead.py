@@ -40,8 +40,8 @@ class StubForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         token = (hidden[:, 0].long() * 7919) % (self.vocab - 300) + 300
-        logits = torch.zeros(hidden.shape[0], self.vocab)
-        logits[torch.arange(hidden.shape[0]), token] = 1.0
+        logits = torch.zeros(hidden.shape[0], self.vocab, device=hidden.device)
+        logits[torch.arange(hidden.shape[0], device=hidden.device), token] = 1.0
         return logits
 
     def load_weights(self, weights: Any) -> set[str]:
@@ -87,6 +87,12 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--steps", type=int, default=200, help="Timed decode steps.")
     parser.add_argument("--warmup-steps", type=int, default=20)
+    parser.add_argument(
+        "--attention-backend",
+        default=None,
+        help="Backend whose per-step metadata build is timed (default: the platform's choice; "
+        "on a CPU, TRITON_ATTN needs TRITON_INTERPRET=1).",
+    )
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
 
@@ -94,6 +100,7 @@ def main() -> None:
     from pagellm.engine.args import EngineArgs
     from pagellm.engine.llm_engine import LLMEngine
     from pagellm.models.registry import register_model
+    from pagellm.sampling_params import RequestOutputKind
 
     register_model(STUB_ARCH, f"{__name__}:StubForCausalLM")
     n = args.num_requests
@@ -108,9 +115,15 @@ def main() -> None:
                 max_num_batched_tokens=max(8192, n),
                 max_model_len=args.prompt_len + total_steps + _PREFILL_SLACK + 8,
                 kv_cache_memory=1 << 30,
+                attention_backend=args.attention_backend,
             )
         )
-    params = SamplingParams(temperature=0.0, max_tokens=total_steps + _PREFILL_SLACK, ignore_eos=True)
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=total_steps + _PREFILL_SLACK,
+        ignore_eos=True,
+        output_kind=RequestOutputKind.DELTA,  # what a streaming server asks for
+    )
     for i in range(n):
         prompt = [(i * 31 + j * 17) % (STUB_VOCAB - 300) + 300 for j in range(args.prompt_len)]
         engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
@@ -153,6 +166,7 @@ def main() -> None:
         "timed_steps": args.steps,
         "stages": {name: _stats(values) for name, values in stages.items()},
         "step": _stats(totals),
+        "attention_backend": engine.config.attention_backend,
         "note": "execute = model runner with a stub model: input preparation, the stub's trivial "
         "forward, sampling on [N, 1024] logits, output bookkeeping",
         "machine": {

@@ -192,3 +192,18 @@ def test_abort_frees_blocks(llm):
     assert aborted[0].finished and aborted[0].outputs[0].finish_reason == "abort"
     assert kv.num_free_blocks == kv.block_pool.num_blocks - 1
     assert not engine.has_unfinished_requests()
+
+
+def test_skip_tokenizer_init_takes_token_ids_and_returns_no_text(tiny_models, llm):
+    no_tok = LLM(tiny_models["llama3"], skip_tokenizer_init=True, kv_cache_memory=1 << 24)
+    assert no_tok.get_tokenizer() is None
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    prompt = {"prompt_token_ids": [5, 17, 300, 9]}
+    out = no_tok.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    assert out.text == ""
+    # Same tokens as the engine with a tokenizer.
+    assert out.token_ids == llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="no tokenizer"):
+        no_tok.generate("Hello", params, use_tqdm=False)
+    with pytest.raises(ValueError, match="need a tokenizer"):
+        no_tok.generate(prompt, SamplingParams(stop=["x"]), use_tqdm=False)

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# One round on the GPU machine: offline install (wheels carried in .whl), GPU tests, benchmarks.
+# Writes logs and JSON under $OUT. Stages: tests, w1, w2, overhead, hf (W1/W2 with the HF peer).
+#   bash benchmarks/gpu_round.sh tests w2 w1 overhead
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit 1
+python3 -m pip install -q --no-index --no-deps --no-build-isolation \
+  -e . -e plugins/cuda_platform -e plugins/attention_backends/triton >"$OUT/install.log" 2>&1 \
+  || { tail -20 "$OUT/install.log"; exit 1; }
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
+pagellm plugins 2>&1 | tail -15
+
+run() {  # run NAME SECONDS CMD...
+  local name=$1 secs=$2; shift 2
+  echo "=== $name"
+  local t0=$SECONDS
+  timeout "$secs" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "=== $name rc=$rc in $((SECONDS - t0)) s"
+  tail -n 25 "$OUT/$name.log"
+}
+
+for stage in "$@"; do
+  case $stage in
+    tests) run gpu_tests 420 python3 -m pytest -m gpu tests/gpu -q -x -s -p no:cacheprovider ;;
+    tests-k) run gpu_tests 420 python3 -m pytest -m gpu tests/gpu -q -s -p no:cacheprovider ;;
+    w2) run w2 300 bash benchmarks/workloads.sh W2 --output-json "$OUT/w2.json" ;;
+    w1) run w1 300 bash benchmarks/workloads.sh W1 --output-json "$OUT/w1.json" ;;
+    w2-eager) run w2_eager 300 bash benchmarks/workloads.sh W2 --enforce-eager --output-json "$OUT/w2_eager.json" ;;
+    w2-hf) run w2_hf 560 bash benchmarks/workloads.sh W2 --backend hf --hf-mode continuous --output-json "$OUT/w2_hf.json" ;;
+    w1-hf) run w1_hf 560 bash benchmarks/workloads.sh W1 --backend hf --hf-mode continuous --output-json "$OUT/w1_hf.json" ;;
+    overhead) run overhead 200 python3 benchmarks/step_overhead.py --output-json "$OUT/overhead.json" ;;
+    *) echo "unknown stage $stage" ;;
+  esac
+done
