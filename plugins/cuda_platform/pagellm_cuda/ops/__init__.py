@@ -1,0 +1,21 @@
+"""Triton kernels for the CUDA platform's custom ops; the contracts are in
+`pagellm.layers.custom_ops`. None of them syncs with the host or allocates beyond its output, and
+their grids depend on tensor shapes only, so they can be captured in CUDA graphs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from .activation import silu_and_mul
+from .layernorm import fused_add_rms_norm, rms_norm
+from .rotary import rotary_embedding
+
+CUSTOM_OPS: dict[str, Callable[..., Any]] = {
+    "rms_norm": rms_norm,
+    "fused_add_rms_norm": fused_add_rms_norm,
+    "rotary_embedding": rotary_embedding,
+    "silu_and_mul": silu_and_mul,
+}
+
+__all__ = ["CUSTOM_OPS", "fused_add_rms_norm", "rms_norm", "rotary_embedding", "silu_and_mul"]

@@ -1,0 +1,273 @@
+"""The CUDA platform's Triton kernels (`plugins/cuda_platform/pagellm_cuda/ops`) against the torch
+code of the layers they replace, run on the CPU by the Triton interpreter.
+
+The interpreter stands in for the GPU, which CI lacks. Two things about it shape this module:
+
+- Triton picks interpreter mode when it is imported (its own ``tl.sum`` & co. are decorated then),
+  and a process whose triton interprets cannot compile GPU kernels. So the checks run in a child
+  pytest process started with ``TRITON_INTERPRET=1``: in any other process this module collects
+  one test, which runs this file in such a child and fails with the child's report.
+- It truncates float32 -> bfloat16 casts where the GPU rounds to nearest even
+  (``cvt.rn.bf16.f32``), so the checks give it the GPU's rounding
+  (`interpreter_with_gpu_rounding`).
+
+The GPU itself is tested by tests/gpu/test_cuda_ops_gpu.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from pagellm.layers import activation, layernorm, rotary_embedding
+from pagellm.layers.activation import SiluAndMul
+from pagellm.layers.custom_ops import OP_NAMES
+from pagellm.layers.layernorm import RMSNorm
+from pagellm.layers.rotary_embedding import RotaryEmbedding
+
+REPO = Path(__file__).resolve().parents[1]
+OPS_DIR = REPO / "plugins" / "cuda_platform" / "pagellm_cuda" / "ops"
+IN_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+EPS = 1e-6
+ROPE = {"rope_type": "default", "rope_theta": 10000.0}
+
+Ops = dict[str, Callable[..., Any]]
+
+
+@pytest.mark.skipif(IN_INTERPRETER, reason="this is the interpreter process: the checks run here")
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_triton_kernels_match_torch_layers_in_interpreter_process() -> None:
+    child = subprocess.run(
+        [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"],
+        cwd=REPO,
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    report = f"{child.stdout}\n{child.stderr}"
+    assert child.returncode == 0, f"Interpreter checks failed:\n{report}"
+    assert " passed" in child.stdout, f"No interpreter check ran:\n{report}"
+
+
+def _load_ops() -> Ops:
+    """The ops package by path, under a private name: the checks need neither the rest of
+    pagellm_cuda nor its installation."""
+    spec = importlib.util.spec_from_file_location(
+        "_pagellm_cuda_ops", OPS_DIR / "__init__.py", submodule_search_locations=[str(OPS_DIR)]
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module.CUSTOM_OPS
+
+
+@pytest.fixture(scope="module")
+def interpreter_with_gpu_rounding() -> Iterator[None]:
+    import triton.language as tl
+    import triton.runtime.interpreter as interpreter
+
+    truncating = interpreter._convert_float
+
+    def convert(data: np.ndarray, src: Any, dst: Any, rounding: Any) -> np.ndarray:
+        if src == tl.float32 and dst == tl.bfloat16:
+            f32 = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32))
+            return f32.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+        return truncating(data, src, dst, rounding)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(interpreter, "_convert_float", convert)
+        yield
+
+
+@pytest.fixture(scope="module")
+def ops(interpreter_with_gpu_rounding: None) -> Ops:
+    return _load_ops()
+
+
+@pytest.fixture
+def torch_layers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Layers built under this fixture run their torch code, whatever platform is current."""
+    torch.manual_seed(0)
+    for module in (layernorm, rotary_embedding, activation):
+        monkeypatch.setattr(module, "get_custom_op", lambda name: None)
+
+
+def _strided_rows(tokens: int, width: int, dtype: torch.dtype, pad: int = 24) -> torch.Tensor:
+    """Random [tokens, width] rows inside a NaN-padded buffer (row stride width + pad)."""
+    buffer = torch.full((tokens, width + pad), float("nan"), dtype=dtype)
+    rows = buffer[:, :width]
+    rows.normal_()
+    return rows
+
+
+def _padding(rows: torch.Tensor) -> torch.Tensor:
+    """The buffer columns between the rows of a `_strided_rows` view."""
+    width = rows.shape[1]
+    return rows.as_strided(
+        (rows.shape[0], rows.stride(0) - width), rows.stride(), rows.storage_offset() + width
+    )
+
+
+def assert_matches(actual: torch.Tensor, expected: torch.Tensor, max_ulps: int = 1) -> None:
+    """float32: close. bf16/fp16: bit-equal almost everywhere, and elsewhere at most ``max_ulps``
+    apart or closer than float32 rounding of the operands (``atol``: a result cancelled to near
+    zero has ulps far below that).
+
+    Float32 intermediates may differ in their last bit (the order of a sum, ``exp``, an FMA);
+    where the torch path rounds an intermediate to the dtype (RMSNorm's normalised row, silu
+    before the product) that can flip the rounding and move the product by two ulps."""
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype
+    if actual.dtype == torch.float32:
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+        return
+
+    def ordered(t: torch.Tensor) -> torch.Tensor:  # bit patterns in the order of their values
+        bits = t.contiguous().view(torch.int16).to(torch.int32)
+        return torch.where(bits < 0, -(bits & 0x7FFF), bits)
+
+    assert torch.isfinite(actual).all(), "NaN or inf in the kernel's output"
+    ulps = (ordered(actual) - ordered(expected)).abs()
+    off = (ulps > max_ulps) & ((actual.float() - expected.float()).abs() > 1e-6)
+    assert not off.any(), f"{off.sum().item()} elements over {max_ulps} ulps apart"
+    assert (ulps == 0).float().mean().item() >= 0.99
+
+
+def _rms_norm_layer(hidden: int, dtype: torch.dtype) -> RMSNorm:
+    layer = RMSNorm(hidden, EPS).to(dtype)
+    with torch.no_grad():
+        layer.weight.normal_(1.0, 0.5)
+    return layer
+
+
+class TestInInterpreter:
+    """The checks; collected only in the interpreter process (see the module's docstring)."""
+
+    __test__ = IN_INTERPRETER
+
+    def test_custom_ops_cover_every_contract_op(self, ops: Ops) -> None:
+        assert sorted(ops) == sorted(OP_NAMES)
+
+    @pytest.mark.parametrize("hidden", [64, 128, 1024, 4096])
+    @pytest.mark.parametrize("dtype", DTYPES)
+    def test_rms_norm_of_strided_rows_matches_torch_layer(
+        self, ops: Ops, torch_layers: None, dtype: torch.dtype, hidden: int
+    ) -> None:
+        tokens = 3 if hidden == 4096 else 37
+        layer = _rms_norm_layer(hidden, dtype)
+        x = _strided_rows(tokens, hidden, dtype)
+        x_before = x.clone()
+        out = torch.full((tokens, hidden), float("nan"), dtype=dtype)
+
+        result = ops["rms_norm"](x, layer.weight, EPS, out=out)
+
+        assert result is out
+        assert_matches(out, layer(x), max_ulps=2)
+        assert torch.equal(x, x_before)
+
+    @pytest.mark.parametrize("hidden", [64, 128, 1024, 4096])
+    @pytest.mark.parametrize("dtype", DTYPES)
+    def test_fused_add_rms_norm_writes_torch_layer_results_in_place(
+        self, ops: Ops, torch_layers: None, dtype: torch.dtype, hidden: int
+    ) -> None:
+        tokens = 3 if hidden == 4096 else 21
+        layer = _rms_norm_layer(hidden, dtype)
+        x, residual = _strided_rows(tokens, hidden, dtype), _strided_rows(tokens, hidden, dtype)
+        expected_out, expected_residual = layer(x.clone(), residual.clone())
+
+        out, new_residual = ops["fused_add_rms_norm"](x, residual, layer.weight, EPS)
+
+        assert out.data_ptr() == x.data_ptr() and new_residual.data_ptr() == residual.data_ptr()
+        assert torch.equal(new_residual, expected_residual)  # one rounding of an exact sum
+        assert_matches(out, expected_out, max_ulps=2)
+        assert _padding(x).isnan().all() and _padding(residual).isnan().all()
+
+    @pytest.mark.parametrize(
+        ("q_heads", "kv_heads", "head_size"), [(4, 2, 64), (3, 1, 80), (8, 2, 128), (32, 8, 128)]
+    )
+    @pytest.mark.parametrize("dtype", DTYPES)
+    def test_rotary_embedding_rotates_q_k_views_of_fused_qkv_in_place(
+        self,
+        ops: Ops,
+        torch_layers: None,
+        dtype: torch.dtype,
+        q_heads: int,
+        kv_heads: int,
+        head_size: int,
+    ) -> None:
+        tokens, max_position = 5, 4096
+        layer = RotaryEmbedding(head_size, max_position, ROPE)
+        qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * head_size, dtype=dtype)
+        q, k, v = qkv.split([q_heads * head_size, kv_heads * head_size, kv_heads * head_size], -1)
+        v_before = v.clone()
+        positions = torch.randint(0, max_position, (tokens,))
+        layer.set_positions(positions)
+        expected_q, expected_k = layer(positions, q, k)
+
+        ops["rotary_embedding"](positions, q, k, head_size, layer.cos_sin_cache)
+
+        assert_matches(q, expected_q)
+        assert_matches(k, expected_k)
+        assert torch.equal(v, v_before)
+
+    @pytest.mark.parametrize("d", [64, 128, 1024, 4096])
+    @pytest.mark.parametrize("dtype", DTYPES)
+    def test_silu_and_mul_of_strided_rows_matches_torch_layer(
+        self, ops: Ops, torch_layers: None, dtype: torch.dtype, d: int
+    ) -> None:
+        tokens = 3 if d == 4096 else 19
+        x = _strided_rows(tokens, 2 * d, dtype).mul_(3)  # reach silu's flat and linear parts
+        out = torch.full((tokens, d), float("nan"), dtype=dtype)
+
+        result = ops["silu_and_mul"](x, out=out)
+
+        assert result is out
+        assert_matches(out, SiluAndMul()(x), max_ulps=2)
+
+    @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+    def test_qwen3_attention_prologue_through_layers_matches_torch_layers(
+        self, ops: Ops, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
+    ) -> None:
+        """What LlamaAttention does for Qwen3 (per-head q/k norms on views of the fused qkv,
+        then rotary) and the decoder's residual norm, through the layers: once built with the
+        Triton ops, once with the torch code."""
+        tokens, q_heads, kv_heads, head_size, hidden = 7, 4, 2, 64, 128
+        torch.manual_seed(0)
+        qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * head_size, dtype=dtype)
+        hidden_states, residual = torch.randn(2, tokens, hidden, dtype=dtype)
+        positions = torch.randint(0, 256, (tokens,))
+        weights = {
+            name: torch.empty(size, dtype=dtype).normal_(1.0, 0.5)
+            for name, size in (("q_norm", head_size), ("k_norm", head_size), ("norm", hidden))
+        }
+
+        def run(op_table: Ops) -> list[torch.Tensor]:
+            for module in (layernorm, rotary_embedding):
+                monkeypatch.setattr(module, "get_custom_op", op_table.get)
+            norms = {name: RMSNorm(w.numel(), EPS).to(dtype) for name, w in weights.items()}
+            for name, norm in norms.items():
+                norm.weight.data.copy_(weights[name])
+            rope = RotaryEmbedding(head_size, 256, ROPE)
+            rope.set_positions(positions)
+            q, k, _ = qkv.clone().split(
+                [q_heads * head_size, kv_heads * head_size, kv_heads * head_size], -1
+            )
+            q = norms["q_norm"](q.reshape(tokens, -1, head_size)).reshape(tokens, -1)
+            k = norms["k_norm"](k.reshape(tokens, -1, head_size)).reshape(tokens, -1)
+            q, k = rope(positions, q, k)
+            out, new_residual = norms["norm"](hidden_states.clone(), residual.clone())
+            return [q, k, out, new_residual]
+
+        for actual, expected in zip(run(ops), run({}), strict=True):
+            assert_matches(actual, expected, max_ulps=2)
