@@ -1,0 +1,274 @@
+"""TRITON_ATTN: paged attention with this package's own Triton kernels.
+
+Runs on CUDA GPUs; on CPU only under Triton's interpreter (``TRITON_INTERPRET=1``, read when this
+module is imported), which is how the kernels are tested without a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from pagellm.attention.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    CommonAttentionMetadata,
+)
+from pagellm.kv_cache.spec import KVCacheSpec
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_MIN_TRITON = (3, 2)
+
+
+@dataclass
+class SplitScratch:
+    """Partial outputs and log-sum-exps of split-KV decode, shared by every layer of a step.
+
+    Allocated on first use because their size depends on the number of query heads, which only
+    the attention layers know."""
+
+    num_rows: int
+    num_splits: int
+    device: torch.device
+    buffers: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def get(self, num_heads: int, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        from pagellm_triton_attn.kernels import split_scratch
+
+        key = (num_heads, head_size)
+        if key not in self.buffers:
+            self.buffers[key] = split_scratch(
+                self.num_rows, num_heads, head_size, self.num_splits, self.device
+            )
+        return self.buffers[key]
+
+
+@dataclass
+class TritonAttentionMetadata:
+    num_actual_tokens: int
+    num_reqs: int
+    max_query_len: int
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    run_mixed_kernel: bool
+    """`paged_attention` serves the rows of several query tokens, and the decode rows too unless
+    `run_decode_kernel` is set."""
+    run_decode_kernel: bool
+    """`paged_decode` serves the rows of one query token."""
+    num_splits: int = 1
+    """Decode kernel: programs per (row, KV head), each over a share of the row's keys."""
+    scratch: SplitScratch | None = None
+    """Decode kernel with ``num_splits`` > 1: where the splits meet."""
+
+
+class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
+    programs_per_sm: ClassVar[int] = 4
+    """A decode launch is split until it offers this many programs per SM (about four are
+    resident at once with the default tiles)."""
+    min_keys_per_split: ClassVar[int] = 256
+    """Shorter shares are not worth a program and a merge."""
+    min_decodes_for_decode_kernel: ClassVar[int] = 16
+    """In a mixed batch, at least this many decode rows get the decode kernel (small tiles, four
+    programs an SM) at the cost of a second launch; fewer ride along in the mixed kernel's
+    tiles."""
+
+    def __init__(self, kv_cache_spec: KVCacheSpec, device: torch.device) -> None:
+        super().__init__(kv_cache_spec, device)
+        if device.type == "cuda":
+            num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        else:
+            # The interpreter runs programs one after another: one "SM".
+            num_sms = 1
+        self.target_programs = self.programs_per_sm * num_sms
+        # Captured graphs keep pointers into these: they live as long as the builder.
+        self._graph_scratch: dict[tuple[int, int], SplitScratch] = {}
+
+    def _num_splits(self, num_rows: int, max_seq_len: int) -> int:
+        from pagellm_triton_attn.kernels import num_decode_splits
+
+        return num_decode_splits(
+            num_rows,
+            self.kv_cache_spec.num_kv_heads,
+            max_seq_len,
+            self.target_programs,
+            self.min_keys_per_split,
+        )
+
+    def build(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
+        # Decisions use host values only (the runner's integers and *_cpu tensors): no device
+        # sync, and nothing here grows with context length.
+        if common.max_query_len == 1:
+            num_decodes, run_mixed = common.num_reqs, False
+        else:
+            qsl = common.query_start_loc_cpu
+            num_decodes = int(((qsl[1:] - qsl[:-1]) == 1).sum())
+            run_mixed = True
+        run_decode = num_decodes > 0 and (
+            not run_mixed or num_decodes >= self.min_decodes_for_decode_kernel
+        )
+        num_splits = self._num_splits(num_decodes, common.max_seq_len) if run_decode else 1
+        scratch = None
+        if num_splits > 1:
+            scratch = SplitScratch(common.num_reqs, num_splits, self.device)
+        return TritonAttentionMetadata(
+            num_actual_tokens=common.num_actual_tokens,
+            num_reqs=common.num_reqs,
+            max_query_len=common.max_query_len,
+            query_start_loc=common.query_start_loc,
+            seq_lens=common.seq_lens,
+            block_table=common.block_table,
+            slot_mapping=common.slot_mapping,
+            run_mixed_kernel=run_mixed,
+            run_decode_kernel=run_decode,
+            num_splits=num_splits,
+            scratch=scratch,
+        )
+
+    def build_for_cudagraph(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
+        # The grid comes from the padded shapes and the capture-time worst case (max_seq_len is
+        # max_model_len), never from this step's lengths: each split finds its keys from
+        # seq_lens on the device at replay.
+        num_rows = common.seq_lens.shape[0]
+        num_splits = self._num_splits(num_rows, common.max_seq_len)
+        scratch = None
+        if num_splits > 1:
+            scratch = self._graph_scratch.setdefault(
+                (num_rows, num_splits), SplitScratch(num_rows, num_splits, self.device)
+            )
+        return TritonAttentionMetadata(
+            num_actual_tokens=common.slot_mapping.shape[0],
+            num_reqs=num_rows,
+            max_query_len=1,
+            query_start_loc=common.query_start_loc,
+            seq_lens=common.seq_lens,
+            block_table=common.block_table,
+            slot_mapping=common.slot_mapping,
+            run_mixed_kernel=False,
+            run_decode_kernel=True,
+            num_splits=num_splits,
+            scratch=scratch,
+        )
+
+
+class TritonAttentionImpl(AttentionImpl):
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        sliding_window: int | None,
+    ) -> None:
+        super().__init__(num_heads, head_size, scale, num_kv_heads, sliding_window)
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"TRITON_ATTN needs num_heads ({num_heads}) to be a multiple of num_kv_heads "
+                f"({num_kv_heads})."
+            )
+        # Imported here, not at module level, so that `is_available` can explain a missing triton.
+        from pagellm_triton_attn import kernels
+
+        self._kernels = kernels
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: TritonAttentionMetadata,
+    ) -> torch.Tensor:
+        meta = attn_metadata
+        kernels = self._kernels
+        n = meta.num_actual_tokens
+        q = query[:n].view(n, self.num_heads, self.head_size)
+        k = key[:n].view(n, self.num_kv_heads, self.head_size)
+        v = value[:n].view(n, self.num_kv_heads, self.head_size)
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        kernels.write_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+
+        out = torch.empty(n, self.num_heads, self.head_size, dtype=query.dtype, device=query.device)
+        if meta.run_mixed_kernel:
+            kernels.paged_attention(
+                q,
+                key_cache,
+                value_cache,
+                out,
+                meta.query_start_loc,
+                meta.seq_lens,
+                meta.block_table,
+                num_reqs=meta.num_reqs,
+                num_tokens=n,
+                max_query_len=meta.max_query_len,
+                scale=self.scale,
+                sliding_window=self.sliding_window,
+                skip_decodes=meta.run_decode_kernel,
+            )
+        if meta.run_decode_kernel:
+            kernels.paged_decode(
+                q,
+                key_cache,
+                value_cache,
+                out,
+                meta.query_start_loc,
+                meta.seq_lens,
+                meta.block_table,
+                num_rows=meta.num_reqs,
+                scale=self.scale,
+                sliding_window=self.sliding_window,
+                num_splits=meta.num_splits,
+                scratch=meta.scratch.get(self.num_heads, self.head_size) if meta.scratch else None,
+            )
+        return out.view(n, self.num_heads * self.head_size)
+
+
+class TritonAttentionBackend(AttentionBackend):
+    name = "TRITON_ATTN"
+    supported_dtypes = (torch.float16, torch.bfloat16, torch.float32)
+    # Any head size works (the kernels mask a power-of-two tile); these are the tested ones.
+    supported_head_sizes = (16, 32, 64, 80, 96, 128, 256)
+    block_size_multiple = 16
+    default_block_size = 16
+    supports_sliding_window = True
+    supported_device_types = ("cuda", "cpu") if _INTERPRET else ("cuda",)
+    cudagraph_support = True
+
+    @staticmethod
+    def get_kv_cache_shape(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+    ) -> tuple[int, ...]:
+        # One block of one KV head is a contiguous block_size x head_size tile.
+        return (2, num_blocks, num_kv_heads, block_size, head_size)
+
+    @staticmethod
+    def allocate_kv_cache(
+        shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        # The kernels never use a slot at or past a row's seq_len (loads there are masked), so
+        # unwritten memory, the null block included, is never read.
+        return torch.empty(shape, dtype=dtype, device=device)
+
+    @staticmethod
+    def get_impl_cls() -> type[AttentionImpl]:
+        return TritonAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[AttentionMetadataBuilder]:
+        return TritonAttentionMetadataBuilder
+
+    @classmethod
+    def is_available(cls) -> str | None:
+        try:
+            import triton
+        except ImportError as exc:
+            return f"triton is not importable ({exc}); pip install 'triton>=3.2'"
+        version = tuple(int(part) for part in triton.__version__.split(".")[:2])
+        if version < _MIN_TRITON:
+            return f"triton {triton.__version__} is too old (needs >= 3.2)"
+        return None
