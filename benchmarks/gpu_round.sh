@@ -26,14 +26,14 @@ run() {  # run NAME SECONDS CMD...
 
 for stage in "$@"; do
   case $stage in
-    tests) run gpu_tests 420 python3 -m pytest -m gpu tests/gpu -q -x -s -p no:cacheprovider ;;
-    tests-k) run gpu_tests 420 python3 -m pytest -m gpu tests/gpu -q -s -p no:cacheprovider ;;
-    w2) run w2 300 bash benchmarks/workloads.sh W2 --output-json "$OUT/w2.json" ;;
+    tests) run gpu_tests 270 python3 -m pytest -m gpu tests/gpu -q -s -p no:cacheprovider --timeout 120 -x ;;
+    tests-k) run gpu_tests 270 python3 -m pytest -m gpu tests/gpu -q -s -p no:cacheprovider --timeout 120 ;;
+    w2) run w2 200 bash benchmarks/workloads.sh W2 --output-json "$OUT/w2.json" ;;
     w1) run w1 300 bash benchmarks/workloads.sh W1 --output-json "$OUT/w1.json" ;;
     w2-eager) run w2_eager 300 bash benchmarks/workloads.sh W2 --enforce-eager --output-json "$OUT/w2_eager.json" ;;
     w2-hf) run w2_hf 560 bash benchmarks/workloads.sh W2 --backend hf --hf-mode continuous --output-json "$OUT/w2_hf.json" ;;
     w1-hf) run w1_hf 560 bash benchmarks/workloads.sh W1 --backend hf --hf-mode continuous --output-json "$OUT/w1_hf.json" ;;
-    overhead) run overhead 200 python3 benchmarks/step_overhead.py --output-json "$OUT/overhead.json" ;;
+    overhead) run overhead 100 python3 benchmarks/step_overhead.py --output-json "$OUT/overhead.json" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
