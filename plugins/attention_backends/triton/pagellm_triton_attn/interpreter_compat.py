@@ -16,12 +16,10 @@ from typing import Any
 
 import numpy as np
 
-_installed = False
-
 
 def _index_conversion_is_broken() -> bool:
     try:
-        int(np.ones(1, dtype=np.int32))  # type: ignore[arg-type]
+        int(np.ones(1, dtype=np.int32))
     except TypeError:
         return True
     return False
@@ -42,19 +40,18 @@ def _bf16_dot_is_broken(interpreter: Any) -> bool:
 
 
 def install() -> None:
-    global _installed
-    if _installed:
-        return
+    """Idempotent, also across re-imports of this package (the fixes mark what they replace)."""
     import triton.language as tl
     from triton.runtime import interpreter
 
-    if _index_conversion_is_broken():
-        patch_lang_tensor = interpreter._patch_lang_tensor
+    patch_lang_tensor = interpreter._patch_lang_tensor
+    if _index_conversion_is_broken() and not hasattr(patch_lang_tensor, "pagellm_fix"):
 
         def patched_lang_tensor(tensor: Any, scope: Any) -> None:
             patch_lang_tensor(tensor, scope)
             scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
 
+        patched_lang_tensor.pagellm_fix = True  # type: ignore[attr-defined]
         interpreter._patch_lang_tensor = patched_lang_tensor
 
     if _bf16_dot_is_broken(interpreter):
@@ -69,4 +66,3 @@ def install() -> None:
             return create_dot(self, as_f32(a), as_f32(b), acc, *args)
 
         interpreter.InterpreterBuilder.create_dot = patched_dot
-    _installed = True

@@ -200,7 +200,9 @@ def _attend_tile(
 # ------------------------------------------------------------------ mixed batches
 
 
-@triton.jit
+# Per-step integers are not specialised on (== 1, multiple of 16): one compiled kernel serves
+# every batch.
+@triton.jit(do_not_specialize=["num_reqs", "num_virtual_tiles"])
 def _paged_attention_kernel(
     q_ptr,
     k_cache_ptr,
@@ -221,6 +223,7 @@ def _paged_attention_kernel(
     stride_ch,
     stride_cs,
     stride_bt,
+    NUM_KV_HEADS: tl.constexpr,
     GQA: tl.constexpr,
     GQA_P: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -233,12 +236,14 @@ def _paged_attention_kernel(
     SKIP_DECODES: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    kv_head = tl.program_id(0)
-    # Request r owns virtual tiles [qsl[r] // BLOCK_Q + r, qsl[r+1] // BLOCK_Q + r + 1), which
-    # is at least cdiv(query_len, BLOCK_Q) of them; the surplus programs exit at once. Walking
-    # the tiles backwards starts the last (longest) tiles of the last (usually newest, longest)
-    # prefill first, which shortens the tail of the launch.
-    tile = num_virtual_tiles - 1 - tl.program_id(1)
+    # Programs run roughly in id order: with the KV head varying fastest, the costliest tiles
+    # start first on every head. Request r owns virtual tiles [qsl[r] // BLOCK_Q + r,
+    # qsl[r+1] // BLOCK_Q + r + 1), at least cdiv(query_len, BLOCK_Q) of them; the surplus
+    # programs exit at once. Walking the tiles backwards starts the last (longest) tiles of the
+    # last (usually newest, longest) prefill first, which shortens the tail of the launch.
+    pid = tl.program_id(0)
+    kv_head = pid % NUM_KV_HEADS
+    tile = num_virtual_tiles - 1 - pid // NUM_KV_HEADS
     lo = tile * 0
     hi = lo + num_reqs
     while hi - lo > 1:
@@ -413,7 +418,7 @@ def _paged_decode_kernel(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(
     out_ptr,
     part_out_ptr,
@@ -547,7 +552,7 @@ def paged_attention(
     gqa = num_heads // num_kv_heads
     tiles = mixed_tiles(query.dtype, head_size, gqa, max_query_len)
     num_virtual_tiles = num_tokens // tiles.block_q + num_reqs
-    _paged_attention_kernel[(num_kv_heads, num_virtual_tiles)](
+    _paged_attention_kernel[(num_kv_heads * num_virtual_tiles,)](
         query,
         key_cache,
         value_cache,
@@ -567,6 +572,7 @@ def paged_attention(
         key_cache.stride(1),
         key_cache.stride(2),
         block_table.stride(0),
+        NUM_KV_HEADS=num_kv_heads,
         GQA=gqa,
         GQA_P=triton.next_power_of_2(gqa),
         BLOCK_Q=tiles.block_q,
