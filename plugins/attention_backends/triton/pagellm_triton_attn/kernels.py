@@ -4,15 +4,16 @@ The KV cache of one layer is ``[2, num_blocks, num_kv_heads, block_size, head_si
 of one KV head is a contiguous ``block_size x head_size`` tile, so a key tile of ``BLOCK_N``
 tokens is ``BLOCK_N / block_size`` contiguous runs that load as wide vectors.
 
-Three launches cover a step:
+A step runs `write_kv_cache`, then one or both attention kernels:
 
 - `write_kv_cache`: scatter the new tokens' K/V into the cache at their slots (slots < 0 are
   CUDA-graph padding and are skipped).
-- `paged_attention`: any batch (prefills, chunks with cached context, decodes) in one launch. A
+- `paged_attention`: any batch (prompts, chunks after cached context, decodes) in one launch. A
   program owns ``BLOCK_Q`` query tokens of one request times the query heads of one KV head
-  (``BLOCK_M = BLOCK_Q * GQA`` rows), so each K/V tile is read once per KV head and tile.
-- `paged_decode`: batches of one-token rows, optionally splitting each sequence's tiles over
-  several programs (split-KV) whose partial outputs and log-sum-exps a reduce kernel merges.
+  (``BLOCK_M = BLOCK_Q x GQA`` rows), so each K/V tile is read once per KV head and tile. It
+  can leave one-token rows to:
+- `paged_decode`: the rows of one query token, optionally splitting each sequence's tiles over
+  several programs (split-KV) whose partial outputs and log-sum-exps a merge kernel combines.
   Every split computes its own range from ``seq_lens`` on the device, so the grid depends only on
   the batch's shape and the launch can be captured in a CUDA graph.
 
@@ -278,8 +279,9 @@ def _paged_attention_kernel(
         other=0.0,
     )
 
-    # Keys [lo_all, p_min] are visible to every query of the tile; tiles inside that range run
-    # without masks, the edges (window start, causal diagonal) with them.
+    # Keys from the last query's window start to the first query's position are visible to
+    # every query of the tile: whole key tiles in [full_lo, full_hi) run without masks, the
+    # edges (window start, causal diagonal) with them.
     p_min = context_len + q0
     p_max = context_len + tl.minimum(q0 + BLOCK_Q, q_len) - 1
     if USE_WINDOW:
