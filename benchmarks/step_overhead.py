@@ -48,14 +48,14 @@ class StubForCausalLM(nn.Module):
         return set()
 
 
-def make_stub_model_dir(directory: str) -> str:
-    """A SmolLM2-shaped config (with the stub's architecture) and SmolLM2's real tokenizer."""
+def make_stub_model_dir(directory: str, tokenizer_dir: str | None) -> str:
+    """A small config (with the stub's architecture) and a real tokenizer (default: SmolLM2's)."""
     from transformers import AutoConfig, AutoTokenizer
 
     from pagellm.model_loader import default_model_path
     from pagellm.model_loader.gguf_cache import gguf_hf_dir
 
-    tokenizer_dir = gguf_hf_dir(default_model_path())
+    tokenizer_dir = tokenizer_dir or gguf_hf_dir(default_model_path())
     config = AutoConfig.for_model(
         "llama",
         vocab_size=STUB_VOCAB,
@@ -93,6 +93,9 @@ def main() -> None:
         help="Backend whose per-step metadata build is timed (default: the platform's choice; "
         "on a CPU, TRITON_ATTN needs TRITON_INTERPRET=1).",
     )
+    parser.add_argument(
+        "--tokenizer", default=None, help="Tokenizer directory (default: the packaged SmolLM2's)."
+    )
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
 
@@ -106,7 +109,7 @@ def main() -> None:
     n = args.num_requests
     total_steps = args.warmup_steps + args.steps
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = make_stub_model_dir(os.path.join(tmp, "stub"))
+        model_dir = make_stub_model_dir(os.path.join(tmp, "stub"), args.tokenizer)
         engine = LLMEngine.from_engine_args(
             EngineArgs(
                 model=model_dir,

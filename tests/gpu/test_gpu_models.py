@@ -162,14 +162,22 @@ def test_cuda_graphs_give_the_same_tokens_as_eager(gpu_models, dtype: str) -> No
     prompts = _prompts()
     graphs, _ = _pagellm_generate(gpu_models["qwen3"], dtype, prompts)
     eager, _ = _pagellm_generate(gpu_models["qwen3"], dtype, prompts, enforce_eager=True)
-    same = sum(g[0] == e[0] for g, e in zip(graphs, eager, strict=True))
-    # Padding a decode batch up to a capture size can change the matmul kernels cuBLAS picks;
-    # with peaked logits the tokens must still agree.
-    assert same == len(prompts), f"{same}/{len(prompts)} sequences identical"
-    for g, e in zip(graphs, eager, strict=True):
-        assert max(abs(a - b) for a, b in zip(g[1], e[1], strict=True)) < (
-            1e-3 if dtype == "float32" else 0.1
+    # Replays pad a decode batch up to a capture size, which can change the matmul kernels cuBLAS
+    # picks, so in bf16 two near-tied tokens may swap. Up to the first difference the logprobs
+    # agree; at it, both picks must be near-ties (their logprobs close); after it the sequences
+    # are on different paths and are not compared.
+    tol = 1e-4 if dtype == "float32" else 0.1
+    identical = 0
+    for (g_tokens, g_lps), (e_tokens, e_lps) in zip(graphs, eager, strict=True):
+        diverged = next(
+            (i for i, (a, b) in enumerate(zip(g_tokens, e_tokens, strict=True)) if a != b), None
         )
+        end = len(g_tokens) if diverged is None else diverged + 1
+        for a, b in zip(g_lps[:end], e_lps[:end], strict=True):
+            assert abs(a - b) <= tol, (dtype, g_tokens, e_tokens, g_lps, e_lps)
+        identical += diverged is None
+    min_identical = len(prompts) if dtype == "float32" else len(prompts) - 2
+    assert identical >= min_identical, f"{identical}/{len(prompts)} sequences identical"
 
 
 def test_cuda_graphs_are_captured_and_replayed(gpu_models) -> None:
