@@ -93,6 +93,8 @@ class Request:
         self.num_preemptions = 0
 
         self._block_hasher = block_hasher
+        # Hash again only once another block is full (the hasher says its block size).
+        self._hash_block_size: int = getattr(block_hasher, "block_size", 1)
         self.block_hashes: list[bytes] = []
         self.update_block_hashes()
 
@@ -125,7 +127,9 @@ class Request:
         self.update_block_hashes()
 
     def update_block_hashes(self) -> None:
-        if self._block_hasher is not None:
+        if self._block_hasher is not None and len(self.all_token_ids) >= self._hash_block_size * (
+            len(self.block_hashes) + 1
+        ):
             self.block_hashes.extend(self._block_hasher(self))
 
     def is_finished(self) -> bool:

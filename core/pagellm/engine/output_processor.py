@@ -77,7 +77,10 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        return all(c.finish_reason is not None for c in self.completions)
+        completions = self.completions
+        if len(completions) == 1:
+            return completions[0].finish_reason is not None
+        return all(c.finish_reason is not None for c in completions)
 
 
 class OutputProcessor:

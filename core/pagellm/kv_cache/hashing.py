@@ -46,4 +46,5 @@ def make_block_hasher(block_size: int, algo: str = "sha256") -> Callable[[Reques
             new_hashes.append(parent)
         return new_hashes
 
+    hasher.block_size = block_size  # type: ignore[attr-defined]
     return hasher

@@ -215,27 +215,34 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> EngineCoreOutputs:
         outputs: list[EngineCoreOutput] = []
-        for index, req_id in enumerate(runner_output.req_ids):
-            request = self.requests.get(req_id)
-            if request is None or request.status != RequestStatus.RUNNING:
+        requests, running = self.requests, RequestStatus.RUNNING
+        all_prompt_logprobs = runner_output.prompt_logprobs
+        all_logprobs = runner_output.logprobs
+        for index, (req_id, new_token_ids) in enumerate(
+            zip(runner_output.req_ids, runner_output.sampled_token_ids, strict=True)
+        ):
+            request = requests.get(req_id)
+            if request is None or request.status != running:
                 continue  # aborted or preempted while the step ran
-            new_token_ids = runner_output.sampled_token_ids[index]
-            prompt_logprobs = (
-                runner_output.prompt_logprobs.get(req_id) if runner_output.prompt_logprobs else None
-            )
+            prompt_logprobs = all_prompt_logprobs.get(req_id) if all_prompt_logprobs else None
             if not new_token_ids:
                 if prompt_logprobs:  # a prefill chunk: only its prompt logprobs to pass on
                     outputs.append(
                         EngineCoreOutput(req_id, [], new_prompt_logprobs=prompt_logprobs)
                     )
                 continue
-            kept: list[int] = []
-            for token_id in new_token_ids:
-                request.append_output_token_ids([token_id])
-                kept.append(token_id)
-                if self._check_stop(request):
-                    break
-            sample_logprobs = runner_output.logprobs[index] if runner_output.logprobs else None
+            if len(new_token_ids) == 1:  # the usual case: one token per step
+                kept = new_token_ids
+                request.append_output_token_ids(kept)
+                self._check_stop(request)
+            else:
+                kept = []
+                for token_id in new_token_ids:
+                    request.append_output_token_ids([token_id])
+                    kept.append(token_id)
+                    if self._check_stop(request):
+                        break
+            sample_logprobs = all_logprobs[index] if all_logprobs else None
             finish = request.get_finish_reason()
             outputs.append(
                 EngineCoreOutput(
