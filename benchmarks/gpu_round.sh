@@ -38,6 +38,12 @@ for stage in "$@"; do
     w2-eager) run w2_eager 300 bash benchmarks/workloads.sh W2 --enforce-eager --output-json "$OUT/w2_eager.json" ;;
     w2-hf) run w2_hf 560 bash benchmarks/workloads.sh W2 --backend hf --hf-mode continuous --output-json "$OUT/w2_hf.json" ;;
     w1-hf) run w1_hf 560 bash benchmarks/workloads.sh W1 --backend hf --hf-mode continuous --output-json "$OUT/w1_hf.json" ;;
+    w2-prof) run w2_prof 200 python3 -m cProfile -o "$OUT/w2.prof" -m pagellm.entrypoints.cli bench throughput \
+        --model benchmarks/configs/qwen3-0.6b --load-format dummy --dtype bfloat16 --skip-tokenizer-init \
+        --temperature 0 --seed 0 --num-prompts 256 --input-len-range 100 1024 \
+        --output-len-range 100 1024 --random-token-range 0 10000
+      python3 -c "import pstats; pstats.Stats('$OUT/w2.prof').sort_stats('tottime').print_stats(40)" \
+        >"$OUT/w2_prof.txt" 2>&1; head -c 6000 "$OUT/w2_prof.txt" | tail -c 4500 ;;
     overhead) run overhead 100 python3 benchmarks/step_overhead.py ${PAGELLM_TEST_TOKENIZER:+--tokenizer $PAGELLM_TEST_TOKENIZER} --output-json "$OUT/overhead.json" ;;
     *) echo "unknown stage $stage" ;;
   esac
