@@ -46,7 +46,10 @@ class IncrementalDetokenizer:
 
     def update(self, new_token_ids: list[int]) -> str:
         """Add tokens; return the text they completed (possibly empty)."""
-        text = "".join(self._step(t) for t in new_token_ids)
+        if len(new_token_ids) == 1:
+            text = self._step(new_token_ids[0])
+        else:
+            text = "".join(self._step(t) for t in new_token_ids)
         self.output_text += text
         return text
 

@@ -142,8 +142,9 @@ class OutputProcessor:
         stop string, which only the front end can see)."""
         touched: dict[str, RequestState] = {}
         to_abort: list[str] = []
+        lookup = self.engine_to_request.get
         for out in engine_outputs.outputs:
-            entry = self.engine_to_request.get(out.request_id)
+            entry = lookup(out.request_id)
             if entry is None:
                 continue  # aborted meanwhile
             state, completion = entry
@@ -167,10 +168,11 @@ class OutputProcessor:
                 completion.stop_reason = out.stop_reason
             touched[state.request_id] = state
         results = []
+        final_only = RequestOutputKind.FINAL_ONLY
         for state in touched.values():
             if state.finished:
                 results.append(self._finish(state))
-            elif state.params.output_kind != RequestOutputKind.FINAL_ONLY:
+            elif state.params.output_kind != final_only:
                 results.append(self._make_output(state))
         return results, to_abort
 
@@ -224,29 +226,33 @@ class OutputProcessor:
         delta = state.params.output_kind == RequestOutputKind.DELTA
         completions = []
         for c in state.completions:
+            has_logprobs = c.logprobs is not None
             visible = len(c.text) - c.holdback
             if delta:
-                text = c.text[c.sent_chars : max(visible, c.sent_chars)]
+                sent_chars = c.sent_chars
+                text = c.text[sent_chars:visible] if visible > sent_chars else ""
                 token_ids = c.token_ids[c.sent_tokens :]
-                logprobs = c.logprobs[c.sent_logprobs :] if c.logprobs is not None else None
+                logprobs = c.logprobs[c.sent_logprobs :] if has_logprobs else None  # type: ignore[index]
                 if not text and not token_ids and c.finish_reason is None:
                     continue  # nothing new for this completion
             else:
                 text = c.text[: max(visible, 0)]
                 token_ids = list(c.token_ids)
-                logprobs = list(c.logprobs) if c.logprobs is not None else None
-            c.sent_chars = max(visible, c.sent_chars)
+                logprobs = list(c.logprobs) if has_logprobs else None  # type: ignore[arg-type]
+            if visible > c.sent_chars:
+                c.sent_chars = visible
             c.sent_tokens = len(c.token_ids)
-            c.sent_logprobs = len(c.logprobs) if c.logprobs is not None else 0
+            if has_logprobs:
+                c.sent_logprobs = len(c.logprobs)  # type: ignore[arg-type]
             completions.append(
                 CompletionOutput(
-                    index=c.index,
-                    text=text,
-                    token_ids=token_ids,
-                    cumulative_logprob=c.cumulative_logprob,
-                    logprobs=logprobs,
-                    finish_reason=c.finish_reason,
-                    stop_reason=c.stop_reason,
+                    c.index,
+                    text,
+                    token_ids,
+                    c.cumulative_logprob,
+                    logprobs,
+                    c.finish_reason,
+                    c.stop_reason,
                 )
             )
         prompt_logprobs = state.prompt_logprobs

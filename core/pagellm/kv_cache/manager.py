@@ -77,6 +77,20 @@ class KVCacheManager:
         """
         if num_new_tokens <= 0:
             raise ValueError(f"num_new_tokens must be positive, got {num_new_tokens}.")
+        if new_computed_blocks is None and not num_lookahead_tokens:
+            # Fast path (most decode steps): the last block still has room and no block filled up.
+            blocks = self.req_to_blocks.get(request.request_id)
+            total = request.num_computed_tokens + num_new_tokens
+            if (
+                blocks is not None
+                and total <= len(blocks) * self.block_size
+                and (
+                    not self.enable_caching
+                    or min(total // self.block_size, len(request.block_hashes))
+                    <= self.num_cached_blocks.get(request.request_id, 0)
+                )
+            ):
+                return []
         computed_blocks = new_computed_blocks or []
         req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + num_new_computed_tokens

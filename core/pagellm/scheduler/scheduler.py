@@ -181,12 +181,13 @@ class Scheduler:
     def _cached_request_data(
         self, running: list[Request], resumed: list[Request], new_block_ids: dict[str, list[int]]
     ) -> CachedRequestData:
-        data = CachedRequestData()
-        for request in running:
-            data.req_ids.append(request.request_id)
-            data.resumed_from_preemption.append(False)
-            data.new_block_ids.append(new_block_ids[request.request_id])
-            data.num_computed_tokens.append(request.num_computed_tokens)
+        ids = [r.request_id for r in running]
+        data = CachedRequestData(
+            req_ids=ids,
+            resumed_from_preemption=[False] * len(ids),
+            new_block_ids=[new_block_ids[i] for i in ids],
+            num_computed_tokens=[r.num_computed_tokens for r in running],
+        )
         for request in resumed:
             data.req_ids.append(request.request_id)
             data.resumed_from_preemption.append(True)

@@ -60,6 +60,8 @@ class InputBatch:
         self.has_sparse_params = np.zeros(max_num_reqs, dtype=bool)
         """Rows whose parameters need per-row work (logit bias, allowed ids, bad words, min tokens)."""
         self.generators: dict[int, torch.Generator] = {}
+        self.version = 0
+        """Bumped whenever a row changes request (add, remove, condense)."""
         self._arrays = (
             self.num_tokens,
             self.num_computed_tokens,
@@ -84,6 +86,7 @@ class InputBatch:
         return len(self.req_id_to_index)
 
     def add_request(self, state: CachedRequestState) -> None:
+        self.version += 1
         index = self.num_reqs  # rows are contiguous, so the first free one is at the end
         self.req_ids[index] = state.req_id
         self.req_id_to_index[state.req_id] = index
@@ -131,6 +134,7 @@ class InputBatch:
         index = self.req_id_to_index.pop(req_id, None)
         if index is None:
             return
+        self.version += 1
         self.req_ids[index] = None
         self.generators.pop(index, None)
         self._condense(index)

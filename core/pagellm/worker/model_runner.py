@@ -5,6 +5,7 @@ context and samples one token for each request whose scheduled tokens reach its 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -80,6 +81,7 @@ class ModelRunner:
             pin_memory=current_platform.is_pin_memory_available(),
         )
         self.cudagraph_sizes: list[int] = []
+        self._md_cache: tuple[tuple[int, bytes], SamplingMetadata] | None = None
         self.cudagraphs: dict[int, CapturedGraph] = {}
 
     # ---------------------------------------------------------------- setup
@@ -264,6 +266,14 @@ class ModelRunner:
         padded = graph.size if graph is not None else total
         common = self._prepare_inputs(rows, num_sched, cu, seq_lens, padded)
         buf = self.buffers
+        # Sample only for requests whose scheduled tokens reach their last token. The sampling
+        # parameters are staged before the forward pass is queued, so no copy waits for it.
+        sample_pos = np.flatnonzero(seq_lens >= batch.num_tokens[rows])
+        sample_rows = rows[sample_pos]
+        decode_only = len(sample_pos) == total
+        sample_ids = req_ids if decode_only else [req_ids[p] for p in sample_pos]
+        sampling_md = self._sampling_metadata(sample_rows, sample_ids) if len(sample_pos) else None
+        sample_idx = buf.to_device(cu[sample_pos] - 1) if not decode_only else None
         if graph is not None:
             graph.graph.replay()
             hidden = graph.hidden[:total]
@@ -274,30 +284,27 @@ class ModelRunner:
 
         prompt_logprobs = self._prompt_logprobs(hidden, rows, req_ids, num_sched, cu - num_sched)
 
-        # Sample only for requests whose scheduled tokens reach their last token.
-        done = seq_lens >= batch.num_tokens[rows]
-        sample_pos = np.flatnonzero(done)
-        sampled_lists: list[list[int]] = [[] for _ in rows]
         logprob_lists: list[SampleLogprobs | None] = [None] * len(rows)
-        if len(sample_pos):
-            if len(sample_pos) == total:  # decode-only: every token samples
-                sample_hidden = hidden
-            else:
-                idx = buf.to_device(cu[sample_pos] - 1)
-                sample_hidden = hidden.index_select(0, idx)
+        if sampling_md is None:
+            sampled_lists: list[list[int]] = [[] for _ in rows]
+        else:
+            sample_hidden = hidden if sample_idx is None else hidden.index_select(0, sample_idx)
             logits = self.model.compute_logits(sample_hidden)
-            sample_rows = rows[sample_pos]
-            sample_ids = [req_ids[p] for p in sample_pos]
-            result = self.sampler(logits, self._sampling_metadata(sample_rows, sample_ids))
+            result = self.sampler(logits, sampling_md)
             tokens = result.sampled_token_ids.tolist()  # the step's one device→host copy
             n_tok = batch.num_tokens[sample_rows]
             fits = n_tok < self.max_model_len
             batch.token_ids[sample_rows[fits], n_tok[fits]] = np.asarray(tokens)[fits]
             batch.num_tokens[sample_rows] = n_tok + 1
             requests = self.requests
-            for pos, token in zip(sample_pos.tolist(), tokens, strict=True):
-                sampled_lists[pos] = [token]
-                requests[req_ids[pos]].output_token_ids.append(token)
+            for req_id, token in zip(sample_ids, tokens, strict=True):
+                requests[req_id].output_token_ids.append(token)
+            if decode_only:
+                sampled_lists = [[token] for token in tokens]
+            else:
+                sampled_lists = [[] for _ in rows]
+                for pos, token in zip(sample_pos.tolist(), tokens, strict=True):
+                    sampled_lists[pos] = [token]
             if result.logprobs is not None:
                 for j, (p, row) in enumerate(zip(sample_pos.tolist(), sample_rows, strict=True)):
                     if batch.num_logprobs[row] < 0:
@@ -406,6 +413,23 @@ class ModelRunner:
 
     def _sampling_metadata(self, rows: np.ndarray, req_ids: list[str]) -> SamplingMetadata:
         batch = self.input_batch
+        # The per-row parameters only change when the batch does: reuse them (and their device
+        # copies) until a request joins or leaves or other rows sample.
+        key = (batch.version, rows.tobytes())
+        if self._md_cache is None or self._md_cache[0] != key:
+            self._md_cache = (key, self._base_sampling_metadata(rows))
+        md = self._md_cache[1]
+        penalties = self._penalties(rows)
+        sparse = np.flatnonzero(batch.has_sparse_params[rows])
+        if penalties is None and not len(sparse):
+            return md
+        md = dataclasses.replace(md, penalties=penalties)
+        if len(sparse):
+            self._add_sparse_params(md, sparse, [req_ids[j] for j in sparse], len(rows))
+        return md
+
+    def _base_sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
+        batch = self.input_batch
         dev = self.device
         temperature = batch.temperature[rows]
         top_p = batch.top_p[rows]
@@ -416,7 +440,7 @@ class ModelRunner:
         generators = {
             j: batch.generators[int(r)] for j, r in enumerate(rows) if int(r) in batch.generators
         }
-        md = SamplingMetadata(
+        return SamplingMetadata(
             temperature=torch.from_numpy(temperature).to(dev),
             all_greedy=bool((temperature == 0).all()),
             all_random=bool((temperature > 0).all()),
@@ -428,12 +452,7 @@ class ModelRunner:
             generators=generators,
             default_generator=self.default_generator,
             max_num_logprobs=int(num_logprobs.max()) if (num_logprobs >= 0).any() else None,
-            penalties=self._penalties(rows),
         )
-        sparse = np.flatnonzero(batch.has_sparse_params[rows])
-        if len(sparse):
-            self._add_sparse_params(md, sparse, [req_ids[j] for j in sparse], len(rows))
-        return md
 
     def _penalties(self, rows: np.ndarray) -> Penalties | None:
         batch = self.input_batch
