@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import logging
 import os
 import platform
 import time
@@ -357,11 +358,16 @@ def main(args: argparse.Namespace) -> int:
     llm_result, peer = run_pagellm(args, requests)
     result["pagellm"] = llm_result
     if args.backend == "hf":
-        hf_result = run_hf(args, requests, peer)
-        result["hf"] = hf_result
-        result["output_throughput_ratio"] = round(
-            llm_result["output_tokens_per_s"] / hf_result["output_tokens_per_s"], 2
-        )
+        try:
+            hf_result = run_hf(args, requests, peer)
+        except Exception as exc:  # the peer failing must not lose pagellm's measurement
+            logging.getLogger(__name__).exception("The transformers run failed")
+            result["hf"] = {"error": f"{type(exc).__name__}: {exc}"}
+        else:
+            result["hf"] = hf_result
+            result["output_throughput_ratio"] = round(
+                llm_result["output_tokens_per_s"] / hf_result["output_tokens_per_s"], 2
+            )
     text = json.dumps(result, indent=2)
     print(text)
     if args.output_json:
