@@ -7,6 +7,12 @@ import os
 import pytest
 import torch
 
+# Triton fixes interpreter or compiled mode when it is first imported, for the whole process. On a
+# machine whose torch has no CUDA (CI), every Triton kernel runs in the interpreter, so the kernel
+# tests of the GPU plugins check them on the CPU; on a CUDA machine they are compiled.
+if torch.version.cuda is None and torch.version.hip is None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from pagellm.model_loader import default_model_path
 from pagellm.model_loader.gguf_cache import gguf_hf_dir
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -42,6 +43,10 @@ class EngineCore:
         self.executor = executor_cls(config)
         num_blocks = self._initialize_kv_cache()
         self.last_step_stats = StepStats()
+        # Everything built so far (block pool, model, graphs) lives as long as the engine: keep it
+        # out of the garbage collector's scans, which would otherwise stall steps at random.
+        gc.collect()
+        gc.freeze()
         block_size = config.cache.block_size
         assert block_size is not None
         self.kv_cache_manager = KVCacheManager(
