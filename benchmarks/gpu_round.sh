@@ -45,6 +45,7 @@ for stage in "$@"; do
       python3 -c "import pstats; pstats.Stats('$OUT/w2.prof').sort_stats('tottime').print_stats(40)" \
         >"$OUT/w2_prof.txt" 2>&1; head -c 6000 "$OUT/w2_prof.txt" | tail -c 4500 ;;
     overhead) run overhead 100 python3 benchmarks/step_overhead.py ${PAGELLM_TEST_TOKENIZER:+--tokenizer $PAGELLM_TEST_TOKENIZER} --output-json "$OUT/overhead.json" ;;
+    overhead-delta) run overhead_delta 100 python3 benchmarks/step_overhead.py --output-kind delta ${PAGELLM_TEST_TOKENIZER:+--tokenizer $PAGELLM_TEST_TOKENIZER} --output-json "$OUT/overhead_delta.json" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

@@ -94,6 +94,13 @@ def main() -> None:
         "on a CPU, TRITON_ATTN needs TRITON_INTERPRET=1).",
     )
     parser.add_argument(
+        "--output-kind",
+        choices=["final", "delta"],
+        default="final",
+        help="final: outputs only when a request ends (what LLM.generate asks for); delta: a "
+        "RequestOutput per request per step (what a streaming server asks for).",
+    )
+    parser.add_argument(
         "--tokenizer", default=None, help="Tokenizer directory (default: the packaged SmolLM2's)."
     )
     parser.add_argument("--output-json", default=None)
@@ -125,7 +132,9 @@ def main() -> None:
         temperature=0.0,
         max_tokens=total_steps + _PREFILL_SLACK,
         ignore_eos=True,
-        output_kind=RequestOutputKind.DELTA,  # what a streaming server asks for
+        output_kind=RequestOutputKind.FINAL_ONLY
+        if args.output_kind == "final"
+        else RequestOutputKind.DELTA,
     )
     for i in range(n):
         prompt = [(i * 31 + j * 17) % (STUB_VOCAB - 300) + 300 for j in range(args.prompt_len)]
@@ -166,6 +175,8 @@ def main() -> None:
         "benchmark": "step_overhead",
         "num_running_requests": n,
         "prompt_len": args.prompt_len,
+        "output_kind": args.output_kind,
+        "detokenize": True,
         "timed_steps": args.steps,
         "stages": {name: _stats(values) for name, values in stages.items()},
         "step": _stats(totals),

@@ -1,12 +1,12 @@
-"""What `LLM.generate` returns."""
+"""What `LLM.generate` returns. msgspec structs: built for every request at every streaming step,
+they must be cheap to make."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import msgspec
 
 
-@dataclass(slots=True)
-class Logprob:
+class Logprob(msgspec.Struct):
     """Log-probability of one token, its rank in the distribution and its text."""
 
     logprob: float
@@ -18,8 +18,7 @@ class Logprob:
 PositionLogprobs = dict[int, Logprob]
 
 
-@dataclass(slots=True)
-class CompletionOutput:
+class CompletionOutput(msgspec.Struct):
     index: int
     text: str
     token_ids: list[int]
@@ -32,12 +31,11 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
-@dataclass(slots=True)
-class RequestOutput:
+class RequestOutput(msgspec.Struct):
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    outputs: list[CompletionOutput] = field(default_factory=list)
+    outputs: list[CompletionOutput] = []
     finished: bool = False
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     """Per prompt token: None for the first, then its logprob given the tokens before it (and the top-k)."""

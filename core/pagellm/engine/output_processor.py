@@ -142,6 +142,8 @@ class OutputProcessor:
         stop string, which only the front end can see)."""
         touched: dict[str, RequestState] = {}
         to_abort: list[str] = []
+        results: list[RequestOutput] = []
+        final_only = RequestOutputKind.FINAL_ONLY
         lookup = self.engine_to_request.get
         for out in engine_outputs.outputs:
             entry = lookup(out.request_id)
@@ -166,9 +168,13 @@ class OutputProcessor:
             elif out.finish_reason is not None:
                 completion.finish_reason = str(FinishReason(out.finish_reason))
                 completion.stop_reason = out.stop_reason
-            touched[state.request_id] = state
-        results = []
-        final_only = RequestOutputKind.FINAL_ONLY
+            if len(state.completions) == 1:  # its output is complete for this step: emit now
+                if completion.finish_reason is not None:
+                    results.append(self._finish(state))
+                elif state.params.output_kind != final_only:
+                    results.append(self._make_output(state))
+            else:  # n > 1: wait until every completion of the step is in
+                touched[state.request_id] = state
         for state in touched.values():
             if state.finished:
                 results.append(self._finish(state))

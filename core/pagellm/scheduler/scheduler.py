@@ -8,6 +8,7 @@ running request is preempted: its blocks are freed and it is recomputed later fr
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Iterable
 
@@ -86,10 +87,17 @@ class Scheduler:
         preempted: list[Request] = []
 
         # 1. Running requests, in order.
+        running = self.running
+        cap = cfg.long_prefill_token_threshold
         i = 0
-        while i < len(self.running) and token_budget > 0:
-            request = self.running[i]
-            num_new = self._num_tokens_to_schedule(request, token_budget)
+        while i < len(running) and token_budget > 0:
+            request = running[i]
+            # The tokens it still needs, capped by the long-prefill threshold and the budget.
+            num_new = len(request.all_token_ids) - request.num_computed_tokens
+            if cap and num_new > cap:
+                num_new = cap
+            if num_new > token_budget:
+                num_new = token_budget
             if num_new == 0:
                 i += 1
                 continue
@@ -116,7 +124,7 @@ class Scheduler:
                 continue  # the request preempted itself; `i` already points at the next one
             scheduled_running.append(request)
             num_scheduled[request.request_id] = num_new
-            new_block_ids[request.request_id] = [b.block_id for b in blocks]
+            new_block_ids[request.request_id] = [b.block_id for b in blocks] if blocks else []
             token_budget -= num_new
             i += 1
 
@@ -167,16 +175,12 @@ class Scheduler:
             preempted_req_ids={r.request_id for r in preempted},
             finished_req_ids=self.finished_req_ids,
         )
-        for req_id, n in num_scheduled.items():
-            self.requests[req_id].num_computed_tokens += n
+        for request in scheduled_running:
+            request.num_computed_tokens += num_scheduled[request.request_id]
+        for request in itertools.chain(scheduled_new, scheduled_resumed):
+            request.num_computed_tokens += num_scheduled[request.request_id]
         self.finished_req_ids = set()
         return output
-
-    def _num_tokens_to_schedule(self, request: Request, token_budget: int) -> int:
-        num_new = request.num_tokens - request.num_computed_tokens
-        if self.config.long_prefill_token_threshold:
-            num_new = min(num_new, self.config.long_prefill_token_threshold)
-        return min(num_new, token_budget)
 
     def _cached_request_data(
         self, running: list[Request], resumed: list[Request], new_block_ids: dict[str, list[int]]
@@ -234,7 +238,7 @@ class Scheduler:
                 continue
             if len(new_token_ids) == 1:  # the usual case: one token per step
                 kept = new_token_ids
-                request.append_output_token_ids(kept)
+                request.append_output_token(kept[0])
                 self._check_stop(request)
             else:
                 kept = []
@@ -244,16 +248,16 @@ class Scheduler:
                     if self._check_stop(request):
                         break
             sample_logprobs = all_logprobs[index] if all_logprobs else None
-            finish = request.get_finish_reason()
+            finish = request.get_finish_reason() if request.status != running else None
             outputs.append(
                 EngineCoreOutput(
-                    request_id=req_id,
-                    new_token_ids=kept,
-                    new_logprobs=[sample_logprobs] if sample_logprobs is not None else None,
-                    finish_reason=int(finish) if finish is not None else None,
-                    stop_reason=request.stop_reason,
-                    num_cached_tokens=request.num_cached_tokens,
-                    new_prompt_logprobs=prompt_logprobs,
+                    req_id,
+                    kept,
+                    [sample_logprobs] if sample_logprobs is not None else None,
+                    int(finish) if finish is not None else None,
+                    request.stop_reason,
+                    request.num_cached_tokens,
+                    prompt_logprobs,
                 )
             )
             if finish is not None:

@@ -217,6 +217,20 @@ class ModelRunner:
             self.requests[new.req_id] = state
             batch.add_request(state)
         cached = out.scheduled_cached_reqs
+        if not cached.req_ids:
+            return
+        if True not in cached.resumed_from_preemption:
+            # The common case, vectorised: progress for every row, new blocks for the few that
+            # crossed a block boundary. (A state's own num_computed_tokens is only read when it
+            # is re-admitted, and then the scheduler sends it.)
+            index_of = batch.req_id_to_index
+            rows = [index_of[r] for r in cached.req_ids]
+            batch.num_computed_tokens[rows] = cached.num_computed_tokens
+            new_block_ids = cached.new_block_ids
+            for k in [k for k, b in enumerate(new_block_ids) if b]:
+                self.requests[cached.req_ids[k]].block_ids.extend(new_block_ids[k])
+                batch.append_block_ids(rows[k], new_block_ids[k])
+            return
         for req_id, resumed, block_ids, num_computed in zip(
             cached.req_ids,
             cached.resumed_from_preemption,
