@@ -26,7 +26,6 @@ class IncrementalDetokenizer:
         self.token_ids: list[int] = list(context)
         self.prefix_offset = 0
         self.read_offset = len(context)
-        self.output_text = ""
 
     def _decode(self, ids: list[int]) -> str:
         kwargs = {"skip_special_tokens": self.skip_special_tokens}
@@ -47,11 +46,8 @@ class IncrementalDetokenizer:
     def update(self, new_token_ids: list[int]) -> str:
         """Add tokens; return the text they completed (possibly empty)."""
         if len(new_token_ids) == 1:
-            text = self._step(new_token_ids[0])
-        else:
-            text = "".join(self._step(t) for t in new_token_ids)
-        self.output_text += text
-        return text
+            return self._step(new_token_ids[0])
+        return "".join(self._step(t) for t in new_token_ids)
 
 
 class FastIncrementalDetokenizer(IncrementalDetokenizer):
@@ -65,6 +61,11 @@ class FastIncrementalDetokenizer(IncrementalDetokenizer):
 
     def _step(self, token_id: int) -> str:
         return self._stream.step(self._backend, token_id) or ""
+
+    def update(self, new_token_ids: list[int]) -> str:
+        if len(new_token_ids) == 1:  # one call less on the per-token path
+            return self._stream.step(self._backend, new_token_ids[0]) or ""
+        return "".join(self._step(t) for t in new_token_ids)
 
 
 def make_detokenizer(

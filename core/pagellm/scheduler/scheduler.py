@@ -221,6 +221,7 @@ class Scheduler:
     ) -> EngineCoreOutputs:
         outputs: list[EngineCoreOutput] = []
         requests, running = self.requests, RequestStatus.RUNNING
+        max_model_len = self.config.max_model_len
         all_prompt_logprobs = runner_output.prompt_logprobs
         all_logprobs = runner_output.logprobs
         for index, (req_id, new_token_ids) in enumerate(
@@ -238,8 +239,17 @@ class Scheduler:
                 continue
             if len(new_token_ids) == 1:  # the usual case: one token per step
                 kept = new_token_ids
-                request.append_output_token(kept[0])
-                self._check_stop(request)
+                token = kept[0]
+                request.append_output_token(token)
+                params = request.sampling_params
+                # Only a token that could end the request needs the full check.
+                if (
+                    len(request.output_token_ids) >= (request.max_tokens or 0)
+                    or len(request.all_token_ids) >= max_model_len
+                    or (token == request.eos_token_id and not params.ignore_eos)
+                    or (params.stop_token_ids and token in params.stop_token_ids)
+                ):
+                    self._check_stop(request)
             else:
                 kept = []
                 for token_id in new_token_ids:

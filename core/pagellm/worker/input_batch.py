@@ -27,6 +27,7 @@ class CachedRequestState:
     num_computed_tokens: int
     eos_token_id: int | None = None
     output_token_ids: list[int] = field(default_factory=list)
+    """Tokens generated before the last preemption (while running, they live in the batch row)."""
     num_prompt_logprobs_done: int = 0
     """Prompt positions whose logprobs were already returned (kept across preemption)."""
 

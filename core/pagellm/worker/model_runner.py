@@ -199,6 +199,14 @@ class ModelRunner:
             self.requests.pop(req_id, None)
             batch.remove_request(req_id)
         for req_id in out.preempted_req_ids:
+            # Keep its generated tokens: they are the batch row's, and it will come back.
+            index = batch.req_id_to_index.get(req_id)
+            if index is not None:
+                state = self.requests[req_id]
+                start = len(state.prompt_token_ids)
+                state.output_token_ids = batch.token_ids[
+                    index, start : batch.num_tokens[index]
+                ].tolist()
             batch.remove_request(req_id)
         for new in out.scheduled_new_reqs:
             params = new.sampling_params
@@ -310,9 +318,6 @@ class ModelRunner:
             fits = n_tok < self.max_model_len
             batch.token_ids[sample_rows[fits], n_tok[fits]] = np.asarray(tokens)[fits]
             batch.num_tokens[sample_rows] = n_tok + 1
-            requests = self.requests
-            for req_id, token in zip(sample_ids, tokens, strict=True):
-                requests[req_id].output_token_ids.append(token)
             if decode_only:
                 sampled_lists = [[token] for token in tokens]
             else:
@@ -439,7 +444,7 @@ class ModelRunner:
             return md
         md = dataclasses.replace(md, penalties=penalties)
         if len(sparse):
-            self._add_sparse_params(md, sparse, [req_ids[j] for j in sparse], len(rows))
+            self._add_sparse_params(md, sparse, rows[sparse], [req_ids[j] for j in sparse])
         return md
 
     def _base_sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
@@ -495,7 +500,7 @@ class ModelRunner:
         )
 
     def _add_sparse_params(
-        self, md: SamplingMetadata, positions: np.ndarray, req_ids: list[str], num_rows: int
+        self, md: SamplingMetadata, positions: np.ndarray, rows: np.ndarray, req_ids: list[str]
     ) -> None:
         """Logit bias, allowed tokens, bad words and min_tokens: per-row lists, rare enough to
         gather in Python for the rows that use them."""
@@ -506,10 +511,13 @@ class ModelRunner:
         ban_rows: list[int] = []
         ban_tokens: list[int] = []
         allowed: torch.Tensor | None = None
-        for j, req_id in zip(positions.tolist(), req_ids, strict=True):
+        num_rows = md.temperature.shape[0]
+        batch = self.input_batch
+        for j, row, req_id in zip(positions.tolist(), rows.tolist(), req_ids, strict=True):
             state = self.requests[req_id]
             params = state.sampling_params
-            output = state.output_token_ids
+            output = batch.token_ids[row, batch.num_prompt_tokens[row] : batch.num_tokens[row]]
+            output = output.tolist()
             if params.logit_bias:
                 bias_rows += [j] * len(params.logit_bias)
                 bias_tokens += list(params.logit_bias)
