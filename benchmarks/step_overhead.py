@@ -185,8 +185,8 @@ def main() -> None:
         "stages": {name: _stats(values) for name, values in stages.items()},
         "step": _stats(totals),
         "attention_backend": engine.config.attention_backend,
-        "note": "execute = model runner with a stub model: input preparation, the stub's trivial "
-        "forward, sampling on [N, 1024] logits, output bookkeeping",
+        "note": "execute = model runner with a stub model: state update, input preparation, the "
+        "stub's trivial forward, sampling on [N, 1024] logits, output bookkeeping",
         "machine": {
             "platform": platform.platform(),
             "cpu_count": os.cpu_count(),
