@@ -7,6 +7,7 @@ step's inputs are built with vectorized indexing, not per-token Python. Rows sta
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -61,8 +62,11 @@ class InputBatch:
         self.has_sparse_params = np.zeros(max_num_reqs, dtype=bool)
         """Rows whose parameters need per-row work (logit bias, allowed ids, bad words, min tokens)."""
         self.generators: dict[int, torch.Generator] = {}
+        self.has_penalties = np.zeros(max_num_reqs, dtype=bool)
         self.version = 0
         """Bumped whenever a row changes request (add, remove, condense)."""
+        self.on_move: Callable[[int, int], None] | None = None
+        """Told (src, dst) when condensing moves a request to another row."""
         self._arrays = (
             self.num_tokens,
             self.num_computed_tokens,
@@ -80,13 +84,15 @@ class InputBatch:
             self.num_logprobs,
             self.num_prompt_logprobs,
             self.has_sparse_params,
+            self.has_penalties,
         )
 
     @property
     def num_reqs(self) -> int:
         return len(self.req_id_to_index)
 
-    def add_request(self, state: CachedRequestState) -> None:
+    def add_request(self, state: CachedRequestState) -> int:
+        """Put the request in the first free row; returns the row."""
         self.version += 1
         index = self.num_reqs  # rows are contiguous, so the first free one is at the end
         self.req_ids[index] = state.req_id
@@ -118,8 +124,14 @@ class InputBatch:
             or params.bad_words_token_ids
             or params.min_tokens
         )
+        self.has_penalties[index] = (
+            params.presence_penalty != 0
+            or params.frequency_penalty != 0
+            or params.repetition_penalty != 1
+        )
         if state.generator is not None:
             self.generators[index] = state.generator
+        return index
 
     def set_block_ids(self, index: int, block_ids: list[int]) -> None:
         self.block_table[index, : len(block_ids)] = block_ids
@@ -154,3 +166,5 @@ class InputBatch:
             array[hole] = array[last]
         if last in self.generators:
             self.generators[hole] = self.generators.pop(last)
+        if self.on_move is not None:
+            self.on_move(last, hole)

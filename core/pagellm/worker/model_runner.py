@@ -26,6 +26,7 @@ from pagellm.models.llama import uniform_sliding_window
 from pagellm.platforms import current_platform
 from pagellm.scheduler.output import ModelRunnerOutput, SampleLogprobs, SchedulerOutput
 from pagellm.worker.input_batch import CachedRequestState, InputBatch
+from pagellm.worker.penalty_state import PenaltyState
 from pagellm.worker.step_buffers import StepBuffers
 
 logger = logging.getLogger(__name__)
@@ -68,6 +69,10 @@ class ModelRunner:
             config.scheduler.max_num_seqs, self.max_model_len, cdiv(self.max_model_len, block_size)
         )
         self.requests: dict[str, CachedRequestState] = {}
+        self.penalty_state = PenaltyState(
+            config.scheduler.max_num_seqs, model_cfg.vocab_size, device
+        )
+        self.input_batch.on_move = self.penalty_state.move_row
         self.sampler = Sampler()
         self.default_generator = torch.Generator(device=device).manual_seed(model_cfg.seed)
         self.model: Any = None
@@ -223,7 +228,7 @@ class ModelRunner:
                 eos_token_id=new.eos_token_id,
             )
             self.requests[new.req_id] = state
-            batch.add_request(state)
+            self._add_to_batch(state)
         cached = out.scheduled_cached_reqs
         if not cached.req_ids:
             return
@@ -250,13 +255,18 @@ class ModelRunner:
             state.num_computed_tokens = num_computed
             if resumed:
                 state.block_ids = list(block_ids)
-                batch.add_request(state)
+                self._add_to_batch(state)
                 continue
             state.block_ids.extend(block_ids)
             index = batch.req_id_to_index[req_id]
             batch.num_computed_tokens[index] = num_computed
             if block_ids:
                 batch.append_block_ids(index, block_ids)
+
+    def _add_to_batch(self, state: CachedRequestState) -> None:
+        row = self.input_batch.add_request(state)
+        if self.input_batch.has_penalties[row]:
+            self.penalty_state.fill_row(row, state.prompt_token_ids, state.output_token_ids)
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -313,6 +323,12 @@ class ModelRunner:
             sample_hidden = hidden if sample_idx is None else hidden.index_select(0, sample_idx)
             logits = self.model.compute_logits(sample_hidden)
             result = self.sampler(logits, sampling_md)
+            penalized = batch.has_penalties[sample_rows]
+            if penalized.any():
+                self.penalty_state.add_sampled(
+                    buf.to_device(sample_rows[penalized]),
+                    result.sampled_token_ids[buf.to_device(np.flatnonzero(penalized))],
+                )
             tokens = result.sampled_token_ids.tolist()  # the step's one device→host copy
             n_tok = batch.num_tokens[sample_rows]
             fits = n_tok < self.max_model_len
@@ -475,28 +491,19 @@ class ModelRunner:
 
     def _penalties(self, rows: np.ndarray) -> Penalties | None:
         batch = self.input_batch
-        presence = batch.presence_penalty[rows]
-        frequency = batch.frequency_penalty[rows]
-        repetition = batch.repetition_penalty[rows]
-        if not ((presence != 0).any() or (frequency != 0).any() or (repetition != 1).any()):
+        if not batch.has_penalties[rows].any():
             return None
-        vocab = self.config.model.vocab_size
-        counts = torch.zeros(len(rows), vocab)
-        use_repetition = bool((repetition != 1).any())
-        prompt_mask = torch.zeros(len(rows), vocab, dtype=torch.bool) if use_repetition else None
-        for j, row in enumerate(rows):
-            n_prompt, n = int(batch.num_prompt_tokens[row]), int(batch.num_tokens[row])
-            output = torch.from_numpy(batch.token_ids[row, n_prompt:n])
-            counts[j] = torch.bincount(output, minlength=vocab)[:vocab].float()
-            if prompt_mask is not None:
-                prompt_mask[j, torch.from_numpy(batch.token_ids[row, :n_prompt])] = True
+        repetition = batch.repetition_penalty[rows]
         dev = self.device
+        counts, prompt_mask = self.penalty_state.gather(
+            self.buffers.to_device(rows), with_prompt_mask=bool((repetition != 1).any())
+        )
         return Penalties(
-            presence=torch.from_numpy(presence).to(dev),
-            frequency=torch.from_numpy(frequency).to(dev),
+            presence=torch.from_numpy(batch.presence_penalty[rows]).to(dev),
+            frequency=torch.from_numpy(batch.frequency_penalty[rows]).to(dev),
             repetition=torch.from_numpy(repetition).to(dev),
-            output_counts=counts.to(dev),
-            prompt_mask=prompt_mask.to(dev) if prompt_mask is not None else None,
+            output_counts=counts,
+            prompt_mask=prompt_mask,
         )
 
     def _add_sparse_params(

@@ -1,0 +1,57 @@
+"""Per-row token statistics for the repetition, frequency and presence penalties, kept on the
+device and updated incrementally: a request's prompt and past output are counted once, when its
+row is filled, and each step adds only the tokens just sampled. So no step does work that grows
+with the context. The tensors are allocated when the first request with a penalty arrives.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class PenaltyState:
+    def __init__(self, max_num_reqs: int, vocab_size: int, device: torch.device) -> None:
+        self.max_num_reqs = max_num_reqs
+        self.vocab_size = vocab_size
+        self.device = device
+        self.output_counts: torch.Tensor | None = None
+        """[max_num_reqs, V] float32: how often each token occurs in the row's output."""
+        self.prompt_mask: torch.Tensor | None = None
+        """[max_num_reqs, V] bool: the tokens of the row's prompt."""
+
+    def _allocate(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.output_counts is None or self.prompt_mask is None:
+            shape = (self.max_num_reqs, self.vocab_size)
+            self.output_counts = torch.zeros(shape, dtype=torch.float32, device=self.device)
+            self.prompt_mask = torch.zeros(shape, dtype=torch.bool, device=self.device)
+        return self.output_counts, self.prompt_mask
+
+    def fill_row(self, row: int, prompt_token_ids: list[int], output_token_ids: list[int]) -> None:
+        """A request (new, or resumed after preemption) takes ``row``."""
+        counts, mask = self._allocate()
+        counts[row].zero_()
+        mask[row].zero_()
+        mask[row, torch.tensor(prompt_token_ids, device=self.device)] = True
+        if output_token_ids:
+            tokens = torch.tensor(output_token_ids, device=self.device)
+            counts[row].index_add_(0, tokens, torch.ones_like(tokens, dtype=torch.float32))
+
+    def move_row(self, src: int, dst: int) -> None:
+        """The batch moved a request from row ``src`` to ``dst`` (condensing)."""
+        if self.output_counts is not None and self.prompt_mask is not None:
+            self.output_counts[dst] = self.output_counts[src]
+            self.prompt_mask[dst] = self.prompt_mask[src]
+
+    def add_sampled(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
+        """Count this step's sampled tokens (device tensors, no host round trip)."""
+        if self.output_counts is not None:
+            ones = torch.ones(rows.shape[0], dtype=torch.float32, device=self.device)
+            self.output_counts.index_put_((rows, token_ids), ones, accumulate=True)
+
+    def gather(
+        self, rows: torch.Tensor, with_prompt_mask: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        counts, mask = self._allocate()
+        return counts.index_select(0, rows), mask.index_select(
+            0, rows
+        ) if with_prompt_mask else None
