@@ -523,8 +523,9 @@ class ModelRunner:
         for j, row, req_id in zip(positions.tolist(), rows.tolist(), req_ids, strict=True):
             state = self.requests[req_id]
             params = state.sampling_params
-            output = batch.token_ids[row, batch.num_prompt_tokens[row] : batch.num_tokens[row]]
-            output = output.tolist()
+            # Only the output's length and its last few tokens matter: nothing here grows with it.
+            n_prompt, n = int(batch.num_prompt_tokens[row]), int(batch.num_tokens[row])
+            output_len = n - n_prompt
             if params.logit_bias:
                 bias_rows += [j] * len(params.logit_bias)
                 bias_tokens += list(params.logit_bias)
@@ -536,10 +537,13 @@ class ModelRunner:
                 allowed[j, params.allowed_token_ids] = True
             for seq in params.bad_words_token_ids or ():
                 prefix = seq[:-1]
-                if not prefix or output[-len(prefix) :] == prefix:
+                if not prefix or (
+                    output_len >= len(prefix)
+                    and batch.token_ids[row, n - len(prefix) : n].tolist() == prefix
+                ):
                     ban_rows.append(j)
                     ban_tokens.append(seq[-1])
-            if len(output) < params.min_tokens:
+            if output_len < params.min_tokens:
                 stops = list(params.stop_token_ids or ())
                 if state.eos_token_id is not None:
                     stops.append(state.eos_token_id)
