@@ -3,6 +3,7 @@ Loaded in the front end only."""
 
 from __future__ import annotations
 
+from pagellm.metrics.stats import StatLoggerBase
 from pagellm.plugins.class_registry import ClassRegistry
 
 
@@ -12,7 +13,9 @@ def _load_plugins() -> None:
     load_frontend_plugins()
 
 
-_REGISTRY: ClassRegistry[object] = ClassRegistry("Stat logger", object, _load_plugins)
+_REGISTRY: ClassRegistry[StatLoggerBase] = ClassRegistry(
+    "Stat logger", StatLoggerBase, _load_plugins
+)
 register_stat_logger = _REGISTRY.register
 registered_stat_loggers = _REGISTRY.names
 get_stat_logger_cls = _REGISTRY.get

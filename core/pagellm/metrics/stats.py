@@ -55,7 +55,11 @@ class IterationStats:
 
 class StatLoggerBase:
     """A stat logger: `record` is called for every batch of engine outputs the front end
-    processes; `log` periodically (e.g. every few seconds) for loggers that summarise."""
+    processes; `log` periodically (e.g. every few seconds) for loggers that summarise. Loggers are
+    built as ``cls(model_name=...)`` (the served model's name)."""
+
+    def __init__(self, model_name: str = "") -> None:
+        self.model_name = model_name
 
     def record(
         self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None

@@ -1,0 +1,250 @@
+"""The built-in stat loggers fed with stats sequences as the front end makes them: the Prometheus
+text exposition (parsed with prometheus_client's own parser) and the periodic log line; and
+`build_stat_loggers` with plugin loggers from the registry."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pagellm.metrics.loggers import (
+    LoggingStatLogger,
+    PrometheusStatLogger,
+    build_stat_loggers,
+    make_metrics_app,
+    metrics_response,
+)
+from pagellm.metrics.registry import get_stat_logger_cls, register_stat_logger
+from pagellm.metrics.stats import FinishedRequestStats, IterationStats, SchedulerStats
+
+DUMMY_FRONTEND = Path(__file__).parent / "plugins" / "dummy_frontend"
+
+
+def finished(reason: str, prompt: int, generated: int, e2e: float) -> FinishedRequestStats:
+    return FinishedRequestStats(reason, e2e, prompt, generated, ttft_s=0.1, mean_itl_s=0.01)
+
+
+# Two steps of an engine: cumulative scheduler counters, per-batch iteration stats.
+STEPS = [
+    (
+        SchedulerStats(
+            num_running_reqs=2,
+            num_waiting_reqs=1,
+            kv_cache_usage=0.25,
+            prefix_cache_queries=100,
+            prefix_cache_hits=40,
+            num_preemptions=1,
+        ),
+        IterationStats(num_prompt_tokens=30, num_generation_tokens=2, ttfts_s=[0.1, 0.3]),
+    ),
+    (
+        SchedulerStats(
+            num_running_reqs=1,
+            num_waiting_reqs=0,
+            kv_cache_usage=0.5,
+            prefix_cache_queries=160,
+            prefix_cache_hits=70,
+            num_preemptions=3,
+        ),
+        IterationStats(
+            num_generation_tokens=2,
+            itls_s=[0.01, 0.03],
+            finished=[finished("length", 20, 5, 1.5), finished("stop", 10, 3, 0.5)],
+        ),
+    ),
+]
+
+
+def exposition(stat_logger: PrometheusStatLogger) -> dict[tuple[str, tuple], float]:
+    """Every sample as {(name, sorted labels without model_name): value}, checking model_name."""
+    body, content_type = metrics_response(stat_logger)
+    assert content_type.startswith("text/plain")
+    samples = {}
+    for family in text_string_to_metric_families(body.decode()):
+        for s in family.samples:
+            if s.name.endswith("_created"):
+                continue
+            assert s.labels.pop("model_name") == stat_logger.model_name, s
+            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return samples
+
+
+def test_prometheus_counters_gauges_and_histograms_follow_the_recorded_stats():
+    stat_logger = PrometheusStatLogger(model_name="tiny")
+    for scheduler_stats, iteration_stats in STEPS:
+        stat_logger.record(scheduler_stats, iteration_stats)
+    stat_logger.record(None, IterationStats(finished=[finished("abort", 7, 0, 0.2)]))
+    m = exposition(stat_logger)
+
+    assert m[("pagellm:num_requests_running", ())] == 1
+    assert m[("pagellm:num_requests_waiting", ())] == 0
+    assert m[("pagellm:kv_cache_usage_perc", ())] == 0.5
+    assert m[("pagellm:prompt_tokens_total", ())] == 30
+    assert m[("pagellm:generation_tokens_total", ())] == 4
+    # Cumulative scheduler counters are counted once, not summed over records.
+    assert m[("pagellm:prefix_cache_queries_total", ())] == 160
+    assert m[("pagellm:prefix_cache_hits_total", ())] == 70
+    assert m[("pagellm:num_preemptions_total", ())] == 3
+    for reason in ("length", "stop", "abort"):
+        assert m[("pagellm:request_success_total", (("finished_reason", reason),))] == 1
+    ttft = "pagellm:time_to_first_token_seconds"
+    assert m[(f"{ttft}_count", ())] == 2
+    assert m[(f"{ttft}_sum", ())] == pytest.approx(0.4)
+    assert m[(f"{ttft}_bucket", (("le", "0.25"),))] == 1
+    assert m[(f"{ttft}_bucket", (("le", "+Inf"),))] == 2
+    assert m[("pagellm:inter_token_latency_seconds_count", ())] == 2
+    assert m[("pagellm:inter_token_latency_seconds_sum", ())] == pytest.approx(0.04)
+    assert m[("pagellm:e2e_request_latency_seconds_count", ())] == 3
+    assert m[("pagellm:e2e_request_latency_seconds_sum", ())] == pytest.approx(2.2)
+    assert m[("pagellm:request_prompt_tokens_sum", ())] == 37
+    assert m[("pagellm:request_generation_tokens_sum", ())] == 8
+    assert m[("pagellm:request_generation_tokens_bucket", (("le", "2.0"),))] == 1
+
+
+def test_prometheus_counter_restarts_from_zero_when_the_engine_counters_go_back():
+    stat_logger = PrometheusStatLogger(model_name="m")
+    stat_logger.record(SchedulerStats(prefix_cache_queries=50, num_preemptions=4), None)
+    # A restarted engine core reports its counters from zero again.
+    stat_logger.record(SchedulerStats(prefix_cache_queries=10, num_preemptions=1), None)
+    stat_logger.record(SchedulerStats(prefix_cache_queries=15, num_preemptions=1), None)
+    m = exposition(stat_logger)
+    assert m[("pagellm:prefix_cache_queries_total", ())] == 65
+    assert m[("pagellm:num_preemptions_total", ())] == 5
+
+
+def test_prometheus_loggers_in_one_process_keep_separate_registries():
+    first, second = PrometheusStatLogger("a"), PrometheusStatLogger("b")
+    first.record(None, IterationStats(num_generation_tokens=5))
+    assert exposition(first)[("pagellm:generation_tokens_total", ())] == 5
+    assert exposition(second)[("pagellm:generation_tokens_total", ())] == 0
+    # Every metric is exposed before anything is recorded.
+    names = {name for name, _ in exposition(second)}
+    assert {
+        "pagellm:num_requests_running",
+        "pagellm:num_preemptions_total",
+        "pagellm:request_success_total",
+        "pagellm:e2e_request_latency_seconds_count",
+        "pagellm:request_prompt_tokens_count",
+    } <= names
+
+
+def test_metrics_app_serves_the_exposition_over_asgi():
+    stat_logger = PrometheusStatLogger("served")
+    stat_logger.record(SchedulerStats(num_running_reqs=3), None)
+
+    async def get() -> httpx.Response:
+        transport = httpx.ASGITransport(app=make_metrics_app(stat_logger))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return await client.get("/")
+
+    response = asyncio.run(get())
+    assert response.status_code == 200
+    assert 'pagellm:num_requests_running{model_name="served"} 3.0' in response.text
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+LINE = re.compile(
+    r"Prompt throughput: (?P<prompt>[\d.]+) tokens/s, generation throughput: (?P<gen>[\d.]+) "
+    r"tokens/s, running: (?P<running>\d+) reqs, waiting: (?P<waiting>\d+) reqs, KV cache usage: "
+    r"(?P<kv>[\d.]+)%, prefix cache hit rate: (?P<hit>[\d.]+)%, preemptions: (?P<pre>\d+)$"
+)
+
+
+def logged_lines(caplog: pytest.LogCaptureFixture) -> list[dict[str, str]]:
+    lines = [r.getMessage() for r in caplog.records if r.name == "pagellm.metrics.loggers"]
+    caplog.clear()
+    matches = [LINE.match(line) for line in lines]
+    assert all(matches), lines
+    return [m.groupdict() for m in matches if m]
+
+
+def test_log_line_reports_throughput_and_hit_rate_over_each_interval(caplog):
+    caplog.set_level(logging.INFO, logger="pagellm.metrics.loggers")
+    clock = FakeClock()
+    stat_logger = LoggingStatLogger("tiny", clock=clock)
+    stat_logger.record(*STEPS[0])
+    clock.now += 2.0
+    stat_logger.log()
+    assert logged_lines(caplog) == [
+        dict(prompt="15.0", gen="1.0", running="2", waiting="1", kv="25.0", hit="40.0", pre="1")
+    ]
+    stat_logger.record(*STEPS[1])
+    stat_logger.record(None, IterationStats(num_generation_tokens=6))
+    clock.now += 4.0
+    stat_logger.log()
+    # Interval: 60 queries, 30 hits, 2 preemptions, 8 generated tokens in 4 s.
+    assert logged_lines(caplog) == [
+        dict(prompt="0.0", gen="2.0", running="1", waiting="0", kv="50.0", hit="50.0", pre="2")
+    ]
+
+
+def test_idle_engine_is_logged_once_until_work_resumes(caplog):
+    caplog.set_level(logging.INFO, logger="pagellm.metrics.loggers")
+    clock = FakeClock()
+    stat_logger = LoggingStatLogger("tiny", clock=clock)
+    idle = SchedulerStats(prefix_cache_queries=8, prefix_cache_hits=8)
+    stat_logger.record(idle, None)
+    stat_logger.log()
+    stat_logger.record(idle, None)
+    stat_logger.log()
+    assert len(logged_lines(caplog)) == 1
+    stat_logger.record(SchedulerStats(num_waiting_reqs=1), IterationStats())
+    clock.now += 1.0
+    stat_logger.log()
+    assert logged_lines(caplog)[0]["waiting"] == "1"
+
+
+@pytest.fixture
+def dummy_frontend_importable(monkeypatch):
+    """The dummy front-end plugin's classes, importable without installing the package (the
+    entry-point route through `pip install -e` is covered by tests/test_plugins.py)."""
+    monkeypatch.syspath_prepend(str(DUMMY_FRONTEND))
+
+
+def test_build_stat_loggers_adds_plugin_loggers_built_with_the_model_name(
+    dummy_frontend_importable,
+):
+    register_stat_logger(
+        "test_collecting", "pagellm_dummy_frontend.processors:CollectingStatLogger"
+    )
+    loggers = build_stat_loggers("tiny", ["test_collecting"])
+    assert [type(s).__name__ for s in loggers] == [
+        "LoggingStatLogger",
+        "PrometheusStatLogger",
+        "CollectingStatLogger",
+    ]
+    assert {s.model_name for s in loggers} == {"tiny"}
+    collecting = loggers[-1]
+    for stats in STEPS:
+        for s in loggers:
+            s.record(*stats)
+    assert collecting.records == STEPS  # type: ignore[attr-defined]
+    assert [type(s).__name__ for s in build_stat_loggers("tiny", None)] == [
+        "LoggingStatLogger",
+        "PrometheusStatLogger",
+    ]
+
+
+def test_build_stat_loggers_rejects_unknown_builtin_and_foreign_names(dummy_frontend_importable):
+    with pytest.raises(ValueError, match="'nope' is not installed"):
+        build_stat_loggers("tiny", ["nope"])
+    with pytest.raises(ValueError, match="'prometheus' is built in and always on"):
+        build_stat_loggers("tiny", ["prometheus"])
+    register_stat_logger(
+        "test_not_a_logger", "pagellm_dummy_frontend.processors:UpperTextProcessor"
+    )
+    with pytest.raises(TypeError, match="is not a StatLoggerBase"):
+        get_stat_logger_cls("test_not_a_logger")
