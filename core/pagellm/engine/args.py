@@ -55,6 +55,8 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
     skip_tokenizer_init: bool = False
+    multiprocess_engine: bool = False
+    """`LLM` / `LLMEngine`: run the engine core in a background process (`AsyncLLM` always does)."""
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:

@@ -11,6 +11,7 @@ from pagellm.config import EngineConfig
 from pagellm.executor import Executor, UniProcExecutor
 from pagellm.kv_cache import KVCacheManager, make_block_hasher
 from pagellm.kv_cache.manager import cdiv
+from pagellm.metrics.stats import SchedulerStats
 from pagellm.request import EngineCoreRequest, Request, RequestStatus
 from pagellm.scheduler import Scheduler
 from pagellm.scheduler.output import EngineCoreOutputs, SchedulerOutput
@@ -43,6 +44,7 @@ class EngineCore:
         self.executor = executor_cls(config)
         num_blocks = self._initialize_kv_cache()
         self.last_step_stats = StepStats()
+        self.num_steps = 0
         # Everything built so far (block pool, model, graphs) lives as long as the engine: keep it
         # out of the garbage collector's scans, which would otherwise stall steps at random.
         gc.collect()
@@ -98,6 +100,7 @@ class EngineCore:
         if not self.scheduler.has_unfinished_requests():
             return EngineCoreOutputs()
         scheduler_output = self.scheduler.schedule()
+        self.num_steps += 1
         self._record_stats(scheduler_output)
         runner_output = self.executor.execute_model(scheduler_output)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
@@ -117,6 +120,36 @@ class EngineCore:
             kv_cache_usage=self.kv_cache_manager.usage,
             num_preemptions=sched.num_preemptions,
         )
+
+    def make_scheduler_stats(self) -> SchedulerStats:
+        """The scheduler and KV cache as they stand now (sent with each step's outputs)."""
+        sched = self.scheduler
+        kv = self.kv_cache_manager
+        prefix = kv.prefix_cache_stats
+        return SchedulerStats(
+            num_running_reqs=len(sched.running),
+            num_waiting_reqs=len(sched.waiting),
+            kv_cache_usage=kv.usage,
+            num_free_blocks=kv.num_free_blocks,
+            num_total_blocks=kv.block_pool.num_blocks - 1,  # the null block is never handed out
+            prefix_cache_queries=prefix.queries,
+            prefix_cache_hits=prefix.hits,
+            num_preemptions=sched.num_preemptions,
+            num_steps=self.num_steps,
+        )
+
+    def get_state(self) -> dict[str, int | float]:
+        """Scheduler and KV-cache state for admin endpoints; ``num_free_blocks ==
+        num_total_blocks`` when no request holds a block."""
+        stats = self.make_scheduler_stats()
+        return {
+            "num_running": stats.num_running_reqs,
+            "num_waiting": stats.num_waiting_reqs,
+            "num_free_blocks": stats.num_free_blocks,
+            "num_total_blocks": stats.num_total_blocks,
+            "kv_cache_usage": stats.kv_cache_usage,
+            "prefix_cache_hit_rate": self.kv_cache_manager.prefix_cache_stats.hit_rate,
+        }
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()

@@ -1,4 +1,8 @@
-"""`LLMEngine`: the in-process engine — input processing, the engine core, output processing."""
+"""`LLMEngine`: the offline front end — input processing, the engine core, output processing.
+
+The engine core runs in this process by default; with ``EngineArgs.multiprocess_engine`` it runs
+in a background process driven through `SyncMPClient` (the same protocol `AsyncLLM` uses).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ import msgspec
 from pagellm.config import EngineConfig
 from pagellm.engine.args import EngineArgs
 from pagellm.engine.core import EngineCore
+from pagellm.engine.core_client import EngineCoreClient, SyncMPClient
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.processor import InputProcessor, PromptType
 from pagellm.outputs import RequestOutput
@@ -28,8 +33,15 @@ def child_params(params: SamplingParams) -> list[SamplingParams]:
     ]
 
 
+def engine_request_ids(request_id: str, n: int) -> list[str]:
+    """The engine requests a user request runs as: itself, or ``"{i}_{request_id}"`` for n > 1."""
+    return [request_id] if n == 1 else [f"{i}_{request_id}" for i in range(n)]
+
+
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, engine_args: EngineArgs | None = None) -> None:
+        """``engine_args`` with ``multiprocess_engine`` set: run the engine core in a process of
+        its own (it builds its config from the args)."""
         load_general_plugins()
         load_frontend_plugins()
         self.config = config
@@ -37,13 +49,28 @@ class LLMEngine:
             None if config.model.skip_tokenizer_init else get_tokenizer(config.model.tokenizer)
         )
         self.processor = InputProcessor(config, self.tokenizer)
-        self.engine_core = EngineCore(config)
+        self._engine_core: EngineCore | None = None
+        self.core_client: EngineCoreClient
+        if engine_args is not None and engine_args.multiprocess_engine:
+            self.core_client = SyncMPClient(engine_args)
+        else:
+            self._engine_core = self.core_client = EngineCore(config)
         self.output_processor = OutputProcessor(self.tokenizer)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
         load_general_plugins()  # out-of-tree models must be known before the config is checked
-        return cls(args.create_engine_config())
+        return cls(args.create_engine_config(), args)
+
+    @property
+    def engine_core(self) -> EngineCore:
+        """The in-process engine core (its scheduler, KV cache manager, executor)."""
+        if self._engine_core is None:
+            raise RuntimeError(
+                "The engine core runs in another process (multiprocess_engine=True); "
+                "its internals are not reachable from here."
+            )
+        return self._engine_core
 
     def validate_request(self, prompt: PromptType, params: SamplingParams) -> None:
         """Raise ValueError for a request that `add_request` would refuse, changing nothing."""
@@ -61,11 +88,7 @@ class LLMEngine:
             raise ValueError(f"A request with id {request_id!r} is already in the engine.")
         processed = self.processor.process(prompt, params)
         children = child_params(processed.params)
-        engine_ids = (
-            [request_id]
-            if len(children) == 1
-            else [f"{i}_{request_id}" for i in range(len(children))]
-        )
+        engine_ids = engine_request_ids(request_id, len(children))
         self.output_processor.add_request(
             request_id, processed.text, processed.token_ids, processed.params, engine_ids, children
         )
@@ -73,19 +96,24 @@ class LLMEngine:
             request = self.processor.make_request(
                 engine_id, processed, cparams, priority, cache_salt
             )
-            self.engine_core.add_request(request)
+            self.core_client.add_request(request)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         engine_ids = [e for r in ids for e in self.output_processor.engine_ids(r)]
-        self.engine_core.abort_requests(engine_ids)
+        self.core_client.abort_requests(engine_ids)
         return self.output_processor.abort_requests(ids)
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
-        outputs, to_abort = self.output_processor.process_outputs(self.engine_core.step())
+        if not self.output_processor.has_unfinished_requests():
+            return []  # a separate engine process would have no step to send: do not wait for one
+        outputs, to_abort = self.output_processor.process_outputs(self.core_client.step())
         if to_abort:
-            self.engine_core.abort_requests(to_abort)
+            self.core_client.abort_requests(to_abort)
         return outputs
+
+    def shutdown(self) -> None:
+        self.core_client.shutdown()

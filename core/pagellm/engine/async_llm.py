@@ -1,0 +1,276 @@
+"""`AsyncLLM`: the asyncio front end (the API server's engine client).
+
+The engine core runs in its own process (`AsyncMPClient`); this process keeps tokenization,
+validation, the ``n > 1`` fan-out, detokenization, stop strings and output kinds (the same
+`InputProcessor` and `OutputProcessor` as `LLMEngine`), one asyncio queue per request fed by the
+client's output task, and the stats handed to the stat loggers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from pagellm.config import EngineConfig
+from pagellm.engine.args import EngineArgs
+from pagellm.engine.core_client import AsyncMPClient, EngineDeadError
+from pagellm.engine.llm_engine import child_params, engine_request_ids
+from pagellm.engine.messages import EngineStepOutputs
+from pagellm.engine.output_processor import OutputProcessor
+from pagellm.engine.processor import InputProcessor, PromptType
+from pagellm.metrics.stats import FinishedRequestStats, IterationStats, StatLoggerBase
+from pagellm.outputs import RequestOutput
+from pagellm.plugins import load_frontend_plugins, load_general_plugins
+from pagellm.sampling_params import SamplingParams
+from pagellm.tokenizer import get_tokenizer
+
+logger = logging.getLogger(__name__)
+
+_LOG_INTERVAL_S = 5.0
+
+
+@dataclass(slots=True)
+class _Timing:
+    """Front-end timestamps of one engine request (`time.monotonic()`), for the stat loggers."""
+
+    arrival: float
+    num_prompt_tokens: int
+    first_token: float | None = None
+    last_token: float = 0.0
+    num_generation_tokens: int = 0
+    itl_sum: float = 0.0
+    num_itls: int = 0
+
+    def finished(self, reason: str | None, now: float) -> FinishedRequestStats:
+        return FinishedRequestStats(
+            finish_reason=reason or "abort",
+            e2e_latency_s=now - self.arrival,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_generation_tokens=self.num_generation_tokens,
+            ttft_s=None if self.first_token is None else self.first_token - self.arrival,
+            mean_itl_s=self.itl_sum / self.num_itls if self.num_itls else None,
+        )
+
+
+class AsyncLLM:
+    health_check_timeout_s = 5.0
+
+    def __init__(
+        self,
+        args: EngineArgs,
+        config: EngineConfig,
+        stat_loggers: list[StatLoggerBase] | None = None,
+    ) -> None:
+        load_general_plugins()
+        load_frontend_plugins()
+        self.config = config
+        self.tokenizer: Any | None = (
+            None if config.model.skip_tokenizer_init else get_tokenizer(config.model.tokenizer)
+        )
+        self.processor = InputProcessor(config, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.stat_loggers = list(stat_loggers or [])
+        self._streams: dict[str, asyncio.Queue[RequestOutput | EngineDeadError]] = {}
+        self._engine_ids: dict[str, list[str]] = {}
+        self._timings: dict[str, _Timing] = {}
+        self._finished_stats: list[FinishedRequestStats] = []
+        self._log_task: asyncio.Task[None] | None = None
+        self.engine_core = AsyncMPClient(args, self._on_outputs, self._on_dead)
+        config.cache.num_blocks = self.engine_core.ready.num_total_blocks + 1
+
+    @classmethod
+    def from_engine_args(
+        cls, args: EngineArgs, stat_loggers: list[StatLoggerBase] | None = None
+    ) -> AsyncLLM:
+        load_general_plugins()  # out-of-tree models must be known before the config is checked
+        return cls(args, args.create_engine_config(), stat_loggers)
+
+    # ---------------------------------------------------------------- requests
+
+    async def generate(
+        self,
+        prompt: PromptType,
+        params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream the request's outputs (in ``params.output_kind``), the last one finished.
+
+        Bad input raises ``ValueError`` before anything is queued. If the consumer stops
+        iterating or is cancelled, the request is aborted in the engine (its KV blocks freed).
+        Raises `EngineDeadError` if the engine process dies.
+        """
+        self.engine_core.raise_if_dead()
+        if request_id in self._engine_ids:
+            raise ValueError(f"A request with id {request_id!r} is already running.")
+        processed = self.processor.process(prompt, params)
+        children = child_params(processed.params)
+        engine_ids = engine_request_ids(request_id, len(children))
+        requests = [
+            self.processor.make_request(engine_id, processed, cparams, priority)
+            for engine_id, cparams in zip(engine_ids, children, strict=True)
+        ]
+        self._start_background_tasks()
+        queue: asyncio.Queue[RequestOutput | EngineDeadError] = asyncio.Queue()
+        self.output_processor.add_request(
+            request_id, processed.text, processed.token_ids, processed.params, engine_ids, children
+        )
+        self._streams[request_id] = queue
+        self._engine_ids[request_id] = engine_ids
+        if self.stat_loggers:
+            now = time.monotonic()
+            for engine_id in engine_ids:
+                self._timings[engine_id] = _Timing(now, len(processed.token_ids))
+        finished = False
+        try:
+            for request in requests:
+                self.engine_core.add_request(request)
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, EngineDeadError):
+                    raise EngineDeadError(*item.args)  # one instance per request: own traceback
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self._abort(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; its `generate` stream ends with a finished output (reason "abort")."""
+        queue = self._streams.get(request_id)
+        output = self._abort(request_id)
+        if queue is not None and output is not None:
+            queue.put_nowait(output)
+
+    def _abort(self, request_id: str) -> RequestOutput | None:
+        """Forget the request here and free it in the engine (no await: callable from any finally)."""
+        engine_ids = self._engine_ids.pop(request_id, None)
+        self._streams.pop(request_id, None)
+        if engine_ids is None:
+            return None
+        outputs = self.output_processor.abort_requests([request_id])
+        self.engine_core.abort_requests(engine_ids)
+        if self.stat_loggers:
+            now = time.monotonic()
+            for engine_id in engine_ids:
+                timing = self._timings.pop(engine_id, None)
+                if timing is not None:
+                    self._finished_stats.append(timing.finished("abort", now))
+        return outputs[0] if outputs else None
+
+    # ---------------------------------------------------------------- outputs (the client's task)
+
+    def _on_outputs(self, msg: EngineStepOutputs) -> None:
+        engine_outputs = msg.outputs
+        results, to_abort = self.output_processor.process_outputs(engine_outputs)
+        if to_abort:  # ended by a stop string, which only the front end sees
+            self.engine_core.abort_requests(to_abort)
+        iteration = self._iteration_stats(msg, results) if self.stat_loggers else None
+        streams = self._streams
+        for output in results:
+            queue = streams.get(output.request_id)
+            if queue is None:
+                continue
+            queue.put_nowait(output)
+            if output.finished:
+                del streams[output.request_id]
+                del self._engine_ids[output.request_id]
+        if iteration is not None:
+            for stat_logger in self.stat_loggers:
+                stat_logger.record(msg.scheduler_stats, iteration)
+
+    def _iteration_stats(
+        self, msg: EngineStepOutputs, results: list[RequestOutput]
+    ) -> IterationStats:
+        now = time.monotonic()
+        stats = IterationStats()
+        timings = self._timings
+        for out in msg.outputs.outputs:
+            timing = timings.get(out.request_id)
+            num_new = len(out.new_token_ids)
+            if timing is None or not num_new:
+                continue
+            stats.num_generation_tokens += num_new
+            if timing.first_token is None:
+                timing.first_token = now
+                stats.ttfts_s.append(now - timing.arrival)
+                stats.num_prompt_tokens += timing.num_prompt_tokens
+            else:
+                itl = now - timing.last_token
+                stats.itls_s.append(itl)
+                timing.itl_sum += itl
+                timing.num_itls += 1
+            timing.last_token = now
+            timing.num_generation_tokens += num_new
+        for output in results:
+            if not output.finished:
+                continue
+            engine_ids = self._engine_ids.get(output.request_id, ())
+            for completion in output.outputs:
+                if completion.index < len(engine_ids):
+                    timing = timings.pop(engine_ids[completion.index], None)
+                    if timing is not None:
+                        stats.finished.append(timing.finished(completion.finish_reason, now))
+        if self._finished_stats:
+            stats.finished.extend(self._finished_stats)
+            self._finished_stats = []
+        return stats
+
+    def _on_dead(self, error: EngineDeadError) -> None:
+        streams, self._streams = self._streams, {}
+        for queue in streams.values():
+            queue.put_nowait(error)
+
+    def _start_background_tasks(self) -> None:
+        self.engine_core.start_output_task()
+        if not self.stat_loggers:
+            return
+        loop = asyncio.get_running_loop()
+        task = self._log_task
+        if task is None or task.done() or task.get_loop() is not loop:
+            self._log_task = loop.create_task(self._log_periodically(), name="pagellm-stat-log")
+
+    async def _log_periodically(self) -> None:
+        while True:
+            await asyncio.sleep(_LOG_INTERVAL_S)
+            for stat_logger in self.stat_loggers:
+                try:
+                    stat_logger.log()
+                except Exception:
+                    logger.exception("Stat logger %s failed", type(stat_logger).__name__)
+
+    # ---------------------------------------------------------------- engine utilities
+
+    @property
+    def errored(self) -> bool:
+        return self.engine_core.errored
+
+    async def check_health(self) -> None:
+        """Raise `EngineDeadError` if the engine process is dead or does not answer a ping
+        within ``health_check_timeout_s`` (it answers between two steps)."""
+        try:
+            await self.engine_core.call_utility("ping", timeout=self.health_check_timeout_s)
+        except asyncio.TimeoutError:
+            raise EngineDeadError(
+                f"The engine core did not answer a health probe within "
+                f"{self.health_check_timeout_s} s."
+            ) from None
+
+    async def reset_prefix_cache(self) -> bool:
+        return bool(await self.engine_core.call_utility("reset_prefix_cache"))
+
+    async def get_engine_state(self) -> dict[str, Any]:
+        """num_running, num_waiting, num_free_blocks, num_total_blocks (the null block excluded:
+        all free when no request holds a block), kv_cache_usage, prefix_cache_hit_rate."""
+        state: dict[str, Any] = await self.engine_core.call_utility("get_state")
+        return state
+
+    def shutdown(self) -> None:
+        task = self._log_task
+        if task is not None and not task.done() and not task.get_loop().is_closed():
+            task.cancel()
+        self.engine_core.shutdown()

@@ -1,0 +1,154 @@
+"""`EngineCoreProc`: the engine core in a background process, driven over ZMQ.
+
+The front end (`core_client`) starts `run_engine_core` in a *spawned* process with the
+`EngineArgs` and two IPC addresses; this process loads the general plugins, builds the config and
+the `EngineCore` itself, binds both sockets (PULL for requests, PUSH for outputs: see
+`engine.messages`) and runs the busy loop: take every queued message, step while requests are
+unfinished and send each step's outputs with the scheduler's stats; with nothing to do it blocks
+on the input socket. An exception is reported to the front end as an `EngineError` message, then
+the process exits with status 1.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from pagellm.engine.args import EngineArgs
+from pagellm.engine.core import EngineCore
+from pagellm.engine.messages import (
+    AbortRequests,
+    AddRequest,
+    EngineError,
+    EngineOutputMsg,
+    EngineReady,
+    EngineRequestMsg,
+    EngineStepOutputs,
+    Shutdown,
+    UtilityCall,
+    UtilityResult,
+    encoder,
+    request_decoder,
+)
+
+logger = logging.getLogger(__name__)
+
+# How long closing the output socket may wait to deliver the last messages (e.g. an EngineError).
+_LINGER_MS = 2000
+_PARENT_CHECK_INTERVAL_S = 1.0
+
+
+class EngineCoreProc:
+    """The engine-core side of the sockets: a busy loop around one `EngineCore`."""
+
+    def __init__(self, core: EngineCore, input_socket: zmq.Socket, output_socket: zmq.Socket):
+        self.core = core
+        self.input_socket = input_socket
+        self.output_socket = output_socket
+        # The only methods the front end may call: nothing here runs arbitrary code.
+        self.utilities: dict[str, Callable[..., Any]] = {
+            "reset_prefix_cache": core.reset_prefix_cache,
+            "get_state": core.get_state,
+            "ping": lambda: "pong",
+        }
+
+    def send(self, msg: EngineOutputMsg) -> None:
+        self.output_socket.send(encoder.encode(msg), copy=False)
+
+    def run_busy_loop(self) -> None:
+        """Until a `Shutdown` message comes."""
+        core = self.core
+        sock = self.input_socket
+        while True:
+            if not core.has_unfinished_requests():
+                sock.poll()  # idle: sleep until the front end sends something
+            while True:
+                try:
+                    frame = sock.recv(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                if not self._handle(request_decoder.decode(frame.buffer)):
+                    return
+            if core.has_unfinished_requests():
+                outputs = core.step()
+                self.send(EngineStepOutputs(outputs, core.make_scheduler_stats()))
+
+    def _handle(self, msg: EngineRequestMsg) -> bool:
+        """Apply one message; False on `Shutdown`."""
+        if isinstance(msg, AddRequest):
+            self.core.add_request(msg.request)
+        elif isinstance(msg, AbortRequests):
+            self.core.abort_requests(msg.request_ids)
+        elif isinstance(msg, UtilityCall):
+            self.send(self._call_utility(msg))
+        elif isinstance(msg, Shutdown):
+            return False
+        return True
+
+    def _call_utility(self, call: UtilityCall) -> UtilityResult:
+        method = self.utilities.get(call.method)
+        if method is None:
+            return UtilityResult(
+                call.call_id,
+                error=f"AttributeError: unknown utility {call.method!r}; "
+                f"available: {sorted(self.utilities)}",
+            )
+        try:
+            return UtilityResult(call.call_id, result=method(*call.args))
+        except Exception as exc:  # a failed utility call is the caller's error, not the engine's
+            return UtilityResult(call.call_id, error=f"{type(exc).__name__}: {exc}")
+
+
+def _exit_when_orphaned(parent_pid: int) -> None:
+    """If the front end dies without shutting us down, nobody will: leave too (a sent step
+    output would otherwise block forever on a socket with no reader)."""
+    while True:
+        time.sleep(_PARENT_CHECK_INTERVAL_S)
+        if os.getppid() != parent_pid:
+            os._exit(1)
+
+
+def run_engine_core(
+    args: EngineArgs, input_address: str, output_address: str, parent_pid: int
+) -> None:
+    """The engine-core process's entry point (a `multiprocessing` spawn target)."""
+    # Ctrl-C reaches the whole process group: the front end decides when the engine stops.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
+    ctx = zmq.Context()
+    input_socket = ctx.socket(zmq.PULL)
+    input_socket.bind(input_address)
+    output_socket = ctx.socket(zmq.PUSH)
+    output_socket.setsockopt(zmq.SNDHWM, 0)
+    output_socket.bind(output_address)
+    status = 0
+    core: EngineCore | None = None
+    try:
+        from pagellm.plugins import load_general_plugins
+
+        load_general_plugins()  # out-of-tree models must be known before the config is checked
+        core = EngineCore(args.create_engine_config())
+        proc = EngineCoreProc(core, input_socket, output_socket)
+        proc.send(EngineReady(num_total_blocks=core.kv_cache_manager.block_pool.num_blocks - 1))
+        proc.run_busy_loop()
+    except Exception as exc:
+        logger.exception("Engine core failed")
+        status = 1
+        error = EngineError(f"{type(exc).__name__}: {exc}", traceback.format_exc())
+        output_socket.send(encoder.encode(error))
+    finally:
+        if core is not None:
+            core.shutdown()
+        input_socket.close(linger=0)
+        output_socket.close(linger=_LINGER_MS)
+        ctx.term()
+    if status:
+        raise SystemExit(status)

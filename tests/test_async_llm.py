@@ -1,0 +1,279 @@
+"""`AsyncLLM` against a real engine-core process: outputs equal the in-process `LLM`'s under
+concurrency, streaming, n > 1, stop strings, bad input, cancellation and aborts free the KV cache,
+stats reach the stat loggers, and a killed engine fails every request promptly."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import msgspec
+import pytest
+
+from pagellm import LLM, SamplingParams
+from pagellm.engine import async_llm as async_llm_module
+from pagellm.engine.args import EngineArgs
+from pagellm.engine.async_llm import AsyncLLM
+from pagellm.engine.core_client import EngineDeadError
+from pagellm.metrics.stats import IterationStats, SchedulerStats, StatLoggerBase
+from pagellm.sampling_params import RequestOutputKind
+
+PROMPTS = ["in the of and to", "is it that for the", "on with as at by and of", "a"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+LONG = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+ENGINE_KWARGS = dict(max_model_len=128, kv_cache_memory=8 << 20)
+
+
+class RecordingStatLogger(StatLoggerBase):
+    def __init__(self) -> None:
+        self.records: list[tuple[SchedulerStats | None, IterationStats | None]] = []
+        self.num_logs = 0
+
+    def record(self, scheduler_stats, iteration_stats) -> None:
+        self.records.append((scheduler_stats, iteration_stats))
+
+    def log(self) -> None:
+        self.num_logs += 1
+
+
+@pytest.fixture(scope="module")
+def model(tiny_models):
+    return tiny_models["llama3"]
+
+
+@pytest.fixture(scope="module")
+def stat_logger():
+    return RecordingStatLogger()
+
+
+@pytest.fixture(scope="module")
+def engine(model, stat_logger):
+    llm = AsyncLLM.from_engine_args(EngineArgs(model, **ENGINE_KWARGS), [stat_logger])
+    yield llm
+    llm.shutdown()
+    assert not os.path.exists(llm.engine_core.ipc_dir)
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    """The in-process `LLM`, for expected outputs."""
+    return LLM(model, **ENGINE_KWARGS)
+
+
+def with_kind(params: SamplingParams, kind: RequestOutputKind) -> SamplingParams:
+    return msgspec.structs.replace(params, output_kind=kind)
+
+
+async def collect(engine, prompt, params, request_id):
+    return [out async for out in engine.generate(prompt, params, request_id)]
+
+
+async def assert_all_blocks_free(engine) -> None:
+    state = await engine.get_engine_state()
+    assert state["num_running"] == state["num_waiting"] == 0
+    assert state["num_free_blocks"] == state["num_total_blocks"] > 0
+
+
+def test_concurrent_greedy_generations_equal_the_in_process_llm(engine, reference):
+    prompts = PROMPTS * 5
+    expected = reference.generate(prompts, GREEDY, use_tqdm=False)
+
+    async def main():
+        final = with_kind(GREEDY, RequestOutputKind.FINAL_ONLY)
+        streams = await asyncio.gather(
+            *(collect(engine, p, final, f"greedy-{i}") for i, p in enumerate(prompts))
+        )
+        await assert_all_blocks_free(engine)
+        return streams
+
+    streams = asyncio.run(main())
+    for want, stream in zip(expected, streams, strict=True):
+        assert len(stream) == 1 and stream[0].finished  # FINAL_ONLY: one output
+        have = stream[0].outputs[0]
+        assert have.token_ids == want.outputs[0].token_ids and have.text == want.outputs[0].text
+        assert have.finish_reason == "length"
+
+
+def test_streamed_deltas_concatenate_to_the_final_text(engine, reference):
+    expected = reference.generate(PROMPTS[0], LONG, use_tqdm=False)[0].outputs[0]
+
+    async def main():
+        delta = await collect(engine, PROMPTS[0], with_kind(LONG, RequestOutputKind.DELTA), "d")
+        cumulative = await collect(engine, PROMPTS[0], LONG, "c")
+        return delta, cumulative
+
+    delta, cumulative = asyncio.run(main())
+    assert len(delta) > 10 and [o.finished for o in delta] == [False] * (len(delta) - 1) + [True]
+    assert "".join(o.outputs[0].text for o in delta) == expected.text
+    assert sum((o.outputs[0].token_ids for o in delta), []) == expected.token_ids
+    assert cumulative[-1].outputs[0].text == expected.text
+    assert [len(o.outputs[0].token_ids) for o in cumulative] == list(range(1, 101))
+
+
+def test_stop_string_ends_the_stream_and_frees_the_engine_request(engine, reference):
+    text = reference.generate(PROMPTS[1], LONG, use_tqdm=False)[0].outputs[0].text
+    stop = text[len(text) // 4 : len(text) // 4 + 3]
+    params = msgspec.structs.replace(LONG, stop=[stop], output_kind=RequestOutputKind.DELTA)
+    expected = reference.generate(PROMPTS[1], params, use_tqdm=False)[0].outputs[0]
+    assert expected.finish_reason == "stop" and len(expected.token_ids) < 100
+
+    async def main():
+        stream = await collect(engine, PROMPTS[1], params, "stop")
+        # Without the front end's abort the engine would still be generating to max_tokens.
+        await assert_all_blocks_free(engine)
+        return stream
+
+    stream = asyncio.run(main())
+    assert "".join(o.outputs[0].text for o in stream) == expected.text
+    assert stream[-1].outputs[0].finish_reason == "stop"
+    assert stream[-1].outputs[0].stop_reason == stop
+
+
+def test_n_completions_equal_the_in_process_llm(engine, reference):
+    params = SamplingParams(n=2, temperature=0.9, seed=11, max_tokens=10, ignore_eos=True)
+    expected = reference.generate(PROMPTS[2], params, use_tqdm=False)[0]
+
+    async def main():
+        return await collect(engine, PROMPTS[2], params, "n2")
+
+    final = asyncio.run(main())[-1]
+    assert final.finished and [c.index for c in final.outputs] == [0, 1]
+    assert [c.token_ids for c in final.outputs] == [c.token_ids for c in expected.outputs]
+    assert final.outputs[0].token_ids != final.outputs[1].token_ids
+
+
+def test_bad_request_raises_value_error_and_the_engine_keeps_serving(engine, reference):
+    expected = reference.generate(PROMPTS[0], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+    async def main():
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            await collect(engine, [5, 10**6], GREEDY, "bad-ids")
+        with pytest.raises(ValueError, match="max_model_len"):
+            await collect(engine, list(range(5, 200)), GREEDY, "too-long")
+        with pytest.raises(ValueError, match="logit_bias"):
+            await collect(engine, "a", SamplingParams(logit_bias={10**6: 1.0}), "bad-bias")
+        good = engine.generate(PROMPTS[0], LONG, "dup")
+        await good.__anext__()
+        with pytest.raises(ValueError, match="already running"):
+            await collect(engine, PROMPTS[0], GREEDY, "dup")
+        await good.aclose()
+        outputs = await collect(engine, PROMPTS[0], GREEDY, "after-bad")
+        await assert_all_blocks_free(engine)
+        return outputs
+
+    assert asyncio.run(main())[-1].outputs[0].token_ids == expected
+    assert not engine.errored
+
+
+def test_cancelled_or_abandoned_consumers_abort_their_requests(engine):
+    params = with_kind(
+        SamplingParams(n=2, temperature=0.0, max_tokens=100, ignore_eos=True),
+        RequestOutputKind.DELTA,
+    )
+
+    async def consume_forever(request_id: str, started: asyncio.Event) -> None:
+        async for _ in engine.generate(PROMPTS[3], params, request_id):
+            started.set()
+
+    async def main():
+        # 1. The consumer's task is cancelled mid-stream.
+        started = asyncio.Event()
+        task = asyncio.create_task(consume_forever("cancel-me", started))
+        await started.wait()
+        state = await engine.get_engine_state()
+        assert state["num_running"] + state["num_waiting"] == 2  # one engine request each
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await assert_all_blocks_free(engine)
+
+        # 2. The consumer stops iterating and closes the generator (GeneratorExit).
+        stream = engine.generate(PROMPTS[3], params, "leave-me")
+        async for _ in stream:
+            break
+        await stream.aclose()
+        await assert_all_blocks_free(engine)
+
+        # 3. abort(): the stream ends with a finished output.
+        stream = engine.generate(PROMPTS[3], params, "abort-me")
+        await stream.__anext__()
+        await engine.abort("abort-me")
+        rest = [out async for out in stream]
+        assert rest[-1].finished
+        assert {c.finish_reason for c in rest[-1].outputs} == {"abort"}
+        await assert_all_blocks_free(engine)
+
+    asyncio.run(main())
+
+
+def test_stat_loggers_get_scheduler_and_iteration_stats(engine, stat_logger, monkeypatch):
+    monkeypatch.setattr(async_llm_module, "_LOG_INTERVAL_S", 0.05)
+    stat_logger.records.clear()
+
+    async def main():
+        await collect(engine, PROMPTS[0], GREEDY, "stats")
+        await asyncio.sleep(0.3)
+
+    asyncio.run(main())
+    sched = [s for s, _ in stat_logger.records]
+    iters = [i for _, i in stat_logger.records]
+    assert all(s is not None and s.num_total_blocks > 0 for s in sched)
+    assert [s.num_steps for s in sched] == sorted({s.num_steps for s in sched})  # one per step
+    assert sum(i.num_generation_tokens for i in iters) == 8
+    assert sum(len(i.ttfts_s) for i in iters) == 1 and sum(len(i.itls_s) for i in iters) == 7
+    assert sum(i.num_prompt_tokens for i in iters) == 5
+    (finished,) = [f for i in iters for f in i.finished]
+    assert finished.finish_reason == "length" and finished.num_generation_tokens == 8
+    assert finished.num_prompt_tokens == 5 and finished.mean_itl_s is not None
+    assert 0 < finished.ttft_s <= finished.e2e_latency_s
+    assert stat_logger.num_logs > 0
+
+
+def test_health_prefix_cache_reset_and_state(engine):
+    async def main():
+        await engine.check_health()
+        long_prompt = " ".join([PROMPTS[0]] * 10)
+        await collect(engine, long_prompt, GREEDY, "warm-cache")
+        await collect(engine, long_prompt, GREEDY, "hit-cache")
+        state = await engine.get_engine_state()
+        assert state["prefix_cache_hit_rate"] > 0
+        assert await engine.reset_prefix_cache() is True
+
+    asyncio.run(main())
+    assert engine.config.model.model and engine.tokenizer is not None
+
+
+def test_killed_engine_fails_in_flight_requests_and_health(model):
+    llm = AsyncLLM.from_engine_args(EngineArgs(model, max_model_len=512, kv_cache_memory=8 << 20))
+    params = with_kind(
+        SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True), RequestOutputKind.DELTA
+    )
+
+    async def consume(request_id: str, first: asyncio.Event) -> int:
+        count = 0
+        async for _ in llm.generate("a", params, request_id):
+            count += 1
+            first.set()
+        return count
+
+    async def main():
+        first = asyncio.Event()
+        tasks = [asyncio.create_task(consume(f"k{i}", first)) for i in range(4)]
+        await first.wait()
+        os.kill(llm.engine_core.proc.pid, signal.SIGKILL)
+        results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), timeout=5)
+        assert all(isinstance(r, EngineDeadError) for r in results), results
+        assert llm.errored
+        with pytest.raises(EngineDeadError):
+            await llm.check_health()
+        with pytest.raises(EngineDeadError):
+            await collect(llm, "a", GREEDY, "after-death")
+        with pytest.raises(EngineDeadError):
+            await llm.get_engine_state()
+
+    try:
+        asyncio.run(main())
+    finally:
+        llm.shutdown()
+    assert not os.path.exists(llm.engine_core.ipc_dir)
