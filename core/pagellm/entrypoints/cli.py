@@ -104,13 +104,18 @@ def _run_plugins(args: argparse.Namespace) -> int:
 
 
 def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
-    from pagellm.benchmarks import throughput
+    from pagellm.benchmarks import serve, throughput
 
     bench = subparsers.add_parser("bench", help="Benchmarks.")
     kinds = bench.add_subparsers(dest="bench_kind", required=True)
     parser = kinds.add_parser("throughput", help="Offline throughput on a random workload (JSON).")
     throughput.add_args(parser)
     parser.set_defaults(func=throughput.main)
+    parser = kinds.add_parser(
+        "serve", help="Load a running server through its OpenAI API: throughput, latencies (JSON)."
+    )
+    serve.add_args(parser)
+    parser.set_defaults(func=serve.main)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

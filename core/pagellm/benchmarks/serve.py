@@ -1,0 +1,346 @@
+"""``pagellm bench serve``: a load generator for a running server, through its OpenAI-compatible
+HTTP API (``/v1/completions`` or ``/v1/chat/completions``), on the random dataset.
+
+Requests arrive as a Poisson process at ``--request-rate`` (``inf``: all at once), at most
+``--max-concurrency`` in flight; every one streams, asks for exactly its output length
+(``max_tokens`` with ``ignore_eos``) and reads its token counts from the stream's final ``usage``.
+Times are taken on the client: time to first token (TTFT) is from sending the request to the first
+chunk with text, inter-token latency (ITL) is between text chunks, time per output token (TPOT) is
+a request's (latency - TTFT) / (output tokens - 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import numpy as np
+
+from pagellm.benchmarks.datasets import BenchRequest, random_requests
+
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--base-url", default=None, help="The server's URL (default: http://HOST:PORT)."
+    )
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--endpoint", choices=ENDPOINTS, default="/v1/completions")
+    parser.add_argument(
+        "--model", default=None, help="The served model name (default: the first of /v1/models)."
+    )
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="Local tokenizer (model directory or GGUF) for the prompts' vocabulary and, for chat, "
+        "their text (default: the served model name, when it is a local path).",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("PAGELLM_API_KEY"),
+        help="Sent as a bearer token (default: $PAGELLM_API_KEY).",
+    )
+    parser.add_argument("--dataset", choices=["random"], default="random")
+    parser.add_argument("--num-prompts", type=int, default=100)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--random-range-ratio", type=float, default=0.0)
+    parser.add_argument(
+        "--input-len-range",
+        type=int,
+        nargs=2,
+        default=None,
+        metavar=("LOW", "HIGH"),
+        help="Prompt lengths uniform in [LOW, HIGH] (overrides --input-len/--random-range-ratio).",
+    )
+    parser.add_argument(
+        "--output-len-range",
+        type=int,
+        nargs=2,
+        default=None,
+        metavar=("LOW", "HIGH"),
+        help="Output lengths uniform in [LOW, HIGH] (overrides --output-len/--random-range-ratio).",
+    )
+    parser.add_argument(
+        "--random-token-range",
+        type=int,
+        nargs=2,
+        default=None,
+        metavar=("LOW", "HIGH"),
+        help="Draw prompt token ids from [LOW, HIGH) instead of the tokenizer's whole vocabulary "
+        "(needed when the model's vocabulary is smaller than its tokenizer's).",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="Requests per second, Poisson arrivals (default inf: all at once).",
+    )
+    parser.add_argument(
+        "--max-concurrency", type=int, default=None, help="At most this many requests in flight."
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        help="Seconds to wait for the server's next bytes before a request fails.",
+    )
+    parser.add_argument(
+        "--output-json", default=None, help="Also write the result JSON to this file."
+    )
+
+
+@dataclass
+class RequestResult:
+    ok: bool = False
+    error: str = ""
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft_s: float | None = None
+    """None when no chunk carried text."""
+    latency_s: float = 0.0
+    itls_s: list[float] = field(default_factory=list)
+
+
+def _body(
+    args: argparse.Namespace, model: str, request: BenchRequest, tokenizer: Any
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": model,
+        "max_tokens": request.output_len,
+        "ignore_eos": True,
+        "temperature": args.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if args.endpoint == "/v1/chat/completions":
+        text = tokenizer.decode(request.prompt_token_ids)
+        body["messages"] = [{"role": "user", "content": text}]
+    else:
+        body["prompt"] = request.prompt_token_ids
+    return body
+
+
+def _chunk_text(chunk: dict[str, Any]) -> str:
+    choices = chunk.get("choices") or []
+    if not choices:
+        return ""
+    choice = choices[0]
+    if "delta" in choice:
+        return choice["delta"].get("content") or ""
+    return choice.get("text") or ""
+
+
+async def _send(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any], expected_tokens: int
+) -> RequestResult:
+    result = RequestResult()
+    clock = time.perf_counter
+    start = last = clock()
+    usage = None
+    try:
+        async with client.stream("POST", url, json=body) as response:
+            if response.status_code != 200:
+                text = (await response.aread()).decode(errors="replace")
+                result.error = f"HTTP {response.status_code}: {text[:300]}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[len("data:") :].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    result.error = f"error in stream: {json.dumps(chunk['error'])[:300]}"
+                    return result
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                if _chunk_text(chunk):
+                    now = clock()
+                    if result.ttft_s is None:
+                        result.ttft_s = now - start
+                    else:
+                        result.itls_s.append(now - last)
+                    last = now
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+        return result
+    result.latency_s = clock() - start
+    if usage is None:
+        result.error = "the stream ended without usage (stream_options.include_usage)"
+        return result
+    result.prompt_tokens = int(usage["prompt_tokens"])
+    result.output_tokens = int(usage["completion_tokens"])
+    if result.output_tokens != expected_tokens:
+        result.error = (
+            f"{result.output_tokens} output tokens, expected {expected_tokens} (ignore_eos)"
+        )
+        return result
+    result.ok = True
+    return result
+
+
+async def _run(
+    args: argparse.Namespace,
+    base_url: str,
+    model: str,
+    requests: list[BenchRequest],
+    tokenizer: Any,
+) -> tuple[list[RequestResult], float]:
+    url = base_url + args.endpoint
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limits = httpx.Limits(max_connections=args.max_concurrency, max_keepalive_connections=None)
+    timeout = httpx.Timeout(args.timeout)
+    gaps = np.random.default_rng(args.seed).exponential(1.0 / args.request_rate, len(requests))
+    semaphore = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+    bodies = [_body(args, model, r, tokenizer) for r in requests]
+
+    async with httpx.AsyncClient(headers=headers, limits=limits, timeout=timeout) as client:
+
+        async def one(body: dict[str, Any], expected: int) -> RequestResult:
+            if semaphore is None:
+                return await _send(client, url, body, expected)
+            async with semaphore:
+                return await _send(client, url, body, expected)
+
+        start = time.perf_counter()
+        tasks = []
+        for i, (body, request) in enumerate(zip(bodies, requests, strict=True)):
+            if i and args.request_rate != float("inf"):
+                await asyncio.sleep(gaps[i])
+            tasks.append(asyncio.create_task(one(body, request.output_len)))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    return list(results), duration
+
+
+def _served_model(base_url: str, api_key: str | None) -> str:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        response = httpx.get(base_url + "/v1/models", headers=headers, timeout=30)
+    except httpx.HTTPError as exc:
+        raise ValueError(
+            f"Could not reach {base_url} ({type(exc).__name__}: {exc}); is `pagellm serve` "
+            "running there? Pass --base-url or --host/--port."
+        ) from exc
+    if response.status_code != 200:
+        raise ValueError(
+            f"GET {base_url}/v1/models returned HTTP {response.status_code}: "
+            f"{response.text[:300]}; pass --model (and --api-key if the server needs one)."
+        )
+    models = response.json().get("data") or []
+    if not models:
+        raise ValueError(f"{base_url}/v1/models lists no model; pass --model.")
+    return str(models[0]["id"])
+
+
+def _percentiles_ms(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    ms = np.asarray(values) * 1e3
+    p50, p90, p99 = np.percentile(ms, [50, 90, 99])
+    return {
+        "mean": round(float(ms.mean()), 3),
+        "p50": round(float(p50), 3),
+        "p90": round(float(p90), 3),
+        "p99": round(float(p99), 3),
+    }
+
+
+def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
+    """Counts, throughput and latency percentiles (ms) of the completed requests."""
+    done = [r for r in results if r.ok]
+    timed = [(r, r.ttft_s) for r in done if r.ttft_s is not None]
+    input_tokens = sum(r.prompt_tokens for r in done)
+    output_tokens = sum(r.output_tokens for r in done)
+    errors = sorted({r.error for r in results if not r.ok})
+    return {
+        "completed": len(done),
+        "failed": len(results) - len(done),
+        "errors": errors[:5],
+        "duration_s": round(duration, 3),
+        "total_input_tokens": input_tokens,
+        "total_output_tokens": output_tokens,
+        "requests_per_s": round(len(done) / duration, 3),
+        "output_tokens_per_s": round(output_tokens / duration, 2),
+        "total_tokens_per_s": round((input_tokens + output_tokens) / duration, 2),
+        "ttft_ms": _percentiles_ms([ttft for _, ttft in timed]),
+        "tpot_ms": _percentiles_ms(
+            [
+                (r.latency_s - ttft) / (r.output_tokens - 1)
+                for r, ttft in timed
+                if r.output_tokens > 1
+            ]
+        ),
+        "itl_ms": _percentiles_ms([t for r in done for t in r.itls_s]),
+        "e2e_latency_ms": _percentiles_ms([r.latency_s for r in done]),
+    }
+
+
+def main(args: argparse.Namespace) -> int:
+    from pagellm.tokenizer import get_tokenizer
+
+    if args.request_rate <= 0:
+        raise ValueError(f"--request-rate must be positive (or inf), got {args.request_rate}.")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError(f"--max-concurrency must be at least 1, got {args.max_concurrency}.")
+    base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
+    model = args.model or _served_model(base_url, args.api_key)
+    try:
+        tokenizer = get_tokenizer(args.tokenizer or model)
+    except (ValueError, OSError) as exc:
+        raise ValueError(
+            f"Could not load the tokenizer for the prompts: {exc} Pass --tokenizer with a local "
+            "model directory or GGUF file."
+        ) from exc
+    requests = random_requests(
+        args.num_prompts,
+        args.input_len,
+        args.output_len,
+        args.random_range_ratio,
+        len(tokenizer),
+        args.seed,
+        tuple(args.random_token_range) if args.random_token_range else None,
+        set(tokenizer.all_special_ids),
+        tuple(args.input_len_range) if args.input_len_range else None,
+        tuple(args.output_len_range) if args.output_len_range else None,
+    )
+    results, duration = asyncio.run(_run(args, base_url, model, requests, tokenizer))
+    result: dict[str, Any] = {
+        "workload": {
+            "base_url": base_url,
+            "endpoint": args.endpoint,
+            "model": model,
+            "dataset": args.dataset,
+            "num_prompts": args.num_prompts,
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "input_len_range": args.input_len_range,
+            "output_len_range": args.output_len_range,
+            "random_range_ratio": args.random_range_ratio,
+            "seed": args.seed,
+            "temperature": args.temperature,
+            "request_rate": args.request_rate if args.request_rate != float("inf") else "inf",
+            "max_concurrency": args.max_concurrency,
+        },
+        "client_machine": {"platform": platform.platform(), "cpu_count": os.cpu_count()},
+        **summarize(results, duration),
+    }
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            f.write(text + "\n")
+    return 0 if result["failed"] == 0 else 1
