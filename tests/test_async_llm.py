@@ -27,6 +27,7 @@ ENGINE_KWARGS = dict(max_model_len=128, kv_cache_memory=8 << 20)
 
 class RecordingStatLogger(StatLoggerBase):
     def __init__(self) -> None:
+        super().__init__(model_name="tiny")
         self.records: list[tuple[SchedulerStats | None, IterationStats | None]] = []
         self.num_logs = 0
 

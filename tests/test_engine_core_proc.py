@@ -6,6 +6,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import shutil
+import signal
 import tempfile
 import time
 
@@ -15,7 +16,7 @@ import zmq
 
 from pagellm import LLM, SamplingParams
 from pagellm.engine.args import EngineArgs
-from pagellm.engine.core_client import SyncMPClient
+from pagellm.engine.core_client import EngineDeadError, SyncMPClient
 from pagellm.engine.core_proc import run_engine_core
 from pagellm.engine.messages import (
     AbortRequests,
@@ -93,7 +94,8 @@ def test_engine_process_speaks_msgspec_serves_utilities_and_reports_a_failure(ti
     client = RawClient(tiny_models["llama3"])
     try:
         ready = client.recv()
-        assert isinstance(ready, EngineReady) and ready.num_total_blocks > 0
+        assert isinstance(ready, EngineReady) and ready.num_blocks > 1
+        num_usable = ready.num_blocks - 1  # the null block is never handed out
 
         params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
         client.send(AddRequest(EngineCoreRequest("r", [5, 6, 7], params, None, 0.0)))
@@ -110,9 +112,9 @@ def test_engine_process_speaks_msgspec_serves_utilities_and_reports_a_failure(ti
         assert len(tokens) == 4 and finish == FinishReason.LENGTH
         stats = [s.scheduler_stats for s in steps]
         assert [s.num_steps for s in stats] == list(range(1, len(steps) + 1))
-        assert stats[0].num_running_reqs == 1 and stats[0].num_free_blocks < ready.num_total_blocks
+        assert stats[0].num_running_reqs == 1 and stats[0].num_free_blocks < num_usable
         assert stats[-1].num_running_reqs == 0
-        assert stats[-1].num_free_blocks == stats[-1].num_total_blocks == ready.num_total_blocks
+        assert stats[-1].num_free_blocks == stats[-1].num_total_blocks == num_usable
         assert stats[0].prefix_cache_queries == 3
 
         assert client.call(1, "ping").result == "pong"
@@ -126,7 +128,7 @@ def test_engine_process_speaks_msgspec_serves_utilities_and_reports_a_failure(ti
         client.send(AbortRequests(["long"]))
         state = client.call(4, "get_state").result
         assert state["num_running"] == state["num_waiting"] == 0
-        assert state["num_free_blocks"] == state["num_total_blocks"] == ready.num_total_blocks
+        assert state["num_free_blocks"] == state["num_total_blocks"] == num_usable
 
         # Idle, the loop sleeps on its socket instead of spinning.
         while client.pull.poll(200):
@@ -179,3 +181,24 @@ def test_multiprocess_llm_matches_in_process_llm(tiny_models):
     client = engine.core_client
     # Stopped by its shutdown message (not terminated), and the IPC directory is gone.
     assert client.proc.exitcode == 0 and not os.path.exists(client.ipc_dir)
+
+
+def test_killed_engine_process_fails_the_multiprocess_llm(tiny_models):
+    llm = LLM(tiny_models["llama3"], multiprocess_engine=True, max_model_len=128)
+    engine = llm.llm_engine
+    try:
+        long = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+        engine.add_request("manual", PROMPTS[0], long)
+        while not engine.step():
+            pass
+        proc = engine.core_client.proc
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(5)
+        with pytest.raises(EngineDeadError, match="exit code -9"):
+            engine.step()
+        assert engine.core_client.errored
+        with pytest.raises(EngineDeadError):
+            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    finally:
+        engine.shutdown()
+    assert not os.path.exists(engine.core_client.ipc_dir)

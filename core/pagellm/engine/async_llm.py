@@ -80,7 +80,7 @@ class AsyncLLM:
         self._finished_stats: list[FinishedRequestStats] = []
         self._log_task: asyncio.Task[None] | None = None
         self.engine_core = AsyncMPClient(args, self._on_outputs, self._on_dead)
-        config.cache.num_blocks = self.engine_core.ready.num_total_blocks + 1
+        config.cache.num_blocks = self.engine_core.ready.num_blocks
 
     @classmethod
     def from_engine_args(
@@ -270,7 +270,9 @@ class AsyncLLM:
         return state
 
     def shutdown(self) -> None:
+        """Stop the engine process; requests still streaming raise `EngineDeadError`."""
         task = self._log_task
         if task is not None and not task.done() and not task.get_loop().is_closed():
             task.cancel()
         self.engine_core.shutdown()
+        self._on_dead(EngineDeadError("The engine was shut down."))

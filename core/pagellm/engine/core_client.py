@@ -172,29 +172,34 @@ class _MPClient:
     def _set_dead(self, error: EngineError | None) -> EngineDeadError:
         """Record the engine's death (once) and return the error pending calls fail with."""
         if self._dead is None:
-            reason = f": {error.message}" if error is not None else ""
             code = self.proc.exitcode
-            self._dead = EngineDeadError(
-                "The engine-core process died"
-                + (f" (exit code {code})" if code is not None else "")
-                + reason
+            message = "The engine-core process died" + (
+                f" (exit code {code})" if code is not None else ""
             )
             if error is not None:
-                logger.error("Engine core failed: %s\n%s", error.message, error.traceback)
-            else:
-                logger.error("%s", self._dead)
+                message += f": {error.message}"
+            self._dead = EngineDeadError(message)
+            logger.error("%s%s", message, f"\n{error.traceback}" if error is not None else "")
+        return self._dead
+
+    def _set_frontend_failed(self, exc: Exception) -> EngineDeadError:
+        """This process can no longer follow the engine (its output handling raised)."""
+        if self._dead is None:
+            logger.exception("Handling the engine core's outputs failed")
+            self._dead = EngineDeadError(
+                f"The front end lost track of the engine core: {type(exc).__name__}: {exc}"
+            )
         return self._dead
 
     def raise_if_dead(self) -> None:
         if self._closed:
             raise EngineDeadError("The engine core was shut down.")
-        if self.errored:
-            assert self._dead is not None
-            raise self._dead
+        if self.errored and self._dead is not None:
+            raise EngineDeadError(*self._dead.args)  # a fresh instance: its own traceback
 
     def _send(self, msg: EngineRequestMsg) -> None:
         # Never blocks: the connecting side queues without limit (SNDHWM 0).
-        self.input_socket.send(encoder.encode(msg), copy=False)
+        self.input_socket.send(encoder.encode(msg))
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.raise_if_dead()
@@ -310,7 +315,7 @@ class AsyncMPClient(_MPClient):
         sock = self.output_socket
         try:
             while not self._exited:
-                self._recv_future = sock.recv(copy=False)  # type: ignore[assignment]
+                self._recv_future = sock.recv()  # type: ignore[assignment]
                 try:
                     frame = await self._recv_future  # type: ignore[misc]
                 except asyncio.CancelledError:
@@ -319,26 +324,21 @@ class AsyncMPClient(_MPClient):
                     raise
                 finally:
                     self._recv_future = None
-                self._dispatch(output_decoder.decode(frame.buffer))
+                self._dispatch(output_decoder.decode(frame))
             # The process is gone: take what it sent before dying (its EngineError, if any).
             while await sock.poll(_DRAIN_MS):
                 self._dispatch(output_decoder.decode(await sock.recv()))
             if not self._closed:
                 self._fail_all(self._set_dead(None))
-        except zmq.ZMQError:
-            if not self._closed:
-                raise
+        except Exception as exc:
+            if not self._closed:  # a closed socket is how shutdown() stops us
+                self._fail_all(self._set_frontend_failed(exc))
         finally:
             loop.remove_reader(sentinel)
 
     def _dispatch(self, msg: EngineOutputMsg) -> None:
         if isinstance(msg, EngineStepOutputs):
-            try:
-                self._on_outputs(msg)
-            except Exception as exc:
-                # The front end's own state is now unreliable: fail everything rather than hang.
-                logger.exception("Processing the engine's outputs failed")
-                self._fail_all(self._set_dead(EngineError(f"{type(exc).__name__}: {exc}")))
+            self._on_outputs(msg)
         elif isinstance(msg, UtilityResult):
             future = self._calls.pop(msg.call_id, None)
             if future is not None and not future.done():

@@ -61,7 +61,7 @@ class EngineCoreProc:
         }
 
     def send(self, msg: EngineOutputMsg) -> None:
-        self.output_socket.send(encoder.encode(msg), copy=False)
+        self.output_socket.send(encoder.encode(msg))
 
     def run_busy_loop(self) -> None:
         """Until a `Shutdown` message comes."""
@@ -72,10 +72,10 @@ class EngineCoreProc:
                 sock.poll()  # idle: sleep until the front end sends something
             while True:
                 try:
-                    frame = sock.recv(zmq.NOBLOCK, copy=False)
+                    frame = sock.recv(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                if not self._handle(request_decoder.decode(frame.buffer)):
+                if not self._handle(request_decoder.decode(frame)):
                     return
             if core.has_unfinished_requests():
                 outputs = core.step()
@@ -137,7 +137,7 @@ def run_engine_core(
         load_general_plugins()  # out-of-tree models must be known before the config is checked
         core = EngineCore(args.create_engine_config())
         proc = EngineCoreProc(core, input_socket, output_socket)
-        proc.send(EngineReady(num_total_blocks=core.kv_cache_manager.block_pool.num_blocks - 1))
+        proc.send(EngineReady(num_blocks=core.kv_cache_manager.block_pool.num_blocks))
         proc.run_busy_loop()
     except Exception as exc:
         logger.exception("Engine core failed")

@@ -52,7 +52,9 @@ class LLMEngine:
         self._engine_core: EngineCore | None = None
         self.core_client: EngineCoreClient
         if engine_args is not None and engine_args.multiprocess_engine:
-            self.core_client = SyncMPClient(engine_args)
+            client = SyncMPClient(engine_args)
+            config.cache.num_blocks = client.ready.num_blocks
+            self.core_client = client
         else:
             self._engine_core = self.core_client = EngineCore(config)
         self.output_processor = OutputProcessor(self.tokenizer)

@@ -44,8 +44,8 @@ class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
 class EngineReady(msgspec.Struct, tag="ready", array_like=True):
     """Sent once the engine core is built (model loaded, KV cache sized)."""
 
-    num_total_blocks: int
-    """Usable KV blocks (the null block excluded)."""
+    num_blocks: int
+    """KV cache blocks, the null block included (as `CacheConfig.num_blocks` counts them)."""
 
 
 class EngineStepOutputs(msgspec.Struct, tag="outputs", array_like=True):
