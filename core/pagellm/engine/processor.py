@@ -70,7 +70,9 @@ class InputProcessor:
                 raise ValueError(
                     "This engine has no tokenizer (skip_tokenizer_init): pass prompt_token_ids."
                 )
-            return prompt, list(self.tokenizer.encode(prompt))
+            # A tokenizer can know more tokens than the model (e.g. a shared tokenizer on a
+            # smaller test model): such ids are refused here, before they reach the engine.
+            return prompt, self._check_ids(list(self.tokenizer.encode(prompt)))
         if isinstance(prompt, (list, tuple)):
             return None, self._check_ids(list(prompt))
         raise ValueError(
