@@ -75,6 +75,27 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
+    from pagellm.engine.args import EngineArgs
+    from pagellm.entrypoints.api_server import add_server_args
+
+    parser = subparsers.add_parser(
+        "serve",
+        help="Serve a model over HTTP; its routes come from endpoint plugins (default: openai).",
+    )
+    parser.add_argument("model", help="A HF model directory or a GGUF file.")
+    add_server_args(parser)
+    EngineArgs.add_cli_args(parser)
+    parser.set_defaults(func=_run_serve)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from pagellm.entrypoints.api_server import run_server
+
+    run_server(args)
+    return 0
+
+
 def _add_plugins_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "plugins", help="List every discovered plugin by group and its status in this process."
@@ -125,6 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=f"pagellm {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_generate_parser(subparsers)
+    _add_serve_parser(subparsers)
     _add_plugins_parser(subparsers)
     _add_bench_parser(subparsers)
     args = parser.parse_args(argv)

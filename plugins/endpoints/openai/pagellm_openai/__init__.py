@@ -1,0 +1,1 @@
+"""pagellm-openai: the OpenAI-compatible HTTP API as a pagellm endpoint plugin."""

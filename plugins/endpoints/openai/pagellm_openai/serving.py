@@ -1,0 +1,210 @@
+"""What the routes share: the served model's limits, prompt rendering and the checks a request
+must pass before it reaches the engine (each refusal is an HTTP 400 naming the parameter)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pagellm.entrypoints.http_errors import bad_request
+from pagellm.sampling_params import RequestOutputKind, SamplingParams
+from pagellm_openai.protocol import ChatMessage, SamplingRequest
+
+
+@dataclass
+class Prompt:
+    """One prompt as the engine gets it: its text (when known) and its token ids."""
+
+    text: str | None
+    token_ids: list[int]
+
+    def engine_input(self) -> dict[str, Any]:
+        if self.text is None:
+            return {"prompt_token_ids": self.token_ids}
+        return {"prompt": self.text, "prompt_token_ids": self.token_ids}
+
+
+@dataclass
+class ServingContext:
+    engine: Any
+    """The `AsyncLLM`."""
+    model_names: list[str]
+    model_path: str
+    max_model_len: int
+    max_num_seqs: int
+    vocab_size: int
+
+    @classmethod
+    def from_app(cls, app: Any, engine: Any) -> ServingContext:
+        config = engine.config
+        return cls(
+            engine=engine,
+            model_names=list(app.state.served_model_names),
+            model_path=app.state.model_path,
+            max_model_len=config.model.max_model_len,
+            max_num_seqs=config.scheduler.max_num_seqs,
+            vocab_size=config.model.vocab_size,
+        )
+
+    @property
+    def tokenizer(self) -> Any:
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise bad_request(
+                "This server runs without a tokenizer (--skip-tokenizer-init): send prompts as "
+                "token ids to /v1/completions."
+            )
+        return tokenizer
+
+    def model_name(self, requested: str | None) -> str:
+        """The name to report; a name the server does not serve is refused."""
+        if requested is None:
+            return self.model_names[0]
+        if requested not in self.model_names:
+            raise bad_request(
+                f"The model {requested!r} does not exist; this server serves "
+                f"{', '.join(repr(n) for n in self.model_names)}.",
+                param="model",
+                code="model_not_found",
+            )
+        return requested
+
+    def text_prompt(self, text: str, add_special_tokens: bool = True) -> Prompt:
+        if not text:
+            raise bad_request("prompt is empty.", param="prompt")
+        return Prompt(
+            text, list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        )
+
+    def token_prompt(self, token_ids: list[int]) -> Prompt:
+        if not token_ids:
+            raise bad_request("prompt is empty.", param="prompt")
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise bad_request(
+                f"prompt has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}.",
+                param="prompt",
+            )
+        return Prompt(None, token_ids)
+
+    def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool) -> Prompt:
+        tokenizer = self.tokenizer
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise bad_request(
+                "The model's tokenizer has no chat template: use /v1/completions.",
+                param="messages",
+            )
+        conversation = [_template_message(m) for m in messages]
+        try:
+            ids = tokenizer.apply_chat_template(
+                conversation,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=True,
+                return_dict=False,
+            )
+        except Exception as exc:  # the template's own checks (roles, order) raise here
+            raise bad_request(
+                f"The chat template refused the messages: {exc}", param="messages"
+            ) from exc
+        return Prompt(None, list(ids))
+
+    def output_budget(
+        self,
+        prompt: Prompt,
+        requested: int | None,
+        default: int | None,
+        param: str,
+        prompt_param: str,
+    ) -> int:
+        """How many tokens to generate after ``prompt``: ``requested``, else ``default`` (None:
+        as many as the context leaves), within max_model_len."""
+        room = self.max_model_len - len(prompt.token_ids)
+        if room < 1:
+            raise bad_request(
+                f"The prompt is {len(prompt.token_ids)} tokens long and max_model_len is "
+                f"{self.max_model_len}, which leaves no room to generate; shorten the prompt.",
+                param=prompt_param,
+                code="context_length_exceeded",
+            )
+        if requested is None:
+            return room if default is None else min(default, room)
+        if requested > room:
+            raise bad_request(
+                f"{param}={requested} is too large: the prompt is {len(prompt.token_ids)} tokens "
+                f"long and max_model_len is {self.max_model_len}, so at most {room} tokens can be "
+                "generated.",
+                param=param,
+                code="context_length_exceeded",
+            )
+        return requested
+
+    def sampling_params(
+        self,
+        request: SamplingRequest,
+        max_tokens: int,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+    ) -> SamplingParams:
+        if request.n > self.max_num_seqs:
+            raise bad_request(
+                f"n={request.n} is larger than this server's limit of {self.max_num_seqs} "
+                "(--max-num-seqs).",
+                param="n",
+            )
+        if request.stream_options is not None and not request.stream:
+            raise bad_request(
+                "stream_options is only allowed with stream=true.", param="stream_options"
+            )
+        try:
+            return SamplingParams(
+                n=request.n,
+                temperature=1.0 if request.temperature is None else request.temperature,
+                top_p=1.0 if request.top_p is None else request.top_p,
+                top_k=request.top_k or 0,
+                min_p=request.min_p or 0.0,
+                seed=request.seed,
+                presence_penalty=request.presence_penalty or 0.0,
+                frequency_penalty=request.frequency_penalty or 0.0,
+                repetition_penalty=request.repetition_penalty or 1.0,
+                logit_bias=self._logit_bias(request.logit_bias),
+                stop=request.stop or None,
+                stop_token_ids=request.stop_token_ids,
+                include_stop_str_in_output=request.include_stop_str_in_output,
+                ignore_eos=request.ignore_eos,
+                max_tokens=max_tokens,
+                min_tokens=request.min_tokens,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+                skip_special_tokens=request.skip_special_tokens,
+                output_kind=(
+                    RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
+                ),
+            )
+        except ValueError as exc:
+            raise bad_request(str(exc)) from exc
+
+    def _logit_bias(self, bias: dict[str, float] | None) -> dict[int, float] | None:
+        if not bias:
+            return None
+        result: dict[int, float] = {}
+        for key, value in bias.items():
+            token = int(key) if key.lstrip("-").isdigit() else None
+            if token is None or not 0 <= token < self.vocab_size:
+                raise bad_request(
+                    f"logit_bias key {key!r} is not a token id of the vocabulary "
+                    f"[0, {self.vocab_size}).",
+                    param="logit_bias",
+                )
+            result[token] = value
+        return result
+
+
+def _template_message(message: ChatMessage) -> dict[str, Any]:
+    """The message as the chat template reads it: content as one string."""
+    data = message.model_dump(exclude_none=True)
+    content = message.content
+    if isinstance(content, list):
+        data["content"] = "\n".join(part.text for part in content)
+    elif content is None:
+        data["content"] = ""
+    return data

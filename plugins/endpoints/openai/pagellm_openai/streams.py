@@ -1,0 +1,166 @@
+"""Driving the engine's output streams from a route: start them (so bad input is refused before a
+response begins), merge several, stop when the client leaves, and frame Server-Sent Events.
+
+Stopping is always by closing or cancelling the engine's generators: `AsyncLLM.generate` aborts its
+request (and frees its KV blocks) when its consumer goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from typing import Generic, TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel
+
+from pagellm.entrypoints.http_errors import SERVER_ERROR, bad_request
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+DONE = "data: [DONE]\n\n"
+
+
+def sse(event: BaseModel | dict) -> str:
+    """One Server-Sent Event carrying ``event`` as JSON."""
+    if isinstance(event, BaseModel):
+        return f"data: {event.model_dump_json()}\n\n"
+    return f"data: {json.dumps(event)}\n\n"
+
+
+class Started(Generic[T]):
+    """An engine output stream whose first item has already been received."""
+
+    def __init__(self, first: T | None, rest: AsyncGenerator[T, None], empty: bool) -> None:
+        self._first = first
+        self._pending_first = not empty
+        self._rest = rest
+
+    def __aiter__(self) -> Started[T]:
+        return self
+
+    async def __anext__(self) -> T:
+        if self._pending_first:
+            self._pending_first = False
+            return self._first  # type: ignore[return-value]
+        return await anext(self._rest)
+
+    async def aclose(self) -> None:
+        await self._rest.aclose()
+
+
+async def start(generators: list[AsyncGenerator[T, None]]) -> list[Started[T]]:
+    """Wait for every generator's first item, so the engine has accepted every request (it refuses
+    bad input with ``ValueError`` before its first output: answered with a 400). On any error
+    every generator is closed (its request aborted) and the first error raised."""
+    firsts = await asyncio.gather(*(anext(g) for g in generators), return_exceptions=True)
+    error = next(
+        (
+            r
+            for r in firsts
+            if isinstance(r, BaseException) and not isinstance(r, StopAsyncIteration)
+        ),
+        None,
+    )
+    if error is not None:
+        for g in generators:
+            await g.aclose()
+        if isinstance(error, ValueError):
+            raise bad_request(str(error)) from error
+        raise error
+    return [
+        Started(None, g, empty=True)
+        if isinstance(first, StopAsyncIteration)
+        else Started(first, g, empty=False)  # type: ignore[arg-type]
+        for first, g in zip(firsts, generators, strict=True)
+    ]
+
+
+async def merge(iterators: list[Started[T]]) -> AsyncGenerator[tuple[int, T], None]:
+    """Items of several iterators as they come, each tagged with its iterator's index. Closing
+    the merged stream (or cancelling its consumer) cancels and closes every source."""
+    if len(iterators) == 1:
+        source = iterators[0]
+        try:
+            async for item in source:
+                yield 0, item
+        finally:
+            await source.aclose()
+        return
+    pending: dict[asyncio.Future[T], int] = {
+        asyncio.ensure_future(anext(it)): i for i, it in enumerate(iterators)
+    }
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for future in done:
+                i = pending.pop(future)
+                try:
+                    item = future.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(anext(iterators[i]))] = i
+                yield i, item
+    finally:
+        for future in pending:
+            future.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for it in iterators:
+            await it.aclose()
+
+
+def error_event(exc: Exception) -> str:
+    """The event that ends a stream whose request failed after the response began (its status,
+    200, is already sent): an OpenAI-style error, which OpenAI clients raise."""
+    from pagellm.engine.core_client import EngineDeadError
+
+    dead = isinstance(exc, EngineDeadError)
+    if not dead:
+        logger.exception("A streamed request failed")
+    return sse(
+        {
+            "error": {
+                "message": f"The engine is dead: {exc}" if dead else f"{type(exc).__name__}: {exc}",
+                "type": SERVER_ERROR,
+                "param": None,
+                "code": "engine_dead" if dead else None,
+            }
+        }
+    )
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(request: Request, work: Awaitable[R]) -> tuple[bool, R | None]:
+    """Run ``work``, cancelling it if the client disconnects first (a non-streaming request would
+    otherwise run to its end for nobody). Returns (completed, result)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    if task.cancelled():
+        return False, None
+    return True, task.result()
+
+
+async def collect_last(iterator: AsyncIterator[tuple[int, T]], count: int) -> list[T]:
+    """The last item of each of ``count`` merged sources (their final outputs)."""
+    last: dict[int, T] = {}
+    async for i, item in iterator:
+        last[i] = item
+    return [last[i] for i in range(count)]

@@ -1,0 +1,786 @@
+"""The API server end to end: real ``pagellm serve`` processes on 127.0.0.1 serving a tiny random
+Llama with SmolLM2's tokenizer, driven by the official ``openai`` client and httpx.
+
+The endpoint packages (``plugins/endpoints/openai``, ``plugins/endpoints/admin``, and the test
+package ``tests/plugins/dummy_endpoint``) are ``pip install -e``'d for this module when they are not
+installed already, and uninstalled afterwards. Three servers, started together, cover the plugin
+allowlists:
+
+- ``main``: ``VLLM_PLUGINS=openai,admin,dummy_endpoint,embed_endpoint`` and an API key: most tests;
+- ``openai_only``: ``VLLM_PLUGINS=openai``; its engine process is killed at the end;
+- ``default``: VLLM_PLUGINS unset, ``--endpoints openai``; stopped with SIGTERM at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.metadata
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = {
+    "pagellm-openai": ROOT / "plugins" / "endpoints" / "openai",
+    "pagellm-admin": ROOT / "plugins" / "endpoints" / "admin",
+    "pagellm-dummy-endpoint": ROOT / "tests" / "plugins" / "dummy_endpoint",
+}
+API_KEY = "test-key"
+MAX_MODEL_LEN = 512
+MAX_NUM_SEQS = 64
+MODEL_NAME = "tiny"
+IDLE_TIMEOUT_S = 30
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+HELLO = [{"role": "user", "content": "hi"}]
+LONG_TEXT = "word " * (MAX_MODEL_LEN + 10)
+
+
+@pytest.fixture(scope="module")
+def endpoint_packages() -> Iterator[None]:
+    missing = []
+    for dist in PACKAGES:
+        try:
+            importlib.metadata.distribution(dist)
+        except importlib.metadata.PackageNotFoundError:
+            missing.append(dist)
+    pip = [sys.executable, "-m", "pip", "-q"]
+    if missing:
+        args = [a for d in missing for a in ("-e", str(PACKAGES[d]))]
+        subprocess.run([*pip, "install", "--no-deps", "--no-build-isolation", *args], check=True)
+    yield
+    if missing:
+        subprocess.run([*pip, "uninstall", "-y", *missing], check=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer_dir: str) -> str:
+    """A tiny random Llama whose vocabulary is the whole SmolLM2 tokenizer's, so that any text
+    (and the chat template's special tokens) is a valid prompt."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    directory = str(tmp_path_factory.mktemp("served_model"))
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
+    config = AutoConfig.for_model(
+        "llama",
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=MAX_MODEL_LEN,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # peaked logits: varied, reproducible text
+        for name, param in model.named_parameters():
+            if "norm" not in name:
+                param.normal_(0.0, 0.08)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Server:
+    """One ``pagellm serve`` process; its output goes to a log file the tests read."""
+
+    def __init__(self, model: str, log_path: Path, env: dict[str, str], *args: str) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        controls = ("VLLM_PLUGINS", "PAGELLM_API_KEY", "PAGELLM_PLUGINS_STRICT")
+        full_env = {k: v for k, v in os.environ.items() if k not in controls}
+        full_env.update(env)
+        self.api_key = full_env.get("PAGELLM_API_KEY")
+        cmd = [
+            sys.executable,
+            "-m",
+            "pagellm.entrypoints.cli",
+            "serve",
+            model,
+            "--port",
+            str(self.port),
+            "--served-model-name",
+            MODEL_NAME,
+            "--max-model-len",
+            str(MAX_MODEL_LEN),
+            "--max-num-seqs",
+            str(MAX_NUM_SEQS),
+            "--kv-cache-memory",
+            str(16 << 20),
+            *args,
+        ]
+        self._log = open(log_path, "w")  # noqa: SIM115 (open for the process's lifetime)
+        self.proc = subprocess.Popen(cmd, env=full_env, stdout=self._log, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout: float = 240) -> Server:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"pagellm serve exited ({self.proc.returncode}):\n{self.log()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"pagellm serve did not become healthy:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def engine_pid(self) -> int:
+        match = re.search(r"Engine process \S+: pid (\d+)", self.log())
+        assert match, self.log()
+        return int(match.group(1))
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=self.api_key or "none")
+
+    def async_client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=self.api_key or "none")
+
+    def get(self, path: str) -> httpx.Response:
+        return httpx.get(f"{self.url}{path}", headers=self.headers(), timeout=60)
+
+    def post(
+        self, path: str, headers: dict[str, str] | None = None, timeout: float = 60, **kwargs
+    ) -> httpx.Response:
+        headers = {**self.headers(), **(headers or {})}
+        return httpx.post(f"{self.url}{path}", headers=headers, timeout=timeout, **kwargs)
+
+    def state(self) -> dict:
+        response = self.get("/v1/admin/state")
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    def wait_idle(self) -> dict:
+        """The admin state once no request runs or waits (a disconnect is noticed asynchronously)."""
+        deadline = time.monotonic() + IDLE_TIMEOUT_S
+        while True:
+            state = self.state()
+            idle = state["num_running"] == 0 and state["num_waiting"] == 0
+            if (idle and state["num_free_blocks"] == state["num_total_blocks"]) or (
+                time.monotonic() > deadline
+            ):
+                return state
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+@pytest.fixture(scope="module")
+def servers(
+    endpoint_packages: None, model_dir: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Server]]:
+    logs = tmp_path_factory.mktemp("server_logs")
+    specs = {
+        "main": (
+            {
+                "VLLM_PLUGINS": "openai,admin,dummy_endpoint,embed_endpoint",
+                "PAGELLM_API_KEY": API_KEY,
+            },
+            (),
+        ),
+        "openai_only": ({"VLLM_PLUGINS": "openai"}, ()),
+        "default": ({}, ("--endpoints", "openai")),
+    }
+    started = {
+        name: Server(model_dir, logs / f"{name}.log", env, *args)
+        for name, (env, args) in specs.items()
+    }
+    try:
+        yield {name: server.wait_ready() for name, server in started.items()}
+    finally:
+        for server in started.values():
+            server.stop()
+
+
+@pytest.fixture(scope="module")
+def main(servers: dict[str, Server]) -> Server:
+    return servers["main"]
+
+
+# ---------------------------------------------------------------- generation
+
+
+def test_completions_and_chat_answer_with_usage(main: Server):
+    client = main.client()
+    completion = client.completions.create(
+        model=MODEL_NAME, prompt="The capital of France is", max_tokens=8, temperature=0
+    )
+    prompt_len = len(
+        main.post("/tokenize", json={"prompt": "The capital of France is"}).json()["tokens"]
+    )
+    assert completion.object == "text_completion"
+    [choice] = completion.choices
+    assert choice.text and choice.finish_reason in ("length", "stop")
+    assert completion.usage.prompt_tokens == prompt_len
+    assert completion.usage.total_tokens == prompt_len + completion.usage.completion_tokens
+
+    chat = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "Hello!"}],
+        max_completion_tokens=6,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    [choice] = chat.choices
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason == "length" and chat.usage.completion_tokens == 6
+    templated = main.post("/tokenize", json={"messages": [{"role": "user", "content": "Hello!"}]})
+    assert chat.usage.prompt_tokens == templated.json()["count"]
+
+
+def test_models_lists_the_served_name(main: Server):
+    [card] = main.client().models.list().data
+    assert card.id == MODEL_NAME
+
+
+def test_tokenize_and_detokenize_round_trip(main: Server):
+    tokens = main.post("/tokenize", json={"prompt": "Hello world", "add_special_tokens": False})
+    body = tokens.json()
+    assert body["count"] == len(body["tokens"]) and body["max_model_len"] == MAX_MODEL_LEN
+    text = main.post("/detokenize", json={"tokens": body["tokens"]}).json()["prompt"]
+    assert text == "Hello world"
+
+
+def _stream_completion(client: openai.OpenAI, **kwargs: object) -> tuple[dict[int, str], object]:
+    texts: dict[int, str] = {}
+    usage = None
+    for chunk in client.completions.create(stream=True, **kwargs):  # type: ignore[call-overload]
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+        usage = chunk.usage or usage
+    return texts, usage
+
+
+def _stream_chat(client: openai.OpenAI, **kwargs: object) -> tuple[dict[int, str], object]:
+    texts: dict[int, str] = {}
+    usage = None
+    for chunk in client.chat.completions.create(stream=True, **kwargs):  # type: ignore[call-overload]
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+        usage = chunk.usage or usage
+    return texts, usage
+
+
+def test_streamed_text_equals_non_streamed_text_for_the_same_seed(main: Server):
+    client = main.client()
+    kwargs = dict(
+        model=MODEL_NAME, prompt="Once upon a time", max_tokens=12, temperature=0.9, seed=7, n=3
+    )
+    full = client.completions.create(**kwargs)  # type: ignore[call-overload]
+    texts, usage = _stream_completion(client, stream_options={"include_usage": True}, **kwargs)
+    assert len(full.choices) == 3
+    assert texts == {c.index: c.text for c in full.choices}
+    assert len(set(texts.values())) > 1  # the n samples differ
+    assert usage is not None and usage.completion_tokens == full.usage.completion_tokens
+
+    chat_kwargs = dict(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "Tell me a story."}],
+        max_tokens=12,
+        temperature=0.9,
+        seed=11,
+        n=2,
+    )
+    full_chat = client.chat.completions.create(**chat_kwargs)  # type: ignore[call-overload]
+    texts, usage = _stream_chat(client, stream_options={"include_usage": True}, **chat_kwargs)
+    assert texts == {c.index: c.message.content for c in full_chat.choices}
+    assert usage is not None and usage.total_tokens == full_chat.usage.total_tokens
+
+
+def test_completion_logprobs_and_echo(main: Server):
+    client = main.client()
+    prompt = "Hello there"
+    out = client.completions.create(
+        model=MODEL_NAME, prompt=prompt, max_tokens=5, temperature=0, logprobs=3, echo=True
+    )
+    [choice] = out.choices
+    lp = choice.logprobs
+    assert choice.text.startswith(prompt)
+    num_prompt = out.usage.prompt_tokens
+    assert len(lp.tokens) == num_prompt + out.usage.completion_tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # the first prompt token
+    assert "".join(lp.tokens) == choice.text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    for token, logprob, top in zip(
+        lp.tokens[num_prompt:],
+        lp.token_logprobs[num_prompt:],
+        lp.top_logprobs[num_prompt:],
+        strict=True,
+    ):
+        assert logprob <= 0 and 3 <= len(top) <= 4
+        assert (
+            top[token] == logprob == max(top.values())
+        )  # greedy: the sampled token is the top one
+
+
+def test_chat_logprobs_list_the_top_tokens(main: Server):
+    out = main.client().chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens
+    assert "".join(t.token for t in content) == out.choices[0].message.content
+    for token in content:
+        assert len(token.top_logprobs) == 2
+        assert token.top_logprobs[0].token == token.token
+        assert token.top_logprobs[0].logprob >= token.top_logprobs[1].logprob
+        assert bytes(token.bytes).decode() == token.token
+
+
+def test_stop_string_ends_the_text_before_it(main: Server):
+    client = main.client()
+    kwargs = dict(
+        model=MODEL_NAME,
+        prompt="One two three",
+        max_tokens=24,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    text = client.completions.create(**kwargs).choices[0].text  # type: ignore[call-overload]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    assert stop.strip(), text
+    expected = text[: text.index(stop)]
+    stopped = client.completions.create(stop=[stop], **kwargs).choices[0]  # type: ignore[call-overload]
+    assert (stopped.text, stopped.finish_reason) == (expected, "stop")
+    streamed, _ = _stream_completion(client, stop=stop, **kwargs)
+    assert streamed == {0: expected}
+    chat = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=HELLO,
+        max_tokens=24,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    reply = chat.choices[0].message.content
+    stop = reply[len(reply) // 2 : len(reply) // 2 + 3]
+    stopped_chat = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=HELLO,
+        max_tokens=24,
+        temperature=0,
+        stop=stop,
+        extra_body={"ignore_eos": True},
+    )
+    assert stopped_chat.choices[0].message.content == reply[: reply.index(stop)]
+    assert stopped_chat.choices[0].finish_reason == "stop"
+
+
+def test_penalties_logit_bias_and_seed_are_applied(main: Server):
+    client = main.client()
+    kwargs = dict(model=MODEL_NAME, prompt="Hello", max_tokens=6, temperature=0)
+    plain = client.completions.create(**kwargs)  # type: ignore[call-overload]
+    favourite = main.post(
+        "/tokenize", json={"prompt": " banana", "add_special_tokens": False}
+    ).json()["tokens"][0]
+    biased = client.completions.create(logit_bias={str(favourite): 100}, **kwargs)  # type: ignore[call-overload]
+    assert biased.choices[0].text == " banana" * 6
+    penalised = client.completions.create(
+        presence_penalty=2.0, frequency_penalty=2.0, logit_bias={str(favourite): 8}, **kwargs
+    )  # type: ignore[call-overload]
+    assert penalised.choices[0].text != biased.choices[0].text
+    assert plain.choices[0].text != biased.choices[0].text
+    sampled = [
+        client.completions.create(**{**kwargs, "temperature": 1.0, "seed": 3}).choices[0].text  # type: ignore[call-overload]
+        for _ in range(2)
+    ]
+    assert sampled[0] == sampled[1]
+
+
+def test_64_concurrent_streams_complete_and_free_every_kv_block(main: Server):
+    async def one(client: openai.AsyncOpenAI, i: int) -> tuple[int, int, int]:
+        max_tokens = 8 + i % 9
+        stream = await client.completions.create(
+            model=MODEL_NAME,
+            prompt=f"Request number {i} says",
+            max_tokens=max_tokens,
+            temperature=0.7,
+            seed=i,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        chunks, usage = 0, None
+        async for chunk in stream:
+            chunks += bool(chunk.choices)
+            usage = chunk.usage or usage
+        assert usage is not None
+        return max_tokens, usage.completion_tokens, chunks
+
+    async def run_all() -> list[tuple[int, int, int]]:
+        client = main.async_client()
+        try:
+            return await asyncio.gather(*(one(client, i) for i in range(64)))
+        finally:
+            await client.close()
+
+    results = asyncio.run(run_all())
+    assert all(expected == generated for expected, generated, _ in results), results
+    assert all(0 < chunks <= expected for expected, _, chunks in results), results
+    state = main.wait_idle()
+    assert state["num_free_blocks"] == state["num_total_blocks"], state
+    assert (state["num_running"], state["num_waiting"]) == (0, 0)
+
+
+def _abort_count(server: Server) -> float:
+    """Requests ended by an abort, from /metrics. The front end hands an abort's stats to the
+    loggers with the next engine step's, so one short request goes first."""
+    server.post(COMPLETIONS, json={"prompt": "flush", "max_tokens": 1})
+    metrics = server.get("/metrics").text
+    match = re.search(
+        r'pagellm:request_success_total\{[^}]*finished_reason="abort"[^}]*\} (\S+)', metrics
+    )
+    return float(match.group(1)) if match else 0.0
+
+
+def test_client_disconnecting_mid_stream_aborts_and_frees_its_blocks(main: Server):
+    before = _abort_count(main)
+    body = {
+        "model": MODEL_NAME,
+        "prompt": "A very long story begins",
+        "max_tokens": 480,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.stream(
+        "POST", f"{main.url}/v1/completions", json=body, headers=main.headers(), timeout=60
+    ) as response:
+        assert response.status_code == 200
+        events = 0
+        for line in response.iter_lines():
+            events += line.startswith("data: {")
+            if events == 3:
+                break
+    state = main.wait_idle()
+    assert state["num_free_blocks"] == state["num_total_blocks"], state
+    assert _abort_count(main) == before + 1
+
+
+def test_client_leaving_before_a_non_streamed_answer_aborts_its_request(main: Server):
+    before = _abort_count(main)
+    body = {
+        "model": MODEL_NAME,
+        "prompt": "Another long story",
+        "max_tokens": 480,
+        "ignore_eos": True,
+    }
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
+        main.post(COMPLETIONS, json=body, timeout=0.3)
+    state = main.wait_idle()
+    assert state["num_free_blocks"] == state["num_total_blocks"], state
+    assert _abort_count(main) == before + 1
+
+
+# ---------------------------------------------------------------- bad requests
+
+
+BAD_REQUESTS = {
+    "invalid JSON": (COMPLETIONS, b'{"prompt": "hi",'),
+    "body not an object": (COMPLETIONS, b'["hi"]'),
+    "missing messages": (CHAT, {"model": MODEL_NAME}),
+    "empty messages": (CHAT, {"messages": []}),
+    "messages not a list": (CHAT, {"messages": "hi"}),
+    "unknown role": (CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}),
+    "max_tokens a string": (COMPLETIONS, {"prompt": "hi", "max_tokens": "5"}),
+    "temperature a string": (CHAT, {"messages": HELLO, "temperature": "hot"}),
+    "prompt a number": (COMPLETIONS, {"prompt": 5}),
+    "max_tokens beyond the context": (COMPLETIONS, {"prompt": "hi", "max_tokens": MAX_MODEL_LEN}),
+    "max_completion_tokens beyond the context": (
+        CHAT,
+        {"messages": HELLO, "max_completion_tokens": MAX_MODEL_LEN},
+    ),
+    "prompt longer than max_model_len": (COMPLETIONS, {"prompt": LONG_TEXT}),
+    "prompt token ids longer than max_model_len": (
+        COMPLETIONS,
+        {"prompt": [100] * (MAX_MODEL_LEN + 1)},
+    ),
+    "chat longer than max_model_len": (
+        CHAT,
+        {"messages": [{"role": "user", "content": LONG_TEXT}]},
+    ),
+    "unknown model": (CHAT, {"model": "gpt-17", "messages": HELLO}),
+    "negative temperature": (COMPLETIONS, {"prompt": "hi", "temperature": -0.5}),
+    "NaN temperature": (COMPLETIONS, b'{"prompt": "hi", "temperature": NaN}'),
+    "logit_bias id beyond the vocabulary": (
+        COMPLETIONS,
+        {"prompt": "hi", "logit_bias": {"10000000": 5}},
+    ),
+    "logit_bias negative id": (CHAT, {"messages": HELLO, "logit_bias": {"-1": 5}}),
+    "logit_bias key not a number": (CHAT, {"messages": HELLO, "logit_bias": {"abc": 5}}),
+    "n of 0": (COMPLETIONS, {"prompt": "hi", "n": 0}),
+    "n above max_num_seqs": (CHAT, {"messages": HELLO, "n": MAX_NUM_SEQS + 1}),
+    "prompt token id beyond the vocabulary": (COMPLETIONS, {"prompt": [10**7]}),
+    "top_logprobs without logprobs": (CHAT, {"messages": HELLO, "top_logprobs": 2}),
+    "logprobs above the limit": (COMPLETIONS, {"prompt": "hi", "logprobs": 50}),
+    "stream_options without stream": (
+        COMPLETIONS,
+        {"prompt": "hi", "stream_options": {"include_usage": True}},
+    ),
+    "oversized body": (COMPLETIONS, {"prompt": "x" * (2 << 20)}),
+    "empty prompt": (COMPLETIONS, {"prompt": ""}),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS))
+def test_bad_request_gets_400_with_an_openai_error(main: Server, case: str):
+    path, body = BAD_REQUESTS[case]
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    response = main.post(path, content=content, headers={"Content-Type": "application/json"})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error" and error["message"]
+
+
+def test_bad_requests_name_the_parameter(main: Server):
+    def param(path: str, body: dict) -> str | None:
+        return main.post(path, json=body).json()["error"]["param"]
+
+    assert param(CHAT, {"model": MODEL_NAME}) == "messages"
+    assert param(CHAT, {"messages": HELLO, "n": MAX_NUM_SEQS + 1}) == "n"
+    assert param(CHAT, {"model": "nope", "messages": HELLO}) == "model"
+    assert param(COMPLETIONS, {"prompt": "hi", "max_tokens": 10_000}) == "max_tokens"
+    assert param(COMPLETIONS, {"prompt": "hi", "logit_bias": {"10000000": 1}}) == "logit_bias"
+
+
+def test_the_openai_client_raises_bad_request_and_the_server_keeps_serving(main: Server):
+    client = main.client()
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL_NAME, messages=HELLO, temperature=-1)  # type: ignore[arg-type]
+    assert info.value.body["type"] == "invalid_request_error"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL_NAME, prompt="hi", stream=True, max_tokens=10_000)
+    assert client.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=2).choices
+    assert main.get("/health").status_code == 200
+
+
+# ---------------------------------------------------------------- API key, request ids
+
+
+def test_api_key_is_required_on_every_route_but_health(main: Server):
+    schema = main.get("/openapi.json")
+    assert schema.status_code == 200
+    routes = [
+        (method.upper(), path)
+        for path, item in schema.json()["paths"].items()
+        for method in item
+        if path != "/health"
+    ]
+    paths = {path for _, path in routes}
+    assert {"/v1/completions", "/v1/admin/state", "/v1/dummy/ping", "/metrics"} <= paths
+    routes += [("GET", "/openapi.json"), ("GET", "/docs"), ("GET", "/no/such/route")]
+    for method, path in routes:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+            response = httpx.request(method, f"{main.url}{path}", headers=headers, json={})
+            assert response.status_code == 401, (method, path, headers)
+            assert response.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{main.url}/health").status_code == 200
+    assert main.get("/v1/dummy/ping").json() == {"pong": "dummy"}
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{main.url}/v1", api_key="wrong").models.list()
+
+
+def test_request_id_is_echoed_or_made(main: Server):
+    echoed = main.post(
+        "/v1/completions",
+        json={"prompt": "hi", "max_tokens": 1},
+        headers={"X-Request-Id": "abc-123"},
+    )
+    assert echoed.headers["x-request-id"] == "abc-123"
+    assert echoed.json()["id"] == "cmpl-abc-123"
+    made = {main.get("/version").headers["x-request-id"] for _ in range(2)}
+    assert len(made) == 2 and all(made)
+    assert httpx.get(f"{main.url}/health").headers["x-request-id"]
+
+
+def test_version_and_metrics(main: Server):
+    import pagellm
+
+    assert main.get("/version").json() == {"version": pagellm.__version__}
+    metrics = main.get("/metrics")
+    assert metrics.status_code == 200 and "pagellm:generation_tokens_total" in metrics.text
+
+
+# ---------------------------------------------------------------- endpoint plugins
+
+
+def test_vllm_plugins_naming_openai_and_admin_serves_both(main: Server):
+    assert main.get("/v1/models").status_code == 200
+    assert main.get("/v1/admin/state").status_code == 200
+    reset = main.post("/v1/admin/reset_prefix_cache")
+    assert reset.status_code == 200 and reset.json() == {"reset": True}
+
+
+def test_plugin_whose_required_tasks_do_not_match_is_skipped_with_a_log_line(main: Server):
+    log = main.log()
+    assert re.search(
+        r"Endpoint plugin 'embed_endpoint' skipped: required_tasks \['embed'\] do not meet", log
+    ), log
+    assert main.post("/v1/dummy/embed").status_code == 404
+    assert "Serving endpoint plugin 'dummy_endpoint'" in log
+
+
+def test_vllm_plugins_openai_serves_no_admin_routes(servers: dict[str, Server]):
+    server = servers["openai_only"]
+    assert server.get("/v1/models").status_code == 200
+    assert server.get("/v1/admin/state").status_code == 404
+    assert server.post("/v1/admin/reset_prefix_cache").status_code == 404
+    assert server.get("/v1/dummy/ping").status_code == 404
+
+
+def test_without_vllm_plugins_only_the_endpoints_option_is_served(servers: dict[str, Server]):
+    server = servers["default"]
+    assert server.get("/v1/models").status_code == 200
+    assert server.get("/v1/admin/state").status_code == 404
+    assert server.get("/v1/dummy/ping").status_code == 404
+    assert "Endpoint plugin 'admin' skipped: endpoint plugins are off unless named" in server.log()
+
+
+# ---------------------------------------------------------------- failures and shutdown
+
+
+def test_killing_the_engine_fails_inflight_requests_with_5xx_and_health_503(
+    servers: dict[str, Server],
+):
+    server = servers["openai_only"]
+    body = {"model": MODEL_NAME, "prompt": "Go on", "max_tokens": 500, "ignore_eos": True}
+    results: list[int | BaseException] = []
+
+    def non_streaming() -> None:
+        try:
+            results.append(server.post("/v1/completions", json=body, timeout=5.0).status_code)
+        except BaseException as exc:
+            results.append(exc)
+
+    stream_error: list[BaseException] = []
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", timeout=5.0, max_retries=0)
+    stream = client.completions.create(
+        model=MODEL_NAME,
+        prompt="Go on",
+        max_tokens=480,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    iterator = iter(stream)
+    next(iterator)  # the engine is generating
+    threads = [threading.Thread(target=non_streaming) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    time.sleep(0.1)  # let their requests reach the server
+    os.kill(server.engine_pid(), signal.SIGKILL)
+    try:
+        for _ in iterator:
+            pass
+    except openai.APIError as exc:
+        stream_error.append(exc)
+    for thread in threads:
+        thread.join(10)
+    assert stream_error, "the stream ended without an error"
+    assert results and all(isinstance(r, int) and r >= 500 for r in results), results
+    health = httpx.get(f"{server.url}/health", timeout=10)
+    assert health.status_code == 503
+    assert health.json()["error"]["type"] == "server_error"
+    after = server.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert after.status_code == 503, after.text
+
+
+def _open_unread_stream(server: Server, path: str, body: dict) -> socket.socket:
+    """Send a streaming request over a socket with a tiny receive buffer and read only the status
+    line and headers: the server soon cannot write more (flow control), so the response cannot
+    end while nobody reads it."""
+    payload = json.dumps(body).encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", server.port))
+    sock.sendall(
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(payload)}\r\n\r\n".encode()
+        + payload
+    )
+    head = b""
+    while b"\r\n\r\n" not in head:
+        head += sock.recv(1)
+    assert head.startswith(b"HTTP/1.1 200"), head
+    return sock
+
+
+def test_sigterm_lets_requests_finish_aborts_the_rest_after_the_timeout_and_stops_the_engine(
+    servers: dict[str, Server],
+):
+    """``default`` runs with the default --shutdown-timeout of 5 s. The short request finishes
+    within it; the long one cannot (its client reads nothing, and its ~5 MB of events outgrow the
+    socket buffers), so it is cut when the timeout ends; then the engine process is stopped."""
+    server = servers["default"]
+    engine_pid = server.engine_pid()
+    long_body = {
+        "model": MODEL_NAME,
+        "messages": HELLO,
+        "max_tokens": 480,
+        "n": 8,
+        "logprobs": True,
+        "top_logprobs": 20,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    long_stream = _open_unread_stream(server, CHAT, long_body)  # its engine requests now run
+    short_body = {"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 4, "ignore_eos": True}
+    with httpx.stream(
+        "POST", f"{server.url}{COMPLETIONS}", json={**short_body, "stream": True}, timeout=60
+    ) as short:
+        server.proc.send_signal(signal.SIGTERM)
+        lines = list(short.iter_lines())
+    assert sum(line.startswith("data: {") for line in lines) == 4
+    assert "data: [DONE]" in lines
+    assert server.proc.wait(60) in (0, -signal.SIGTERM)
+    received = b""
+    while data := long_stream.recv(1 << 16):
+        received += data
+    long_stream.close()
+    assert received.count(b"data: {") > 0 and b"data: [DONE]" not in received
+    assert "Shutting the engine down" in server.log()
+    with pytest.raises(ProcessLookupError):
+        for _ in range(100):
+            os.kill(engine_pid, 0)
+            time.sleep(0.1)
