@@ -1,5 +1,5 @@
-"""`pagellm bench serve` against a real `pagellm serve` process on 127.0.0.1 (the openai endpoint
-plugin), both run as the command line runs them.
+"""`pagellm bench serve` against a real `pagellm serve` process on 127.0.0.1 with the openai
+endpoint package (``plugins/endpoints/openai``), both run as the command line runs them.
 
 The server serves the packaged SmolLM2 rather than a tiny random model: the chat endpoint's
 prompts are text, and a chat template's tokens fall outside a tiny model's 1024-token vocabulary.
@@ -8,7 +8,6 @@ prompts are text, and a chat template's tokens fall outside a tiny model's 1024-
 from __future__ import annotations
 
 import importlib.metadata
-import importlib.util
 import json
 import os
 import socket
@@ -16,24 +15,35 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+ROOT = Path(__file__).resolve().parent.parent
 API_KEY = "bench-secret"
 
 
-def _missing_server() -> str | None:
-    if importlib.util.find_spec("pagellm.entrypoints.api_server") is None:
-        return "`pagellm serve` (pagellm.entrypoints.api_server) is not built yet"
-    names = {e.name for e in importlib.metadata.entry_points(group="pagellm.endpoint_plugins")}
-    if "openai" not in names:
-        return "the openai endpoint plugin (plugins/endpoints/openai) is not installed"
-    return None
-
-
-pytestmark = pytest.mark.skipif(_missing_server() is not None, reason=str(_missing_server()))
+@pytest.fixture(scope="module")
+def openai_endpoint() -> Iterator[None]:
+    """The openai endpoint package, ``pip install -e``'d for this module unless it is installed
+    already (and then uninstalled afterwards)."""
+    try:
+        importlib.metadata.distribution("pagellm-openai")
+    except importlib.metadata.PackageNotFoundError:
+        missing = True
+    else:
+        missing = False
+    pip = [sys.executable, "-m", "pip", "-q"]
+    if missing:
+        package = str(ROOT / "plugins" / "endpoints" / "openai")
+        subprocess.run(
+            [*pip, "install", "--no-deps", "--no-build-isolation", "-e", package], check=True
+        )
+    yield
+    if missing:
+        subprocess.run([*pip, "uninstall", "-y", "pagellm-openai"], check=True)
 
 
 def _free_port() -> int:
@@ -43,7 +53,7 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_path, tmp_path_factory) -> Iterator[str]:
+def server(openai_endpoint, smollm2_path, tmp_path_factory) -> Iterator[str]:
     port = _free_port()
     log_path = tmp_path_factory.mktemp("serve") / "serve.log"
     env = {k: v for k, v in os.environ.items() if k not in ("VLLM_PLUGINS", "PAGELLM_API_KEY")}
