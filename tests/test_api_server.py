@@ -325,6 +325,40 @@ def test_streamed_text_equals_non_streamed_text_for_the_same_seed(main: Server):
     assert usage is not None and usage.total_tokens == full_chat.usage.total_tokens
 
 
+def test_several_prompts_give_n_choices_each_streamed_or_not(main: Server):
+    client = main.client()
+    kwargs = dict(
+        model=MODEL_NAME,
+        prompt=["The sky is", "Roses are"],
+        max_tokens=6,
+        temperature=1.0,
+        seed=5,
+        n=2,
+    )
+    full = client.completions.create(**kwargs)  # type: ignore[call-overload]
+    assert [c.index for c in full.choices] == [0, 1, 2, 3]
+    texts, usage = _stream_completion(client, stream_options={"include_usage": True}, **kwargs)
+    assert texts == {c.index: c.text for c in full.choices}
+    assert usage.prompt_tokens == full.usage.prompt_tokens  # type: ignore[attr-defined]
+    counts = [main.post("/tokenize", json={"prompt": p}).json()["count"] for p in kwargs["prompt"]]
+    assert full.usage.prompt_tokens == sum(counts)
+    by_ids = client.completions.create(**{**kwargs, "prompt": [[504, 2365], [6354]]})  # type: ignore[call-overload]
+    assert len(by_ids.choices) == 4 and by_ids.usage.prompt_tokens == 3
+
+
+def test_chat_content_parts_are_joined_text(main: Server):
+    client = main.client()
+    kwargs = dict(model=MODEL_NAME, max_tokens=5, temperature=0)
+    parts = client.chat.completions.create(
+        messages=[{"role": "user", "content": [{"type": "text", "text": "Hello!"}]}], **kwargs
+    )  # type: ignore[call-overload]
+    plain = client.chat.completions.create(
+        messages=[{"role": "user", "content": "Hello!"}], **kwargs
+    )  # type: ignore[call-overload]
+    assert parts.choices[0].message.content == plain.choices[0].message.content
+    assert parts.usage.prompt_tokens == plain.usage.prompt_tokens
+
+
 def test_completion_logprobs_and_echo(main: Server):
     client = main.client()
     prompt = "Hello there"

@@ -173,21 +173,21 @@ class _RequestGuard:
 
 
 def _validation_error(exc: RequestValidationError) -> APIError:
-    """A 400 naming the first offending field (``messages``, ``n``, ``stream_options.include_usage``)."""
+    """A 400 naming the offending top-level field as ``param`` (``messages``, ``n``) and its full
+    location in the message."""
     errors = exc.errors()
     first = errors[0] if errors else {}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     if first.get("type") == "json_invalid":
         return bad_request(
             f"The request body is not valid JSON: {first.get('ctx', {}).get('error', '')}"
         )
-    param = ".".join(loc) or None
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     message = first.get("msg", "Invalid request.")
-    if param:
-        message = f"{param}: {message}"
+    if loc:
+        message = f"{'.'.join(loc)}: {message}"
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more error(s))"
-    return bad_request(message, param=param)
+    return bad_request(message, param=loc[0] if loc else None)
 
 
 def _install_error_handlers(app: FastAPI) -> None:
