@@ -715,6 +715,25 @@ def test_without_vllm_plugins_only_the_endpoints_option_is_served(servers: dict[
 # ---------------------------------------------------------------- failures and shutdown
 
 
+def test_unknown_stat_logger_stops_serve_with_a_clear_error(model_dir: str):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pagellm.entrypoints.cli",
+            "serve",
+            model_dir,
+            "--stat-loggers",
+            "nope",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "pagellm: error: Stat logger 'nope' is not installed" in proc.stderr
+
+
 def test_killing_the_engine_fails_inflight_requests_with_5xx_and_health_503(
     servers: dict[str, Server],
 ):

@@ -77,6 +77,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="Larger request bodies are refused with HTTP 400.",
     )
     parser.add_argument(
+        "--stat-loggers",
+        default="",
+        help="Comma-separated stat loggers of pagellm.stat_logger_plugins to add to the built-in "
+        "ones (the periodic log line and Prometheus /metrics, always on).",
+    )
+    parser.add_argument(
         "--shutdown-timeout",
         type=int,
         default=5,
@@ -331,7 +337,8 @@ async def _serve(args: argparse.Namespace) -> None:
     from pagellm.metrics.loggers import PrometheusStatLogger, build_stat_loggers
 
     served_name = (args.served_model_name or [args.model])[0]
-    stat_loggers = build_stat_loggers(served_name)
+    plugin_loggers = [n.strip() for n in args.stat_loggers.split(",") if n.strip()]
+    stat_loggers = build_stat_loggers(served_name, plugin_loggers)
     prometheus = next(s for s in stat_loggers if isinstance(s, PrometheusStatLogger))
     engine = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args), stat_loggers=stat_loggers)
     for child in multiprocessing.active_children():  # for operators (and tests) that need the pid
