@@ -17,6 +17,7 @@ import json
 import os
 import platform
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -142,6 +143,19 @@ def _chunk_text(chunk: dict[str, Any]) -> str:
     return choice.get("text") or ""
 
 
+async def _sse_lines(response: Any) -> AsyncIterator[str]:
+    """The stream's lines as Server-Sent Events define them (ends: LF, CR LF; never the Unicode
+    line separators that ``str.splitlines`` also breaks on)."""
+    buffer = b""
+    async for data in response.aiter_bytes():
+        buffer += data
+        *lines, buffer = buffer.split(b"\n")
+        for line in lines:
+            yield line.rstrip(b"\r").decode()
+    if buffer:
+        yield buffer.rstrip(b"\r").decode()
+
+
 async def _send(
     client: httpx.AsyncClient, url: str, body: dict[str, Any], expected_tokens: int
 ) -> RequestResult:
@@ -155,7 +169,7 @@ async def _send(
                 text = (await response.aread()).decode(errors="replace")
                 result.error = f"HTTP {response.status_code}: {text[:300]}"
                 return result
-            async for line in response.aiter_lines():
+            async for line in _sse_lines(response):
                 if not line.startswith("data:"):
                     continue
                 data = line[len("data:") :].strip()

@@ -27,11 +27,15 @@ R = TypeVar("R")
 DONE = "data: [DONE]\n\n"
 
 
+# Characters that JSON leaves raw but that line readers built on str.splitlines() (httpx's among
+# them) take for line ends: escaped, so a generated text containing one cannot cut an event.
+_LINE_BREAKING = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse(event: BaseModel | dict) -> str:
     """One Server-Sent Event carrying ``event`` as JSON."""
-    if isinstance(event, BaseModel):
-        return f"data: {event.model_dump_json()}\n\n"
-    return f"data: {json.dumps(event)}\n\n"
+    payload = event.model_dump_json() if isinstance(event, BaseModel) else json.dumps(event)
+    return f"data: {payload.translate(_LINE_BREAKING)}\n\n"
 
 
 class Started(Generic[T]):
