@@ -133,14 +133,17 @@ def _body(
     return body
 
 
-def _chunk_text(chunk: dict[str, Any]) -> str:
+def _is_token_chunk(chunk: dict[str, Any]) -> bool:
+    """Whether the chunk brings generated tokens: any completions chunk with a choice (its text may
+    be empty: held back by the detokenizer, or a server without a tokenizer), a chat chunk whose
+    delta has content (the first chat chunk only announces the role)."""
     choices = chunk.get("choices") or []
     if not choices:
-        return ""
+        return False
     choice = choices[0]
     if "delta" in choice:
-        return choice["delta"].get("content") or ""
-    return choice.get("text") or ""
+        return bool(choice["delta"].get("content"))
+    return True
 
 
 async def _sse_lines(response: Any) -> AsyncIterator[str]:
@@ -181,7 +184,7 @@ async def _send(
                     return result
                 if chunk.get("usage"):
                     usage = chunk["usage"]
-                if _chunk_text(chunk):
+                if _is_token_chunk(chunk):
                     now = clock()
                     if result.ttft_s is None:
                         result.ttft_s = now - start
