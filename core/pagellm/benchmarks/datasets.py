@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,3 +53,49 @@ def random_requests(
         BenchRequest(rng.choice(candidates, size=max(int(n), 1)).tolist(), max(int(m), 1))
         for n, m in zip(in_lens, out_lens, strict=True)
     ]
+
+
+def add_dataset_args(parser: argparse.ArgumentParser) -> None:
+    """The random workload's flags, shared by `bench throughput` and `bench serve`."""
+    parser.add_argument("--dataset", choices=["random"], default="random")
+    parser.add_argument("--num-prompts", type=int, default=100)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--random-range-ratio", type=float, default=0.0)
+    for name, what in (("input", "Prompt"), ("output", "Output")):
+        parser.add_argument(
+            f"--{name}-len-range",
+            type=int,
+            nargs=2,
+            default=None,
+            metavar=("LOW", "HIGH"),
+            help=f"{what} lengths uniform in [LOW, HIGH] "
+            f"(overrides --{name}-len/--random-range-ratio).",
+        )
+    parser.add_argument(
+        "--random-token-range",
+        type=int,
+        nargs=2,
+        default=None,
+        metavar=("LOW", "HIGH"),
+        help="Draw prompt token ids from [LOW, HIGH) instead of the whole vocabulary (needed when "
+        "the model's vocabulary is smaller than its tokenizer's).",
+    )
+
+
+def requests_from_args(
+    args: argparse.Namespace, vocab_size: int, exclude_ids: set[int]
+) -> list[BenchRequest]:
+    """`random_requests` with the flags of `add_dataset_args` (and ``--seed``)."""
+    return random_requests(
+        args.num_prompts,
+        args.input_len,
+        args.output_len,
+        args.random_range_ratio,
+        vocab_size,
+        args.seed,
+        tuple(args.random_token_range) if args.random_token_range else None,
+        exclude_ids,
+        tuple(args.input_len_range) if args.input_len_range else None,
+        tuple(args.output_len_range) if args.output_len_range else None,
+    )

@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from pagellm.benchmarks.datasets import BenchRequest, random_requests
+from pagellm.benchmarks.datasets import BenchRequest, add_dataset_args, requests_from_args
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 
@@ -50,36 +50,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get("PAGELLM_API_KEY"),
         help="Sent as a bearer token (default: $PAGELLM_API_KEY).",
     )
-    parser.add_argument("--dataset", choices=["random"], default="random")
-    parser.add_argument("--num-prompts", type=int, default=100)
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--random-range-ratio", type=float, default=0.0)
-    parser.add_argument(
-        "--input-len-range",
-        type=int,
-        nargs=2,
-        default=None,
-        metavar=("LOW", "HIGH"),
-        help="Prompt lengths uniform in [LOW, HIGH] (overrides --input-len/--random-range-ratio).",
-    )
-    parser.add_argument(
-        "--output-len-range",
-        type=int,
-        nargs=2,
-        default=None,
-        metavar=("LOW", "HIGH"),
-        help="Output lengths uniform in [LOW, HIGH] (overrides --output-len/--random-range-ratio).",
-    )
-    parser.add_argument(
-        "--random-token-range",
-        type=int,
-        nargs=2,
-        default=None,
-        metavar=("LOW", "HIGH"),
-        help="Draw prompt token ids from [LOW, HIGH) instead of the tokenizer's whole vocabulary "
-        "(needed when the model's vocabulary is smaller than its tokenizer's).",
-    )
+    add_dataset_args(parser)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument(
@@ -322,18 +293,7 @@ def main(args: argparse.Namespace) -> int:
             f"Could not load the tokenizer for the prompts: {exc} Pass --tokenizer with a local "
             "model directory or GGUF file."
         ) from exc
-    requests = random_requests(
-        args.num_prompts,
-        args.input_len,
-        args.output_len,
-        args.random_range_ratio,
-        len(tokenizer),
-        args.seed,
-        tuple(args.random_token_range) if args.random_token_range else None,
-        set(tokenizer.all_special_ids),
-        tuple(args.input_len_range) if args.input_len_range else None,
-        tuple(args.output_len_range) if args.output_len_range else None,
-    )
+    requests = requests_from_args(args, len(tokenizer), set(tokenizer.all_special_ids))
     results, duration = asyncio.run(_run(args, base_url, model, requests, tokenizer))
     result: dict[str, Any] = {
         "workload": {

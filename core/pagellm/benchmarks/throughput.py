@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from pagellm.benchmarks.datasets import BenchRequest, random_requests
+from pagellm.benchmarks.datasets import BenchRequest, add_dataset_args, requests_from_args
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -45,35 +45,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="attn_implementation for transformers (continuous default: paged|sdpa).",
     )
-    parser.add_argument("--dataset", choices=["random"], default="random")
-    parser.add_argument("--num-prompts", type=int, default=100)
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--random-range-ratio", type=float, default=0.0)
-    parser.add_argument(
-        "--input-len-range",
-        type=int,
-        nargs=2,
-        default=None,
-        metavar=("LOW", "HIGH"),
-        help="Prompt lengths uniform in [LOW, HIGH] (overrides --input-len/--random-range-ratio).",
-    )
-    parser.add_argument(
-        "--output-len-range",
-        type=int,
-        nargs=2,
-        default=None,
-        metavar=("LOW", "HIGH"),
-        help="Output lengths uniform in [LOW, HIGH] (overrides --output-len/--random-range-ratio).",
-    )
-    parser.add_argument(
-        "--random-token-range",
-        type=int,
-        nargs=2,
-        default=None,
-        metavar=("LOW", "HIGH"),
-        help="Draw prompt token ids from [LOW, HIGH) instead of the whole vocabulary.",
-    )
+    add_dataset_args(parser)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument(
         "--output-json", default=None, help="Also write the result JSON to this file."
@@ -330,31 +302,13 @@ def main(args: argparse.Namespace) -> int:
     }
     # Build the engine first: its tokenizer and config define the workload's vocabulary.
     from pagellm import LLM  # noqa: F401  (import cost outside the timed region)
-
-    requests: list[BenchRequest] = []
-
-    def make_requests(tokenizer: Any, vocab: int) -> list[BenchRequest]:
-        special = set(getattr(tokenizer, "all_special_ids", []) or [])
-        token_range = tuple(args.random_token_range) if args.random_token_range else None
-        return random_requests(
-            args.num_prompts,
-            args.input_len,
-            args.output_len,
-            args.random_range_ratio,
-            vocab,
-            args.seed,
-            token_range,
-            special,
-            tuple(args.input_len_range) if args.input_len_range else None,
-            tuple(args.output_len_range) if args.output_len_range else None,
-        )
-
     from pagellm.engine.args import EngineArgs
     from pagellm.tokenizer import get_tokenizer
 
     config = EngineArgs.from_cli_args(args).create_engine_config()
     tokenizer = None if config.model.skip_tokenizer_init else get_tokenizer(config.model.tokenizer)
-    requests = make_requests(tokenizer, config.model.vocab_size)
+    special = set(getattr(tokenizer, "all_special_ids", None) or ())
+    requests = requests_from_args(args, config.model.vocab_size, special)
     llm_result, peer = run_pagellm(args, requests)
     result["pagellm"] = llm_result
     if args.backend == "hf":
