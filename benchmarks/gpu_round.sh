@@ -13,7 +13,8 @@ fi
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit 1
 python3 -m pip install -q --no-index --no-deps --no-build-isolation \
-  -e . -e plugins/cuda_platform -e plugins/attention_backends/triton >"$OUT/install.log" 2>&1 \
+  -e . -e plugins/cuda_platform -e plugins/attention_backends/triton \
+  -e plugins/endpoints/openai -e plugins/endpoints/admin >"$OUT/install.log" 2>&1 \
   || { tail -20 "$OUT/install.log"; exit 1; }
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
 pagellm plugins 2>&1 | tail -15
@@ -49,10 +50,11 @@ for stage in "$@"; do
         --skip-tokenizer-init --max-model-len 2049 --port 8300 >"$OUT/w2_server.log" 2>&1 &
       server=$!
       for _ in $(seq 1 240); do curl -sf 127.0.0.1:8300/health >/dev/null && break; sleep 1; done
+      curl -sf 127.0.0.1:8300/health >/dev/null || { echo "server did not start"; tail -30 "$OUT/w2_server.log"; }
       run w2_serve 300 pagellm bench serve --port 8300 --num-prompts 256 \
         --input-len-range 100 1024 --output-len-range 100 1024 --random-token-range 0 10000 \
         --temperature 0 --seed 0 --output-json "$OUT/w2_serve.json"
-      kill -TERM $server; wait $server ;;
+      kill -TERM $server; wait $server; tail -5 "$OUT/w2_server.log" ;;
     overhead) run overhead 100 python3 benchmarks/step_overhead.py ${PAGELLM_TEST_TOKENIZER:+--tokenizer $PAGELLM_TEST_TOKENIZER} --output-json "$OUT/overhead.json" ;;
     overhead-delta) run overhead_delta 100 python3 benchmarks/step_overhead.py --output-kind delta ${PAGELLM_TEST_TOKENIZER:+--tokenizer $PAGELLM_TEST_TOKENIZER} --output-json "$OUT/overhead_delta.json" ;;
     *) echo "unknown stage $stage" ;;

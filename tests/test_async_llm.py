@@ -105,11 +105,49 @@ def test_streamed_deltas_concatenate_to_the_final_text(engine, reference):
         return delta, cumulative
 
     delta, cumulative = asyncio.run(main())
-    assert len(delta) > 10 and [o.finished for o in delta] == [False] * (len(delta) - 1) + [True]
+    assert len(delta) > 1 and [o.finished for o in delta] == [False] * (len(delta) - 1) + [True]
     assert "".join(o.outputs[0].text for o in delta) == expected.text
     assert sum((o.outputs[0].token_ids for o in delta), []) == expected.token_ids
+    # A consumer that falls behind gets the newest cumulative output (never an older one).
+    lengths = [len(o.outputs[0].token_ids) for o in cumulative]
+    assert len(lengths) > 1 and lengths == sorted(set(lengths)) and lengths[-1] == 100
+    for o in cumulative:
+        have = o.outputs[0]
+        assert have.token_ids == expected.token_ids[: len(have.token_ids)]
+        assert expected.text.startswith(have.text)
     assert cumulative[-1].outputs[0].text == expected.text
-    assert [len(o.outputs[0].token_ids) for o in cumulative] == list(range(1, 101))
+
+
+def test_a_slow_consumer_gets_merged_deltas_that_add_up(engine, reference):
+    """While the consumer sleeps, the step outputs that arrive are merged into one: fewer outputs
+    than tokens, and texts, token ids, logprobs of every choice (n=2) still add up exactly."""
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, n=2, logprobs=2)
+    expected = reference.generate(PROMPTS[1], params, use_tqdm=False)[0].outputs
+
+    async def main():
+        outputs = []
+        stream = engine.generate(
+            PROMPTS[1], with_kind(params, RequestOutputKind.DELTA), "slow-consumer"
+        )
+        async for out in stream:
+            outputs.append(out)
+            await asyncio.sleep(0.05)
+        await assert_all_blocks_free(engine)
+        return outputs
+
+    outputs = asyncio.run(main())
+    assert outputs[-1].finished and not any(o.finished for o in outputs[:-1])
+    assert len(outputs) < 40  # merged: well under one output per step
+    for want in expected:
+        parts = [c for o in outputs for c in o.outputs if c.index == want.index]
+        assert "".join(c.text for c in parts) == want.text
+        assert sum((c.token_ids for c in parts), []) == want.token_ids
+        logprobs = sum((c.logprobs for c in parts), [])
+        assert len(logprobs) == 40
+        for have_pos, want_pos in zip(logprobs, want.logprobs, strict=True):
+            assert have_pos.keys() == want_pos.keys()
+        assert parts[-1].finish_reason == "length"
+        assert parts[-1].cumulative_logprob == pytest.approx(want.cumulative_logprob, abs=1e-4)
 
 
 def test_stop_string_ends_the_stream_and_frees_the_engine_request(engine, reference):

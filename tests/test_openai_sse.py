@@ -22,7 +22,7 @@ def test_sse_event_is_one_line_whatever_the_generated_text(text):
         ({"choices": [{"text": text}]}, lambda d: d["choices"][0]["text"]),
         (chunk, lambda d: d["choices"][0]["delta"]["content"]),
     ):
-        frame = sse(event)
+        frame = sse(event).decode()
         assert frame.startswith("data: ") and frame.endswith("\n\n")
         lines = frame[:-2].splitlines()
         assert len(lines) == 1

@@ -17,11 +17,12 @@ import json
 import os
 import platform
 import time
-from collections.abc import AsyncIterator
+import urllib.error
+import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import aiohttp
 import numpy as np
 
 from pagellm.benchmarks.datasets import BenchRequest, add_dataset_args, requests_from_args
@@ -117,39 +118,29 @@ def _is_token_chunk(chunk: dict[str, Any]) -> bool:
     return True
 
 
-async def _sse_lines(response: Any) -> AsyncIterator[str]:
-    """The stream's lines as Server-Sent Events define them (ends: LF, CR LF; never the Unicode
-    line separators that ``str.splitlines`` also breaks on)."""
-    buffer = b""
-    async for data in response.aiter_bytes():
-        buffer += data
-        *lines, buffer = buffer.split(b"\n")
-        for line in lines:
-            yield line.rstrip(b"\r").decode()
-    if buffer:
-        yield buffer.rstrip(b"\r").decode()
-
-
 async def _send(
-    client: httpx.AsyncClient, url: str, body: dict[str, Any], expected_tokens: int
+    session: aiohttp.ClientSession, url: str, body: dict[str, Any], expected_tokens: int
 ) -> RequestResult:
+    """One streamed request. The stream is read line by line as Server-Sent Events define lines
+    (ends: LF, CR LF; never the Unicode line separators that ``str.splitlines`` also breaks on)."""
     result = RequestResult()
     clock = time.perf_counter
     start = last = clock()
     usage = None
+    loads = json.loads
     try:
-        async with client.stream("POST", url, json=body) as response:
-            if response.status_code != 200:
-                text = (await response.aread()).decode(errors="replace")
-                result.error = f"HTTP {response.status_code}: {text[:300]}"
+        async with session.post(url, json=body) as response:
+            if response.status != 200:
+                text = (await response.read()).decode(errors="replace")
+                result.error = f"HTTP {response.status}: {text[:300]}"
                 return result
-            async for line in _sse_lines(response):
-                if not line.startswith("data:"):
+            async for raw_line in response.content:
+                if not raw_line.startswith(b"data:"):
                     continue
-                data = line[len("data:") :].strip()
-                if data == "[DONE]":
+                data = raw_line[5:].strip()
+                if data == b"[DONE]":
                     break
-                chunk = json.loads(data)
+                chunk = loads(data)
                 if "error" in chunk:
                     result.error = f"error in stream: {json.dumps(chunk['error'])[:300]}"
                     return result
@@ -162,7 +153,7 @@ async def _send(
                     else:
                         result.itls_s.append(now - last)
                     last = now
-    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
         return result
     result.latency_s = clock() - start
@@ -189,19 +180,24 @@ async def _run(
 ) -> tuple[list[RequestResult], float]:
     url = base_url + args.endpoint
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limits = httpx.Limits(max_connections=args.max_concurrency, max_keepalive_connections=None)
-    timeout = httpx.Timeout(args.timeout)
+    connector = aiohttp.TCPConnector(limit=args.max_concurrency or 0)
+    # --timeout bounds every wait for the server's next bytes, not a whole (long) stream.
+    timeout = aiohttp.ClientTimeout(
+        total=None, connect=args.timeout, sock_connect=args.timeout, sock_read=args.timeout
+    )
     gaps = np.random.default_rng(args.seed).exponential(1.0 / args.request_rate, len(requests))
     semaphore = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
     bodies = [_body(args, model, r, tokenizer) for r in requests]
 
-    async with httpx.AsyncClient(headers=headers, limits=limits, timeout=timeout) as client:
+    async with aiohttp.ClientSession(
+        headers=headers, connector=connector, timeout=timeout, read_bufsize=1 << 20
+    ) as session:
 
         async def one(body: dict[str, Any], expected: int) -> RequestResult:
             if semaphore is None:
-                return await _send(client, url, body, expected)
+                return await _send(session, url, body, expected)
             async with semaphore:
-                return await _send(client, url, body, expected)
+                return await _send(session, url, body, expected)
 
         start = time.perf_counter()
         tasks = []
@@ -216,19 +212,22 @@ async def _run(
 
 def _served_model(base_url: str, api_key: str | None) -> str:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    request = urllib.request.Request(base_url + "/v1/models", headers=headers)
     try:
-        response = httpx.get(base_url + "/v1/models", headers=headers, timeout=30)
-    except httpx.HTTPError as exc:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            listing = json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        raise ValueError(
+            f"GET {base_url}/v1/models returned HTTP {exc.code}: "
+            f"{exc.read().decode(errors='replace')[:300]}; pass --model (and --api-key if the "
+            "server needs one)."
+        ) from exc
+    except (urllib.error.URLError, OSError, ValueError) as exc:
         raise ValueError(
             f"Could not reach {base_url} ({type(exc).__name__}: {exc}); is `pagellm serve` "
             "running there? Pass --base-url or --host/--port."
         ) from exc
-    if response.status_code != 200:
-        raise ValueError(
-            f"GET {base_url}/v1/models returned HTTP {response.status_code}: "
-            f"{response.text[:300]}; pass --model (and --api-key if the server needs one)."
-        )
-    models = response.json().get("data") or []
+    models = listing.get("data") or []
     if not models:
         raise ValueError(f"{base_url}/v1/models lists no model; pass --model.")
     return str(models[0]["id"])

@@ -4,6 +4,10 @@ The engine core runs in its own process (`AsyncMPClient`); this process keeps to
 validation, the ``n > 1`` fan-out, detokenization, stop strings and output kinds (the same
 `InputProcessor` and `OutputProcessor` as `LLMEngine`), one asyncio queue per request fed by the
 client's output task, and the stats handed to the stat loggers.
+
+A request's outputs wait in a `RequestOutputCollector`, one slot rather than a queue: when its
+consumer (an HTTP stream) falls behind the engine, the deltas that pile up are merged into one
+output, so a busy front end sends fewer, larger chunks instead of falling further behind.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from pagellm.engine.processor import InputProcessor, PromptType
 from pagellm.metrics.stats import FinishedRequestStats, IterationStats, StatLoggerBase
 from pagellm.outputs import RequestOutput
 from pagellm.plugins import load_frontend_plugins, load_general_plugins
-from pagellm.sampling_params import SamplingParams
+from pagellm.sampling_params import RequestOutputKind, SamplingParams
 from pagellm.tokenizer import get_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -56,6 +60,69 @@ class _Timing:
         )
 
 
+def merge_delta(into: RequestOutput, new: RequestOutput) -> None:
+    """Append ``new`` (a DELTA output of the same request) to ``into``, completion by index."""
+    by_index = {c.index: c for c in into.outputs}
+    for c in new.outputs:
+        old = by_index.get(c.index)
+        if old is None:
+            into.outputs.append(c)
+            continue
+        old.text += c.text
+        old.token_ids.extend(c.token_ids)
+        if old.logprobs is not None and c.logprobs is not None:
+            old.logprobs.extend(c.logprobs)
+        old.cumulative_logprob = c.cumulative_logprob
+        old.finish_reason = c.finish_reason
+        old.stop_reason = c.stop_reason
+    if into.prompt_logprobs is None:
+        into.prompt_logprobs = new.prompt_logprobs
+    into.finished = new.finished
+    into.num_cached_tokens = new.num_cached_tokens
+
+
+class RequestOutputCollector:
+    """The outputs of one request not yet taken by its consumer: at most one, merged.
+
+    DELTA outputs are merged (texts and token ids appended); for the other kinds the newer output
+    supersedes the older. An error is handed out after the output that came before it.
+    """
+
+    __slots__ = ("delta", "output", "error", "ready")
+
+    def __init__(self, output_kind: RequestOutputKind) -> None:
+        self.delta = output_kind == RequestOutputKind.DELTA
+        self.output: RequestOutput | None = None
+        self.error: Exception | None = None
+        self.ready = asyncio.Event()
+
+    def put(self, output: RequestOutput) -> None:
+        if self.output is None or not self.delta:
+            self.output = output
+        else:
+            merge_delta(self.output, output)
+        self.ready.set()
+
+    def put_error(self, error: Exception) -> None:
+        self.error = error
+        self.ready.set()
+
+    def get_nowait(self) -> RequestOutput | Exception | None:
+        """The pending output, else the error (it stays: every later call returns it), else None."""
+        output = self.output
+        if output is not None:
+            self.output = None
+            if self.error is None:
+                self.ready.clear()
+            return output
+        return self.error
+
+    async def get(self) -> RequestOutput | Exception:
+        while (item := self.get_nowait()) is None:
+            await self.ready.wait()
+        return item
+
+
 class AsyncLLM:
     health_check_timeout_s = 5.0
 
@@ -74,7 +141,7 @@ class AsyncLLM:
         self.processor = InputProcessor(config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stat_loggers = list(stat_loggers or [])
-        self._streams: dict[str, asyncio.Queue[RequestOutput | EngineDeadError]] = {}
+        self._streams: dict[str, RequestOutputCollector] = {}
         self._engine_ids: dict[str, list[str]] = {}
         self._timings: dict[str, _Timing] = {}
         self._finished_stats: list[FinishedRequestStats] = []
@@ -115,7 +182,7 @@ class AsyncLLM:
             for engine_id, cparams in zip(engine_ids, children, strict=True)
         ]
         self._start_background_tasks()
-        queue: asyncio.Queue[RequestOutput | EngineDeadError] = asyncio.Queue()
+        queue = RequestOutputCollector(processed.params.output_kind)
         self.output_processor.add_request(
             request_id, processed.text, processed.token_ids, processed.params, engine_ids, children
         )
@@ -130,8 +197,10 @@ class AsyncLLM:
             for request in requests:
                 self.engine_core.add_request(request)
             while not finished:
-                item = await queue.get()
-                if isinstance(item, EngineDeadError):
+                item = queue.get_nowait()
+                if item is None:
+                    item = await queue.get()
+                if isinstance(item, Exception):
                     raise EngineDeadError(*item.args)  # one instance per request: own traceback
                 finished = item.finished
                 yield item
@@ -144,7 +213,7 @@ class AsyncLLM:
         queue = self._streams.get(request_id)
         output = self._abort(request_id)
         if queue is not None and output is not None:
-            queue.put_nowait(output)
+            queue.put(output)
 
     def _abort(self, request_id: str) -> RequestOutput | None:
         """Forget the request here and free it in the engine (no await: callable from any finally)."""
@@ -175,7 +244,7 @@ class AsyncLLM:
             queue = streams.get(output.request_id)
             if queue is None:
                 continue
-            queue.put_nowait(output)
+            queue.put(output)
             if output.finished:
                 del streams[output.request_id]
                 del self._engine_ids[output.request_id]
@@ -223,7 +292,7 @@ class AsyncLLM:
     def _on_dead(self, error: EngineDeadError) -> None:
         streams, self._streams = self._streams, {}
         for queue in streams.values():
-            queue.put_nowait(error)
+            queue.put_error(error)
 
     def _start_background_tasks(self) -> None:
         self.engine_core.start_output_task()

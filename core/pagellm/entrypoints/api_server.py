@@ -19,8 +19,9 @@ import hmac
 import logging
 import multiprocessing
 import os
+import sys
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -360,7 +361,22 @@ async def _serve(args: argparse.Namespace) -> None:
     await uvicorn.Server(config).serve()
 
 
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's event loop where it is installed (the front end's per-token work runs on it),
+    else asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
 def run_server(args: argparse.Namespace) -> None:
     """Build the engine and serve it until SIGTERM/SIGINT (``pagellm serve``)."""
     logging.getLogger("uvicorn.error").setLevel(logging.INFO)
-    asyncio.run(_serve(args))
+    factory = _loop_factory()
+    if factory is None or sys.version_info < (3, 11):
+        asyncio.run(_serve(args))
+        return
+    with asyncio.Runner(loop_factory=factory) as runner:
+        runner.run(_serve(args))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -14,12 +15,9 @@ from pagellm_openai import streams
 from pagellm_openai.protocol import (
     AssistantMessage,
     ChatChoice,
-    ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatStreamChoice,
     ChoiceLogprobs,
-    DeltaMessage,
     TokenLogprob,
     TopLogprob,
     UsageInfo,
@@ -87,35 +85,60 @@ async def create_chat_completion(
         merged = streams.merge(await streams.start(generators))
         include_usage = request.stream_options is not None and request.stream_options.include_usage
 
-        def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
+        created = int(time.time())
+
+        def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> bytes:
+            # `ChatCompletionChunk`'s fields, as a dict: no model per chunk.
             return streams.sse(
-                ChatCompletionChunk(id=request_id, model=model, choices=choices, usage=usage)
+                {
+                    "id": request_id,
+                    "object": "chat.completion.chunk",
+                    "created": created,
+                    "model": model,
+                    "choices": choices,
+                    "usage": usage,
+                }
             )
 
-        async def events() -> AsyncGenerator[str, None]:
+        def stream_choice(
+            index: int,
+            delta: dict[str, str | None],
+            logprobs: ChoiceLogprobs | None = None,
+            finish_reason: str | None = None,
+            stop_reason: int | str | None = None,
+        ) -> dict[str, Any]:
+            # `ChatStreamChoice`'s fields, as a dict.
+            return {
+                "index": index,
+                "delta": delta,
+                "logprobs": logprobs,
+                "finish_reason": finish_reason,
+                "stop_reason": stop_reason,
+            }
+
+        async def events() -> AsyncGenerator[bytes, None]:
             generated = 0
             try:
                 for index in range(request.n):
-                    role = DeltaMessage(role="assistant", content="")
-                    yield chunk([ChatStreamChoice(index=index, delta=role)])
+                    role = {"role": "assistant", "content": ""}
+                    yield chunk([stream_choice(index, role)])
                 async for _, output in merged:
                     for c in output.outputs:
                         generated += len(c.token_ids)
-                        choice = ChatStreamChoice(
-                            index=c.index,
-                            delta=DeltaMessage(content=c.text),
-                            logprobs=choice_logprobs(c),
-                            finish_reason=c.finish_reason,
-                            stop_reason=c.stop_reason,
+                        delta = {"role": None, "content": c.text}
+                        yield chunk(
+                            [
+                                stream_choice(
+                                    c.index,
+                                    delta,
+                                    choice_logprobs(c),
+                                    c.finish_reason,
+                                    c.stop_reason,
+                                )
+                            ]
                         )
-                        yield chunk([choice])
                 if include_usage:
-                    usage = UsageInfo(
-                        prompt_tokens=num_prompt_tokens,
-                        completion_tokens=generated,
-                        total_tokens=num_prompt_tokens + generated,
-                    )
-                    yield chunk([], usage)
+                    yield chunk([], streams.usage(num_prompt_tokens, generated))
             except Exception as exc:
                 yield streams.error_event(exc)
             finally:

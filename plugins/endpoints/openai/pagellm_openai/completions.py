@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -87,8 +88,18 @@ class _Choice:
         completion: CompletionOutput,
         prompt_logprobs: list[PositionLogprobs | None] | None,
     ) -> CompletionChoice:
+        return CompletionChoice(**self.fields(index, output, completion, prompt_logprobs))
+
+    def fields(
+        self,
+        index: int,
+        output: RequestOutput,
+        completion: CompletionOutput,
+        prompt_logprobs: list[PositionLogprobs | None] | None,
+    ) -> dict[str, Any]:
+        """The choice as a dict in `CompletionChoice`'s field order (a stream chunk's choice)."""
         text = completion.text
-        ids = list(completion.token_ids)
+        ids = completion.token_ids
         positions: list[PositionLogprobs | None] = list(completion.logprobs or [])
         if self.echo_pending:
             self.echo_pending = False
@@ -97,13 +108,13 @@ class _Choice:
             text = (self.tokenizer.decode(prompt_ids) if prompt is None else prompt) + text
             ids = list(prompt_ids) + ids
             positions = list(prompt_logprobs or [None] * len(prompt_ids)) + positions
-        return CompletionChoice(
-            index=index,
-            text=text,
-            logprobs=self.logprobs.build(ids, positions) if self.logprobs is not None else None,
-            finish_reason=completion.finish_reason,
-            stop_reason=completion.stop_reason,
-        )
+        return {
+            "index": index,
+            "text": text,
+            "logprobs": self.logprobs.build(ids, positions) if self.logprobs is not None else None,
+            "finish_reason": completion.finish_reason,
+            "stop_reason": completion.stop_reason,
+        }
 
 
 async def create_completion(
@@ -143,7 +154,22 @@ async def create_completion(
         merged = streams.merge(await streams.start(generators))
         include_usage = request.stream_options is not None and request.stream_options.include_usage
 
-        async def events() -> AsyncGenerator[str, None]:
+        created = int(time.time())
+
+        def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> bytes:
+            # `CompletionResponse`'s fields, as a dict: no model per chunk.
+            return streams.sse(
+                {
+                    "id": request_id,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": model,
+                    "choices": choices,
+                    "usage": usage,
+                }
+            )
+
+        async def events() -> AsyncGenerator[bytes, None]:
             generated = 0
             try:
                 async for i, output in merged:
@@ -151,18 +177,9 @@ async def create_completion(
                     for c in output.outputs:
                         generated += len(c.token_ids)
                         index = i * n + c.index
-                        choice = choices[index].make(index, output, c, prompt_logprobs[i])
-                        chunk = CompletionResponse(id=request_id, model=model, choices=[choice])
-                        yield streams.sse(chunk)
+                        yield chunk([choices[index].fields(index, output, c, prompt_logprobs[i])])
                 if include_usage:
-                    usage = UsageInfo(
-                        prompt_tokens=num_prompt_tokens,
-                        completion_tokens=generated,
-                        total_tokens=num_prompt_tokens + generated,
-                    )
-                    yield streams.sse(
-                        CompletionResponse(id=request_id, model=model, choices=[], usage=usage)
-                    )
+                    yield chunk([], streams.usage(num_prompt_tokens, generated))
             except Exception as exc:
                 yield streams.error_event(exc)
             finally:

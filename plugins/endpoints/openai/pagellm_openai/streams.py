@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from typing import Generic, TypeVar
 
+import msgspec
 from fastapi import Request
 from pydantic import BaseModel
 
@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 R = TypeVar("R")
 
-DONE = "data: [DONE]\n\n"
+DONE = b"data: [DONE]\n\n"
 
 
 # Characters that JSON leaves raw but that line readers built on str.splitlines() (httpx's among
@@ -32,10 +32,31 @@ DONE = "data: [DONE]\n\n"
 _LINE_BREAKING = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
 
 
-def sse(event: BaseModel | dict) -> str:
-    """One Server-Sent Event carrying ``event`` as JSON."""
-    payload = event.model_dump_json() if isinstance(event, BaseModel) else json.dumps(event)
-    return f"data: {payload.translate(_LINE_BREAKING)}\n\n"
+def _builtins(obj: object) -> object:
+    if isinstance(obj, BaseModel):
+        return obj.model_dump()
+    raise NotImplementedError(f"cannot encode {type(obj).__name__} as JSON")
+
+
+_encoder = msgspec.json.Encoder(enc_hook=_builtins)
+
+
+def sse(event: BaseModel | dict) -> bytes:
+    """One Server-Sent Event carrying ``event`` as JSON. Streams build their chunks as plain dicts
+    (keys in the order of the response models): one msgspec encoding per chunk, no models."""
+    payload = _encoder.encode(event)
+    if b"\xc2\x85" in payload or b"\xe2\x80" in payload:  # U+0085, or U+2028/U+2029 maybe
+        payload = payload.decode().translate(_LINE_BREAKING).encode()
+    return b"data: " + payload + b"\n\n"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """`UsageInfo`'s fields, as a dict (for stream chunks)."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 class Started(Generic[T]):
