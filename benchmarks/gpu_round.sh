@@ -45,16 +45,23 @@ for stage in "$@"; do
         --output-len-range 100 1024 --random-token-range 0 10000
       python3 -c "import pstats; pstats.Stats('$OUT/w2.prof').sort_stats('tottime').print_stats(40)" \
         >"$OUT/w2_prof.txt" 2>&1; head -c 6000 "$OUT/w2_prof.txt" | tail -c 4500 ;;
-    w2-serve) # W2 through `pagellm serve` + `pagellm bench serve` (compare with stage w2).
-      pagellm serve benchmarks/configs/qwen3-0.6b --load-format dummy --dtype bfloat16 \
-        --skip-tokenizer-init --max-model-len 2049 --port 8300 >"$OUT/w2_server.log" 2>&1 &
+    w2-serve) # W2 through `pagellm serve` + `pagellm bench serve` (compare with stage w2). The
+      # server starts with an empty Triton cache (a first start): kernels it compiles while
+      # serving, not at start-up, would show in the time to first token.
+      tcache=$(mktemp -d)
+      t0=$SECONDS
+      TRITON_CACHE_DIR=$tcache pagellm serve benchmarks/configs/qwen3-0.6b --load-format dummy \
+        --dtype bfloat16 --skip-tokenizer-init --max-model-len 2049 --port 8300 >"$OUT/w2_server.log" 2>&1 &
       server=$!
       for _ in $(seq 1 240); do curl -sf 127.0.0.1:8300/health >/dev/null && break; sleep 1; done
       curl -sf 127.0.0.1:8300/health >/dev/null || { echo "server did not start"; tail -30 "$OUT/w2_server.log"; }
+      n0=$(ls "$tcache" | wc -l)
+      echo "server ready in $((SECONDS - t0)) s, $n0 Triton kernels compiled"
       run w2_serve 300 pagellm bench serve --port 8300 --num-prompts 256 \
         --input-len-range 100 1024 --output-len-range 100 1024 --random-token-range 0 10000 \
         --temperature 0 --seed 0 --output-json "$OUT/w2_serve.json"
-      kill -TERM $server; wait $server; tail -5 "$OUT/w2_server.log" ;;
+      echo "Triton kernels compiled while serving: $(( $(ls "$tcache" | wc -l) - n0 ))"
+      kill -TERM $server; wait $server; grep -E "Warmed up|Captured" "$OUT/w2_server.log"; rm -rf "$tcache" ;;
     overhead) run overhead 100 python3 benchmarks/step_overhead.py ${PAGELLM_TEST_TOKENIZER:+--tokenizer $PAGELLM_TEST_TOKENIZER} --output-json "$OUT/overhead.json" ;;
     overhead-delta) run overhead_delta 100 python3 benchmarks/step_overhead.py --output-kind delta ${PAGELLM_TEST_TOKENIZER:+--tokenizer $PAGELLM_TEST_TOKENIZER} --output-json "$OUT/overhead_delta.json" ;;
     *) echo "unknown stage $stage" ;;

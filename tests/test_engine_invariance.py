@@ -174,3 +174,18 @@ def test_frequency_and_presence_penalties_are_counted_incrementally(model_dir):
     again = tight.generate(prompts * 2, penalized, use_tqdm=False)
     assert token_ids(again) == token_ids(mixed[:3]) * 2
     assert core_of(tight).scheduler.num_preemptions > 0
+
+
+def test_start_up_warm_up_leaves_no_trace(model_dir, reference):
+    """The warm-up a GPU engine runs at start (`EngineCore._warm_up`, off on the CPU), run here by
+    hand: the workers forget its requests, the engine's scheduler and KV cache never saw them,
+    and the outputs that follow still equal transformers'."""
+    llm = LLM(model_dir, max_model_len=128, kv_cache_memory=8 << 20, enable_prefix_caching=True)
+    core = core_of(llm)
+    core._warm_up(core.kv_cache_manager.block_pool.num_blocks)
+    runner = core.executor.collective_rpc(lambda worker: worker.model_runner)[0]
+    assert runner.input_batch.req_id_to_index == {} and not runner.requests
+    assert not core.scheduler.requests and core.kv_cache_manager.prefix_cache_stats.queries == 0
+    assert token_ids(llm.generate(shared_prefix_prompts(), GREEDY, use_tqdm=False)) == reference
+    kv = core.kv_cache_manager
+    assert kv.num_free_blocks == kv.block_pool.num_blocks - 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -13,6 +14,7 @@ from pagellm.kv_cache import KVCacheManager, make_block_hasher
 from pagellm.kv_cache.manager import cdiv
 from pagellm.metrics.stats import SchedulerStats
 from pagellm.request import EngineCoreRequest, Request, RequestStatus
+from pagellm.sampling_params import SamplingParams
 from pagellm.scheduler import Scheduler
 from pagellm.scheduler.output import EngineCoreOutputs, SchedulerOutput
 
@@ -43,6 +45,8 @@ class EngineCore:
         self.config = config
         self.executor = executor_cls(config)
         num_blocks = self._initialize_kv_cache()
+        if config.device.device != "cpu":
+            self._warm_up(num_blocks)
         self.last_step_stats = StepStats()
         self.num_steps = 0
         # Everything built so far (block pool, model, graphs) lives as long as the engine: keep it
@@ -86,6 +90,39 @@ class EngineCore:
             num_blocks * bytes_per_block / 2**20,
         )
         return num_blocks
+
+    def _warm_up(self, num_blocks: int) -> None:
+        """Three short greedy requests through a throwaway scheduler and KV cache, before the
+        engine takes any: kernels compiled on first use (Triton specializes on batch shapes) are
+        compiled now, not inside the first users' time to first token. The batches cover a pure
+        prefill, prefill mixed with decodes, and decodes (CUDA graph replay)."""
+        cfg = self.config
+        block_size = cfg.cache.block_size
+        assert block_size is not None
+        scheduler = Scheduler(cfg.scheduler, KVCacheManager(block_size, num_blocks, False))
+        vocab = cfg.model.vocab_size
+        longest = max(1, min(cfg.model.max_model_len - 3, cfg.scheduler.max_num_batched_tokens))
+
+        def add(index: int, prompt_len: int, max_tokens: int) -> None:
+            length = max(1, min(prompt_len, longest))
+            params = SamplingParams(
+                temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False
+            )
+            ids = [(7 * i + index) % vocab for i in range(length)]
+            scheduler.add_request(Request(f"_warmup-{index}", ids, params, None))
+
+        started = time.perf_counter()
+        add(0, 31, 3)
+        add(1, 64, 3)
+        late = [(2, 17, 2)]  # joins once the others decode: a mixed batch
+        while scheduler.has_unfinished_requests():
+            out = scheduler.schedule()
+            scheduler.update_from_output(out, self.executor.execute_model(out))
+            while late:
+                add(*late.pop())
+        out = scheduler.schedule()  # nothing left to run: tells the workers to drop the requests
+        self.executor.execute_model(out)
+        logger.info("Warmed up in %.2f s", time.perf_counter() - started)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.scheduler.add_request(Request.from_engine_core_request(request, self.block_hasher))
