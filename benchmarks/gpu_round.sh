@@ -55,12 +55,22 @@ for stage in "$@"; do
       server=$!
       for _ in $(seq 1 240); do curl -sf 127.0.0.1:8300/health >/dev/null && break; sleep 1; done
       curl -sf 127.0.0.1:8300/health >/dev/null || { echo "server did not start"; tail -30 "$OUT/w2_server.log"; }
-      n0=$(ls "$tcache" | wc -l)
+      n0=$(ls "$tcache" | wc -l); touch "$OUT/.ready"
       echo "server ready in $((SECONDS - t0)) s, $n0 Triton kernels compiled"
       run w2_serve 300 pagellm bench serve --port 8300 --num-prompts 256 \
         --input-len-range 100 1024 --output-len-range 100 1024 --random-token-range 0 10000 \
         --temperature 0 --seed 0 --output-json "$OUT/w2_serve.json"
       echo "Triton kernels compiled while serving: $(( $(ls "$tcache" | wc -l) - n0 ))"
+      python3 - "$tcache" "$OUT/.ready" <<'PY'
+import json, os, sys
+cache, ready = sys.argv[1], os.path.getmtime(sys.argv[2])
+for d in sorted(os.listdir(cache)):
+    for f in os.listdir(os.path.join(cache, d)):
+        path = os.path.join(cache, d, f)
+        if f.endswith(".json") and not f.startswith("__grp__") and os.path.getmtime(path) > ready:
+            meta = json.load(open(path))
+            print("  compiled while serving:", meta.get("name"), str(meta.get("constants", ""))[:300])
+PY
       kill -TERM $server; wait $server; grep -E "Warmed up|Captured" "$OUT/w2_server.log"; rm -rf "$tcache" ;;
     overhead) run overhead 100 python3 benchmarks/step_overhead.py ${PAGELLM_TEST_TOKENIZER:+--tokenizer $PAGELLM_TEST_TOKENIZER} --output-json "$OUT/overhead.json" ;;
     overhead-delta) run overhead_delta 100 python3 benchmarks/step_overhead.py --output-kind delta ${PAGELLM_TEST_TOKENIZER:+--tokenizer $PAGELLM_TEST_TOKENIZER} --output-json "$OUT/overhead_delta.json" ;;

@@ -92,37 +92,51 @@ class EngineCore:
         return num_blocks
 
     def _warm_up(self, num_blocks: int) -> None:
-        """Three short greedy requests through a throwaway scheduler and KV cache, before the
-        engine takes any: kernels compiled on first use (Triton specializes on batch shapes) are
-        compiled now, not inside the first users' time to first token. The batches cover a pure
-        prefill, prefill mixed with decodes, and decodes (CUDA graph replay)."""
+        """Short greedy requests through a throwaway scheduler and KV cache, before the engine
+        takes any: kernels compiled on first use (Triton specializes on batch shapes, e.g. tile
+        sizes picked from the longest query) are compiled now, not inside the first users' time
+        to first token. Covers prefills of every power-of-two length up to 1024 (capped by the
+        model length and the token budget), alone and mixed with a batch of decodes, and decode
+        batches (CUDA graph replay)."""
         cfg = self.config
         block_size = cfg.cache.block_size
         assert block_size is not None
         scheduler = Scheduler(cfg.scheduler, KVCacheManager(block_size, num_blocks, False))
         vocab = cfg.model.vocab_size
-        longest = max(1, min(cfg.model.max_model_len - 3, cfg.scheduler.max_num_batched_tokens))
+        cap = max(1, min(1024, cfg.model.max_model_len - 3, cfg.scheduler.max_num_batched_tokens))
+        lengths = [1 << k for k in range(11) if 1 << k <= cap]
+        num_decodes = max(0, min(16, cfg.scheduler.max_num_seqs - 1))
+        index = 0
 
-        def add(index: int, prompt_len: int, max_tokens: int) -> None:
-            length = max(1, min(prompt_len, longest))
+        def add(prompt_len: int, max_tokens: int) -> None:
+            nonlocal index
             params = SamplingParams(
                 temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False
             )
-            ids = [(7 * i + index) % vocab for i in range(length)]
+            ids = [(7 * i + index) % vocab for i in range(prompt_len)]
             scheduler.add_request(Request(f"_warmup-{index}", ids, params, None))
+            index += 1
 
-        started = time.perf_counter()
-        add(0, 31, 3)
-        add(1, 64, 3)
-        late = [(2, 17, 2)]  # joins once the others decode: a mixed batch
-        while scheduler.has_unfinished_requests():
+        def step() -> None:
             out = scheduler.schedule()
             scheduler.update_from_output(out, self.executor.execute_model(out))
-            while late:
-                add(*late.pop())
+
+        started = time.perf_counter()
+        for length in lengths:  # prefills alone, one length per step
+            add(length, 1)
+            while scheduler.has_unfinished_requests():
+                step()
+        for _ in range(num_decodes):  # requests that decode while the prefills come in
+            add(min(8, cap), len(lengths) + 3)
+        step()
+        for length in lengths:
+            add(length, 1)
+            step()
+        while scheduler.has_unfinished_requests():
+            step()
         out = scheduler.schedule()  # nothing left to run: tells the workers to drop the requests
         self.executor.execute_model(out)
-        logger.info("Warmed up in %.2f s", time.perf_counter() - started)
+        logger.info("Warmed up in %.2f s (%d requests)", time.perf_counter() - started, index)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.scheduler.add_request(Request.from_engine_core_request(request, self.block_hasher))
