@@ -205,7 +205,7 @@ def test_bad_request_raises_value_error_and_the_engine_keeps_serving(engine, ref
     assert not engine.errored
 
 
-def test_cancelled_or_abandoned_consumers_abort_their_requests(engine):
+def test_cancelled_or_abandoned_consumers_abort_their_requests(engine, stat_logger):
     params = with_kind(
         SamplingParams(n=2, temperature=0.0, max_tokens=100, ignore_eos=True),
         RequestOutputKind.DELTA,
@@ -234,10 +234,15 @@ def test_cancelled_or_abandoned_consumers_abort_their_requests(engine):
         await stream.aclose()
         await assert_all_blocks_free(engine)
 
-        # 3. abort(): the stream ends with a finished output.
+        # 3. abort(): the stream ends with a finished output, and the stat loggers hear of both
+        # aborted requests at once (not with some later step's outputs).
         stream = engine.generate(PROMPTS[3], params, "abort-me")
         await stream.__anext__()
+        stat_logger.records.clear()
         await engine.abort("abort-me")
+        aborted = [f for _, i in stat_logger.records for f in i.finished]
+        assert [f.finish_reason for f in aborted] == ["abort", "abort"]
+        assert all(f.num_prompt_tokens > 0 and f.ttft_s is not None for f in aborted)
         rest = [out async for out in stream]
         assert rest[-1].finished
         assert {c.finish_reason for c in rest[-1].outputs} == {"abort"}
@@ -262,9 +267,7 @@ def test_stat_loggers_get_scheduler_and_iteration_stats(engine, stat_logger, mon
     assert sum(i.num_generation_tokens for i in iters) == 8
     assert sum(len(i.ttfts_s) for i in iters) == 1 and sum(len(i.itls_s) for i in iters) == 7
     assert sum(i.num_prompt_tokens for i in iters) == 5
-    # Requests aborted by an earlier test are reported finished ("abort") with the next step's
-    # outputs, which may be this test's first: only this test's own request ends by length.
-    (finished,) = [f for i in iters for f in i.finished if f.finish_reason != "abort"]
+    (finished,) = [f for i in iters for f in i.finished]
     assert finished.finish_reason == "length" and finished.num_generation_tokens == 8
     assert finished.num_prompt_tokens == 5 and finished.mean_itl_s is not None
     assert 0 < finished.ttft_s <= finished.e2e_latency_s

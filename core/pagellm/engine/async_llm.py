@@ -26,7 +26,12 @@ from pagellm.engine.llm_engine import child_params, engine_request_ids
 from pagellm.engine.messages import EngineStepOutputs
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.processor import InputProcessor, PromptType
-from pagellm.metrics.stats import FinishedRequestStats, IterationStats, StatLoggerBase
+from pagellm.metrics.stats import (
+    FinishedRequestStats,
+    IterationStats,
+    SchedulerStats,
+    StatLoggerBase,
+)
 from pagellm.outputs import RequestOutput
 from pagellm.plugins import load_frontend_plugins, load_general_plugins
 from pagellm.sampling_params import RequestOutputKind, SamplingParams
@@ -144,7 +149,6 @@ class AsyncLLM:
         self._streams: dict[str, RequestOutputCollector] = {}
         self._engine_ids: dict[str, list[str]] = {}
         self._timings: dict[str, _Timing] = {}
-        self._finished_stats: list[FinishedRequestStats] = []
         self._log_task: asyncio.Task[None] | None = None
         self.engine_core = AsyncMPClient(args, self._on_outputs, self._on_dead)
         config.cache.num_blocks = self.engine_core.ready.num_blocks
@@ -223,13 +227,21 @@ class AsyncLLM:
             return None
         outputs = self.output_processor.abort_requests([request_id])
         self.engine_core.abort_requests(engine_ids)
-        if self.stat_loggers:
+        if self.stat_loggers:  # reported now: no engine step may follow
             now = time.monotonic()
-            for engine_id in engine_ids:
-                timing = self._timings.pop(engine_id, None)
-                if timing is not None:
-                    self._finished_stats.append(timing.finished("abort", now))
+            timings = (self._timings.pop(engine_id, None) for engine_id in engine_ids)
+            finished = [t.finished("abort", now) for t in timings if t is not None]
+            if finished:
+                self._record(None, IterationStats(finished=finished))
         return outputs[0] if outputs else None
+
+    def _record(self, scheduler_stats: SchedulerStats | None, iteration: IterationStats) -> None:
+        """Hand stats to every stat logger; a failing one is logged, never the request's error."""
+        for stat_logger in self.stat_loggers:
+            try:
+                stat_logger.record(scheduler_stats, iteration)
+            except Exception:
+                logger.exception("Stat logger %s failed", type(stat_logger).__name__)
 
     # ---------------------------------------------------------------- outputs (the client's task)
 
@@ -249,8 +261,7 @@ class AsyncLLM:
                 del streams[output.request_id]
                 del self._engine_ids[output.request_id]
         if iteration is not None:
-            for stat_logger in self.stat_loggers:
-                stat_logger.record(msg.scheduler_stats, iteration)
+            self._record(msg.scheduler_stats, iteration)
 
     def _iteration_stats(
         self, msg: EngineStepOutputs, results: list[RequestOutput]
@@ -284,9 +295,6 @@ class AsyncLLM:
                     timing = timings.pop(engine_ids[completion.index], None)
                     if timing is not None:
                         stats.finished.append(timing.finished(completion.finish_reason, now))
-        if self._finished_stats:
-            stats.finished.extend(self._finished_stats)
-            self._finished_stats = []
         return stats
 
     def _on_dead(self, error: EngineDeadError) -> None:
