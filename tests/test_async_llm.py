@@ -321,3 +321,21 @@ def test_killed_engine_fails_in_flight_requests_and_health(model):
     finally:
         llm.shutdown()
     assert not os.path.exists(llm.engine_core.ipc_dir)
+
+
+def test_a_failing_stat_logger_is_logged_and_requests_go_on(engine, caplog):
+    class Broken(StatLoggerBase):
+        def record(self, scheduler_stats, iteration_stats) -> None:
+            raise RuntimeError("broken stat logger")
+
+        def log(self) -> None:
+            pass
+
+    engine.stat_loggers.append(Broken(model_name="tiny"))
+    try:
+        outputs = asyncio.run(collect(engine, PROMPTS[2], GREEDY, "broken-logger"))
+    finally:
+        engine.stat_loggers.pop()
+    assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 8
+    assert not engine.errored
+    assert "Stat logger Broken failed" in caplog.text
