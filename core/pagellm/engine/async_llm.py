@@ -201,9 +201,7 @@ class AsyncLLM:
             for request in requests:
                 self.engine_core.add_request(request)
             while not finished:
-                item = queue.get_nowait()
-                if item is None:
-                    item = await queue.get()
+                item = await queue.get()
                 if isinstance(item, Exception):
                     raise EngineDeadError(*item.args)  # one instance per request: own traceback
                 finished = item.finished

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -85,20 +84,7 @@ async def create_chat_completion(
         merged = streams.merge(await streams.start(generators))
         include_usage = request.stream_options is not None and request.stream_options.include_usage
 
-        created = int(time.time())
-
-        def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> bytes:
-            # `ChatCompletionChunk`'s fields, as a dict: no model per chunk.
-            return streams.sse(
-                {
-                    "id": request_id,
-                    "object": "chat.completion.chunk",
-                    "created": created,
-                    "model": model,
-                    "choices": choices,
-                    "usage": usage,
-                }
-            )
+        chunk = streams.chunk_writer(request_id, "chat.completion.chunk", model)
 
         def stream_choice(
             index: int,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -154,20 +153,7 @@ async def create_completion(
         merged = streams.merge(await streams.start(generators))
         include_usage = request.stream_options is not None and request.stream_options.include_usage
 
-        created = int(time.time())
-
-        def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> bytes:
-            # `CompletionResponse`'s fields, as a dict: no model per chunk.
-            return streams.sse(
-                {
-                    "id": request_id,
-                    "object": "text_completion",
-                    "created": created,
-                    "model": model,
-                    "choices": choices,
-                    "usage": usage,
-                }
-            )
+        chunk = streams.chunk_writer(request_id, "text_completion", model)
 
         async def events() -> AsyncGenerator[bytes, None]:
             generated = 0

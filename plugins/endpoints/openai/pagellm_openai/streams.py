@@ -10,8 +10,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
-from typing import Generic, TypeVar
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import Any, Generic, TypeVar
 
 import msgspec
 from fastapi import Request
@@ -48,6 +49,26 @@ def sse(event: BaseModel | dict) -> bytes:
     if b"\xc2\x85" in payload or b"\xe2\x80" in payload:  # U+0085, or U+2028/U+2029 maybe
         payload = payload.decode().translate(_LINE_BREAKING).encode()
     return b"data: " + payload + b"\n\n"
+
+
+def chunk_writer(request_id: str, object_name: str, model: str) -> Callable[..., bytes]:
+    """Frames one stream's chunks as events: the response's fields (``CompletionResponse``,
+    ``ChatCompletionChunk``) as a dict, no model per chunk; ``created`` is the stream's start."""
+    created = int(time.time())
+
+    def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> bytes:
+        return sse(
+            {
+                "id": request_id,
+                "object": object_name,
+                "created": created,
+                "model": model,
+                "choices": choices,
+                "usage": usage,
+            }
+        )
+
+    return chunk
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
