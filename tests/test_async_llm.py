@@ -242,7 +242,8 @@ def test_cancelled_or_abandoned_consumers_abort_their_requests(engine, stat_logg
         await engine.abort("abort-me")
         aborted = [f for _, i in stat_logger.records for f in i.finished]
         assert [f.finish_reason for f in aborted] == ["abort", "abort"]
-        assert all(f.num_prompt_tokens > 0 and f.ttft_s is not None for f in aborted)
+        # (A child may be aborted before its first token: the first output needs only one.)
+        assert all(f.num_prompt_tokens > 0 and f.e2e_latency_s > 0 for f in aborted)
         rest = [out async for out in stream]
         assert rest[-1].finished
         assert {c.finish_reason for c in rest[-1].outputs} == {"abort"}
