@@ -277,7 +277,7 @@ def test_stat_loggers_get_scheduler_and_iteration_stats(engine, stat_logger, mon
 
 def test_health_prefix_cache_reset_and_state(engine):
     async def main():
-        await engine.check_health()
+        engine.check_health()
         long_prompt = " ".join([PROMPTS[0]] * 10)
         await collect(engine, long_prompt, GREEDY, "warm-cache")
         await collect(engine, long_prompt, GREEDY, "hit-cache")
@@ -311,7 +311,7 @@ def test_killed_engine_fails_in_flight_requests_and_health(model):
         assert all(isinstance(r, EngineDeadError) for r in results), results
         assert llm.errored
         with pytest.raises(EngineDeadError):
-            await llm.check_health()
+            llm.check_health()
         with pytest.raises(EngineDeadError):
             await collect(llm, "a", GREEDY, "after-death")
         with pytest.raises(EngineDeadError):

@@ -94,3 +94,42 @@ def test_mismatched_sampling_params_list_is_refused(llm):
     with pytest.raises(ValueError, match="sampling_params"):
         llm.generate([[1, 2], [3, 4]], [GREEDY], use_tqdm=False)
     assert_engine_clean_and_usable(llm)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        ({"seed": 2**64}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
+        ({"seed": 2**63 - 1, "n": 2}, "seed"),
+        ({"top_k": 2**63}, "top_k"),
+        ({"max_tokens": 2**64}, "max_tokens"),
+        ({"min_tokens": 2**64, "max_tokens": None}, "min_tokens"),
+        ({"n": 2**64}, "n"),
+        ({"stop_token_ids": [2**64]}, "stop_token_ids"),
+        ({"allowed_token_ids": [-1]}, "allowed_token_ids"),
+        ({"logit_bias": {2**64: 1.0}}, "logit_bias"),
+    ],
+)
+def test_integers_beyond_the_wire_range_are_refused_naming_the_field(kwargs, param):
+    from pagellm.sampling_params import SamplingParamsError
+
+    with pytest.raises(SamplingParamsError, match=param) as info:
+        SamplingParams(**kwargs)
+    assert info.value.param == param
+
+
+def test_top_k_beyond_the_vocabulary_is_no_top_k_and_the_engine_lives(llm):
+    # Used to index past the vocabulary in the sampler's gather and kill the engine.
+    params = SamplingParams(temperature=1.0, top_k=100_000, seed=1, max_tokens=4, ignore_eos=True)
+    [out] = llm.generate([[5, 6, 7]], params, use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 4
+    assert_engine_clean_and_usable(llm)
+
+
+def test_stop_token_ids_outside_the_vocabulary_and_bad_priority_are_refused(llm):
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        llm.generate([[5, 6]], SamplingParams(stop_token_ids=[5000]), use_tqdm=False)
+    with pytest.raises(ValueError, match="priority"):
+        llm.llm_engine.add_request("p", [5, 6], GREEDY, priority=2**63)
+    assert_engine_clean_and_usable(llm)

@@ -15,6 +15,8 @@ class FinishReason(enum.IntEnum):
     STOP = 0
     LENGTH = 1
     ABORT = 2
+    ERROR = 3
+    """The request made an engine step fail; the others went on."""
 
     def __str__(self) -> str:
         return self.name.lower()
@@ -28,6 +30,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()
 
     @staticmethod
     def is_finished(status: RequestStatus) -> bool:
@@ -42,6 +45,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
     RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
     RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
 }
 
 

@@ -9,6 +9,16 @@ import msgspec
 
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
+# Integers cross the engine's wire as msgpack int64: anything outside is refused when constructed.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+class SamplingParamsError(ValueError):
+    """An invalid sampling parameter; ``param`` names it (the HTTP layer reports it)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class SamplingType(IntEnum):
@@ -28,8 +38,16 @@ class RequestOutputKind(IntEnum):
 
 def _number(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-        raise ValueError(f"{name} must be a number, got {value!r}.")
+        raise SamplingParamsError(name, f"{name} must be a number, got {value!r}.")
     return float(value)
+
+
+def _integer(name: str, value: object, low: int = INT64_MIN, high: int = INT64_MAX) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise SamplingParamsError(
+            name, f"{name} must be an integer in [{low}, {high}], got {value!r}."
+        )
+    return value
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -65,52 +83,57 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     """Filled by the front end from ``bad_words`` (tokenized with and without a leading space)."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"n must be at least 1, got {self.n!r}.")
+        _integer("n", self.n, 1)
         if _number("temperature", self.temperature) < 0.0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}.")
+            raise SamplingParamsError(
+                "temperature", f"temperature must be >= 0, got {self.temperature}."
+            )
         if not 0.0 < _number("top_p", self.top_p) <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 or 0 (disabled) or at least 1, got {self.top_k!r}.")
+            raise SamplingParamsError("top_p", f"top_p must be in (0, 1], got {self.top_p}.")
+        _integer("top_k", self.top_k, -1)
         if not 0.0 <= _number("min_p", self.min_p) <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
+            raise SamplingParamsError("min_p", f"min_p must be in [0, 1], got {self.min_p}.")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= _number(name, getattr(self, name)) <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}.")
+                raise SamplingParamsError(
+                    name, f"{name} must be in [-2, 2], got {getattr(self, name)}."
+                )
         if _number("repetition_penalty", self.repetition_penalty) <= 0.0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}.")
-        if self.max_tokens is not None and (
-            not isinstance(self.max_tokens, int) or self.max_tokens < 1
-        ):
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens!r}.")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens!r}.")
+            raise SamplingParamsError(
+                "repetition_penalty",
+                f"repetition_penalty must be > 0, got {self.repetition_penalty}.",
+            )
+        if self.max_tokens is not None:
+            _integer("max_tokens", self.max_tokens, 1)
+        _integer("min_tokens", self.min_tokens, 0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})."
+            raise SamplingParamsError(
+                "min_tokens",
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens}).",
             )
         for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
-                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value!r}.")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}.")
+            if getattr(self, name) is not None:
+                _integer(name, getattr(self, name), 0, MAX_LOGPROBS)
+        if self.seed is not None:
+            # Completion i of an n > 1 request samples with seed + i: that must fit too.
+            _integer("seed", self.seed, INT64_MIN, INT64_MAX - (self.n - 1))
         if self.logit_bias is not None:
             self.logit_bias = {
-                int(k): max(-100.0, min(100.0, _number("logit_bias", v)))
+                _integer("logit_bias", int(k), 0): max(-100.0, min(100.0, _number("logit_bias", v)))
                 for k, v in self.logit_bias.items()
             }
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
-            raise ValueError("allowed_token_ids must not be empty (omit it to allow every token).")
+            raise SamplingParamsError(
+                "allowed_token_ids",
+                "allowed_token_ids must not be empty (omit it to allow every token).",
+            )
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.stop is not None and any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}.")
+            raise SamplingParamsError("stop", f"stop must be non-empty strings, got {self.stop!r}.")
         for name in ("stop_token_ids", "allowed_token_ids"):
-            ids = getattr(self, name)
-            if ids is not None and any(not isinstance(t, int) or t < 0 for t in ids):
-                raise ValueError(f"{name} must be non-negative token ids, got {ids!r}.")
+            for token in getattr(self, name) or ():
+                _integer(name, token, 0)
         if self.top_k == -1:
             self.top_k = 0
         if self.temperature < _GREEDY_EPS:

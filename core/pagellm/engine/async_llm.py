@@ -42,6 +42,18 @@ logger = logging.getLogger(__name__)
 _LOG_INTERVAL_S = 5.0
 
 
+class RequestFailedError(RuntimeError):
+    """The request made an engine step raise; the engine failed it and serves the others."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """More requests wait for the engine than ``max_waiting_requests`` allows: try again later."""
+
+
+class EngineShuttingDownError(RuntimeError):
+    """The server is shutting down; requests still running at its deadline end with this."""
+
+
 @dataclass(slots=True)
 class _Timing:
     """Front-end timestamps of one engine request (`time.monotonic()`), for the stat loggers."""
@@ -129,14 +141,15 @@ class RequestOutputCollector:
 
 
 class AsyncLLM:
-    health_check_timeout_s = 5.0
-
     def __init__(
         self,
         args: EngineArgs,
         config: EngineConfig,
         stat_loggers: list[StatLoggerBase] | None = None,
+        max_waiting_requests: int | None = None,
     ) -> None:
+        """``max_waiting_requests``: engine requests (one per completion) allowed to wait for the
+        engine beyond those it runs; more raise `EngineOverloadedError` (None: no limit)."""
         load_general_plugins()
         load_frontend_plugins()
         self.config = config
@@ -150,15 +163,20 @@ class AsyncLLM:
         self._engine_ids: dict[str, list[str]] = {}
         self._timings: dict[str, _Timing] = {}
         self._log_task: asyncio.Task[None] | None = None
+        self.max_waiting_requests = max_waiting_requests
+        self._num_engine_requests = 0  # submitted and not finished
         self.engine_core = AsyncMPClient(args, self._on_outputs, self._on_dead)
         config.cache.num_blocks = self.engine_core.ready.num_blocks
 
     @classmethod
     def from_engine_args(
-        cls, args: EngineArgs, stat_loggers: list[StatLoggerBase] | None = None
+        cls,
+        args: EngineArgs,
+        stat_loggers: list[StatLoggerBase] | None = None,
+        max_waiting_requests: int | None = None,
     ) -> AsyncLLM:
         load_general_plugins()  # out-of-tree models must be known before the config is checked
-        return cls(args, args.create_engine_config(), stat_loggers)
+        return cls(args, args.create_engine_config(), stat_loggers, max_waiting_requests)
 
     # ---------------------------------------------------------------- requests
 
@@ -185,6 +203,7 @@ class AsyncLLM:
             self.processor.make_request(engine_id, processed, cparams, priority)
             for engine_id, cparams in zip(engine_ids, children, strict=True)
         ]
+        self._check_capacity(len(requests))
         self._start_background_tasks()
         queue = RequestOutputCollector(processed.params.output_kind)
         self.output_processor.add_request(
@@ -192,6 +211,7 @@ class AsyncLLM:
         )
         self._streams[request_id] = queue
         self._engine_ids[request_id] = engine_ids
+        self._num_engine_requests += len(engine_ids)
         if self.stat_loggers:
             now = time.monotonic()
             for engine_id in engine_ids:
@@ -203,12 +223,33 @@ class AsyncLLM:
             while not finished:
                 item = await queue.get()
                 if isinstance(item, Exception):
-                    raise EngineDeadError(*item.args)  # one instance per request: own traceback
+                    raise type(item)(*item.args)  # one instance per request: its own traceback
                 finished = item.finished
                 yield item
         finally:
             if not finished:
                 self._abort(request_id)
+
+    def _check_capacity(self, num_new: int) -> None:
+        limit = self.max_waiting_requests
+        if limit is None:
+            return
+        # Submitted and unfinished beyond what the engine can run at once (up to max_num_seqs):
+        # they wait. (When the KV cache, not max_num_seqs, limits the running requests, the
+        # queue is longer by that difference: still bounded.)
+        waiting = max(0, self._num_engine_requests - self.config.scheduler.max_num_seqs)
+        if waiting + num_new > limit:
+            raise EngineOverloadedError(
+                f"The server is overloaded: {waiting} requests are waiting for the engine "
+                f"(--max-waiting-requests {limit}); retry later."
+            )
+
+    def fail_all(self, error: Exception) -> None:
+        """End every running request with ``error`` (raised from its `generate`), and abort it
+        in the engine: the server's shutdown deadline."""
+        for request_id, queue in list(self._streams.items()):
+            self._abort(request_id)
+            queue.put_error(error)
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; its `generate` stream ends with a finished output (reason "abort")."""
@@ -223,6 +264,7 @@ class AsyncLLM:
         self._streams.pop(request_id, None)
         if engine_ids is None:
             return None
+        self._num_engine_requests -= len(engine_ids)
         outputs = self.output_processor.abort_requests([request_id])
         self.engine_core.abort_requests(engine_ids)
         if self.stat_loggers:  # reported now: no engine step may follow
@@ -254,10 +296,21 @@ class AsyncLLM:
             queue = streams.get(output.request_id)
             if queue is None:
                 continue
-            queue.put(output)
-            if output.finished:
-                del streams[output.request_id]
-                del self._engine_ids[output.request_id]
+            if not output.finished:
+                queue.put(output)
+                continue
+            if any(c.finish_reason == "error" for c in output.outputs):
+                logger.error("Request %s failed in the engine", output.request_id)
+                queue.put_error(
+                    RequestFailedError(
+                        f"The request {output.request_id} failed in the engine "
+                        "(its step raised; the server log has the details)."
+                    )
+                )
+            else:
+                queue.put(output)
+            del streams[output.request_id]
+            self._num_engine_requests -= len(self._engine_ids.pop(output.request_id))
         if iteration is not None:
             self._record(msg.scheduler_stats, iteration)
 
@@ -297,6 +350,8 @@ class AsyncLLM:
 
     def _on_dead(self, error: EngineDeadError) -> None:
         streams, self._streams = self._streams, {}
+        self._engine_ids.clear()
+        self._num_engine_requests = 0
         for queue in streams.values():
             queue.put_error(error)
 
@@ -324,16 +379,11 @@ class AsyncLLM:
     def errored(self) -> bool:
         return self.engine_core.errored
 
-    async def check_health(self) -> None:
-        """Raise `EngineDeadError` if the engine process is dead or does not answer a ping
-        within ``health_check_timeout_s`` (it answers between two steps)."""
-        try:
-            await self.engine_core.call_utility("ping", timeout=self.health_check_timeout_s)
-        except asyncio.TimeoutError:
-            raise EngineDeadError(
-                f"The engine core did not answer a health probe within "
-                f"{self.health_check_timeout_s} s."
-            ) from None
+    def check_health(self) -> None:
+        """Raise `EngineDeadError` if the engine process has exited or this front end lost track
+        of it. Answered here, from the process's state: an engine busy with one long step is
+        alive, and no probe has to wait for that step to end."""
+        self.engine_core.raise_if_dead()
 
     async def reset_prefix_cache(self) -> bool:
         return bool(await self.engine_core.call_utility("reset_prefix_cache"))
@@ -346,8 +396,18 @@ class AsyncLLM:
 
     def shutdown(self) -> None:
         """Stop the engine process; requests still streaming raise `EngineDeadError`."""
+        self._stop_log_task()
+        self.engine_core.shutdown()
+        self._on_dead(EngineDeadError("The engine was shut down."))
+
+    async def shutdown_async(self, timeout: float) -> None:
+        """`shutdown` without blocking the event loop: the engine gets ``timeout`` seconds to stop
+        before it is killed."""
+        self._stop_log_task()
+        await self.engine_core.shutdown_async(timeout)
+        self._on_dead(EngineDeadError("The engine was shut down."))
+
+    def _stop_log_task(self) -> None:
         task = self._log_task
         if task is not None and not task.done() and not task.get_loop().is_closed():
             task.cancel()
-        self.engine_core.shutdown()
-        self._on_dead(EngineDeadError("The engine was shut down."))

@@ -20,6 +20,9 @@ from pagellm.scheduler.output import EngineCoreOutputs, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
+# Steps that raise one after the other even when their requests run alone: the engine is broken.
+MAX_FAILED_STEPS_IN_A_ROW = 32
+
 
 @dataclass
 class StepStats:
@@ -49,6 +52,7 @@ class EngineCore:
             self._warm_up(num_blocks)
         self.last_step_stats = StepStats()
         self.num_steps = 0
+        self.num_failed_steps_in_a_row = 0
         # Everything built so far (block pool, model, graphs) lives as long as the engine: keep it
         # out of the garbage collector's scans, which would otherwise stall steps at random.
         gc.collect()
@@ -153,8 +157,31 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         self.num_steps += 1
         self._record_stats(scheduler_output)
-        runner_output = self.executor.execute_model(scheduler_output)
+        try:
+            runner_output = self.executor.execute_model(scheduler_output)
+        except Exception:
+            return self._fail_step(scheduler_output)
+        self.num_failed_steps_in_a_row = 0
         return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def _fail_step(self, out: SchedulerOutput) -> EngineCoreOutputs:
+        """A step raised: the workers forget what it touched, and the scheduler fails the request
+        that caused it (alone in its step) or sets the step's requests apart to find it. Steps
+        failing again and again mean the engine itself is broken: then the error propagates."""
+        self.num_failed_steps_in_a_row += 1
+        if self.num_failed_steps_in_a_row > MAX_FAILED_STEPS_IN_A_ROW:
+            raise RuntimeError(
+                f"{self.num_failed_steps_in_a_row} engine steps failed in a row; the engine stops."
+            )
+        ids = sorted(out.num_scheduled_tokens)
+        logger.exception("An engine step of %d request(s) failed: %s", len(ids), ", ".join(ids))
+        self.executor.drop_requests(
+            [*ids, *sorted(out.finished_req_ids), *sorted(out.preempted_req_ids)]
+        )
+        outputs = self.scheduler.fail_step(out)
+        for failed in outputs.outputs:
+            logger.error("Request %s failed: it makes the engine step raise", failed.request_id)
+        return outputs
 
     def _record_stats(self, out: SchedulerOutput) -> None:
         sched = self.scheduler

@@ -170,16 +170,17 @@ class _MPClient:
         return self._dead is not None
 
     def _set_dead(self, error: EngineError | None) -> EngineDeadError:
-        """Record the engine's death (once) and return the error pending calls fail with."""
+        """Record the engine's death (once) and return the error pending calls fail with. The
+        engine's own error is logged here, not handed to clients."""
         if self._dead is None:
-            code = self.proc.exitcode
+            code = self.proc.exitcode  # reaps the process if it has exited
             message = "The engine-core process died" + (
                 f" (exit code {code})" if code is not None else ""
             )
-            if error is not None:
-                message += f": {error.message}"
             self._dead = EngineDeadError(message)
-            logger.error("%s%s", message, f"\n{error.traceback}" if error is not None else "")
+            if error is not None:
+                message += f": {error.message}\n{error.traceback}"
+            logger.error("%s", message)
         return self._dead
 
     def _set_frontend_failed(self, exc: Exception) -> EngineDeadError:
@@ -238,9 +239,11 @@ class SyncMPClient(_MPClient):
             if sock in events or (self.proc.sentinel in events and sock.poll(_DRAIN_MS)):
                 msg = output_decoder.decode(sock.recv())
                 if isinstance(msg, EngineError):
+                    self.proc.join(_SHUTDOWN_TIMEOUT_S)  # it exits right after: reap it
                     raise self._set_dead(msg)
                 return msg
             if self.proc.sentinel in events:
+                self.proc.join()  # it has exited: reap it
                 raise self._set_dead(None)
 
     def get_output(self) -> EngineStepOutputs:
@@ -307,6 +310,7 @@ class AsyncMPClient(_MPClient):
 
         def on_exit() -> None:
             loop.remove_reader(sentinel)
+            self.proc.join(0)  # it has exited: reap it (no zombie left behind)
             self._exited = True
             if self._recv_future is not None:
                 self._recv_future.cancel()
@@ -370,6 +374,24 @@ class AsyncMPClient(_MPClient):
         finally:
             self._calls.pop(call_id, None)
 
+    async def shutdown_async(self, timeout: float) -> None:
+        """`shutdown` without blocking the event loop: ask the engine to stop, wait up to
+        ``timeout`` seconds for it to exit (its output socket stays open meanwhile, so its last
+        sends never block), then kill it if it has not."""
+        if self._closed:
+            return
+        if self.proc.exitcode is None:
+            with contextlib.suppress(zmq.ZMQError):
+                self.input_socket.send(encoder.encode(Shutdown()), zmq.NOBLOCK)
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + timeout
+            while self.proc.exitcode is None and loop.time() < deadline:
+                await asyncio.sleep(0.02)
+            if self.proc.exitcode is None:
+                logger.warning("Engine core did not stop within %.1f s: killing it", timeout)
+                self.proc.kill()
+        self.shutdown()
+
     def shutdown(self) -> None:
         if self._closed:
             return
@@ -378,5 +400,5 @@ class AsyncMPClient(_MPClient):
         if task is not None and not task.done() and not task.get_loop().is_closed():
             task.get_loop().remove_reader(self.proc.sentinel)
             task.cancel()
+        self._finalizer()  # stops the process first, then closes the sockets
         self.output_socket.close(linger=0)
-        self._finalizer()

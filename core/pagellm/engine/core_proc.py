@@ -38,6 +38,8 @@ from pagellm.engine.messages import (
     encoder,
     request_decoder,
 )
+from pagellm.request import FinishReason
+from pagellm.scheduler.output import EngineCoreOutput, EngineCoreOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +59,6 @@ class EngineCoreProc:
         self.utilities: dict[str, Callable[..., Any]] = {
             "reset_prefix_cache": core.reset_prefix_cache,
             "get_state": core.get_state,
-            "ping": lambda: "pong",
         }
 
     def send(self, msg: EngineOutputMsg) -> None:
@@ -70,28 +71,38 @@ class EngineCoreProc:
         while True:
             if not core.has_unfinished_requests():
                 sock.poll()  # idle: sleep until the front end sends something
+            aborted = False
             while True:
                 try:
                     frame = sock.recv(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                if not self._handle(request_decoder.decode(frame)):
+                msg = request_decoder.decode(frame)
+                if isinstance(msg, Shutdown):
                     return
+                aborted |= isinstance(msg, AbortRequests)
+                self._handle(msg)
             if core.has_unfinished_requests():
                 outputs = core.step()
                 self.send(EngineStepOutputs(outputs, core.make_scheduler_stats()))
+            elif aborted:  # no step follows to report it: the gauges must see the idle engine
+                self.send(EngineStepOutputs(EngineCoreOutputs(), core.make_scheduler_stats()))
 
-    def _handle(self, msg: EngineRequestMsg) -> bool:
-        """Apply one message; False on `Shutdown`."""
+    def _handle(self, msg: EngineRequestMsg) -> None:
         if isinstance(msg, AddRequest):
-            self.core.add_request(msg.request)
+            try:
+                self.core.add_request(msg.request)
+            except Exception:  # that request's fault: it fails, the engine goes on
+                logger.exception("Request %s could not be added", msg.request.request_id)
+                failed = EngineCoreOutput(
+                    msg.request.request_id, [], finish_reason=int(FinishReason.ERROR)
+                )
+                outputs = EngineCoreOutputs(outputs=[failed])
+                self.send(EngineStepOutputs(outputs, self.core.make_scheduler_stats()))
         elif isinstance(msg, AbortRequests):
             self.core.abort_requests(msg.request_ids)
         elif isinstance(msg, UtilityCall):
             self.send(self._call_utility(msg))
-        elif isinstance(msg, Shutdown):
-            return False
-        return True
 
     def _call_utility(self, call: UtilityCall) -> UtilityResult:
         method = self.utilities.get(call.method)

@@ -13,6 +13,18 @@ from typing import Any
 from pagellm.sampling_params import SamplingParams
 
 _PROMPT_CONTEXT = 6  # prompt tokens fed to the decoder first, for correct spacing
+_MAX_UTF8_TAIL = 3  # tokens at most that a prompt can end with inside one UTF-8 character
+
+
+def prompt_context(tokenizer: Any, prompt_token_ids: list[int]) -> tuple[list[int], list[int]]:
+    """The prompt's last tokens, split where its text last ends on a whole character: (the whole
+    part, the tokens after it). A prompt of token ids may stop inside a UTF-8 character, which
+    the first output tokens complete; that character then belongs to the output."""
+    context = prompt_token_ids[-_PROMPT_CONTEXT:]
+    for cut in range(len(context), max(0, len(context) - _MAX_UTF8_TAIL) - 1, -1):
+        if not str(tokenizer.decode(context[:cut])).endswith("\ufffd"):
+            return context[:cut], context[cut:]
+    return context, []
 
 
 class IncrementalDetokenizer:
@@ -22,10 +34,10 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.skip_special_tokens = params.skip_special_tokens
         self.spaces_between_special_tokens = params.spaces_between_special_tokens
-        context = prompt_token_ids[-_PROMPT_CONTEXT:]
-        self.token_ids: list[int] = list(context)
+        whole, tail = prompt_context(tokenizer, prompt_token_ids)
+        self.token_ids: list[int] = whole + tail
         self.prefix_offset = 0
-        self.read_offset = len(context)
+        self.read_offset = len(whole)
 
     def _decode(self, ids: list[int]) -> str:
         kwargs = {"skip_special_tokens": self.skip_special_tokens}
@@ -56,8 +68,10 @@ class FastIncrementalDetokenizer(IncrementalDetokenizer):
 
         super().__init__(tokenizer, prompt_token_ids, params)
         self._backend = tokenizer.backend_tokenizer
-        context = prompt_token_ids[-_PROMPT_CONTEXT:]
-        self._stream = DecodeStream(ids=context, skip_special_tokens=params.skip_special_tokens)
+        whole, tail = prompt_context(tokenizer, prompt_token_ids)
+        self._stream = DecodeStream(ids=whole, skip_special_tokens=params.skip_special_tokens)
+        for token_id in tail:  # an unfinished character: no text until the output completes it
+            self._stream.step(self._backend, token_id)
 
     def _step(self, token_id: int) -> str:
         return self._stream.step(self._backend, token_id) or ""

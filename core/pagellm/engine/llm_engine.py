@@ -91,13 +91,14 @@ class LLMEngine:
         processed = self.processor.process(prompt, params)
         children = child_params(processed.params)
         engine_ids = engine_request_ids(request_id, len(children))
+        requests = [
+            self.processor.make_request(engine_id, processed, cparams, priority, cache_salt)
+            for engine_id, cparams in zip(engine_ids, children, strict=True)
+        ]
         self.output_processor.add_request(
             request_id, processed.text, processed.token_ids, processed.params, engine_ids, children
         )
-        for engine_id, cparams in zip(engine_ids, children, strict=True):
-            request = self.processor.make_request(
-                engine_id, processed, cparams, priority, cache_salt
-            )
+        for request in requests:
             self.core_client.add_request(request)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:

@@ -52,6 +52,8 @@ class CompletionState:
     sent_tokens: int = 0
     sent_chars: int = 0
     sent_logprobs: int = 0
+    sent_finish: bool = False
+    """Its finish reason went out (in a DELTA output): later outputs of the request omit it."""
 
     @property
     def holdback(self) -> int:
@@ -153,6 +155,16 @@ class OutputProcessor:
             if completion.finish_reason is not None:
                 continue
             state.num_cached_tokens = out.num_cached_tokens
+            if out.finish_reason == FinishReason.ERROR:
+                # Its step raised: the whole user request fails, its other completions with it.
+                completion.finish_reason = str(FinishReason.ERROR)
+                for sibling in state.completions:
+                    if sibling.finish_reason is None:
+                        sibling.finish_reason = str(FinishReason.ABORT)
+                        to_abort.append(sibling.engine_id)
+                touched.pop(state.request_id, None)
+                results.append(self._finish(state))
+                continue
             if (
                 out.new_prompt_logprobs
                 and state.prompt_logprobs is not None
@@ -243,8 +255,9 @@ class OutputProcessor:
                 text = c.text[sent_chars:visible] if visible > sent_chars else ""
                 token_ids = c.token_ids[c.sent_tokens :]
                 logprobs = c.logprobs[c.sent_logprobs :] if has_logprobs else None  # type: ignore[index]
-                if not text and not token_ids and c.finish_reason is None:
+                if c.sent_finish or (not text and not token_ids and c.finish_reason is None):
                     continue  # nothing new for this completion
+                c.sent_finish = c.finish_reason is not None
             else:
                 text = c.text[: max(visible, 0)]
                 token_ids = list(c.token_ids)

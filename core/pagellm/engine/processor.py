@@ -9,7 +9,7 @@ from typing import Any
 
 from pagellm.config import EngineConfig
 from pagellm.request import EngineCoreRequest
-from pagellm.sampling_params import SamplingParams
+from pagellm.sampling_params import INT64_MAX, INT64_MIN, SamplingParams, SamplingParamsError
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -97,8 +97,9 @@ class InputProcessor:
     def _check_vocab(self, name: str, ids: list[int]) -> None:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(
-                f"{name} has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}."
+            raise SamplingParamsError(
+                name,
+                f"{name} has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}.",
             )
 
     def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
@@ -130,7 +131,11 @@ class InputProcessor:
             self._check_vocab("logit_bias", list(params.logit_bias))
         if params.allowed_token_ids:
             self._check_vocab("allowed_token_ids", params.allowed_token_ids)
+        if params.stop_token_ids:
+            self._check_vocab("stop_token_ids", params.stop_token_ids)
         params = params.clone()
+        if params.top_k >= self.vocab_size:
+            params.top_k = 0  # keeping every token of the vocabulary is no top-k at all
         if not params.ignore_eos and self.extra_eos_ids:
             params.stop_token_ids = sorted(set(params.stop_token_ids or ()) | self.extra_eos_ids)
         if self.tokenizer is None and (params.bad_words or params.stop):
@@ -150,6 +155,10 @@ class InputProcessor:
         priority: int = 0,
         cache_salt: str | None = None,
     ) -> EngineCoreRequest:
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}.")
+        if not INT64_MIN <= priority <= INT64_MAX:
+            raise ValueError(f"priority must be in [{INT64_MIN}, {INT64_MAX}], got {priority}.")
         return EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=prompt.token_ids,

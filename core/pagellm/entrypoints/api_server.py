@@ -46,6 +46,11 @@ logger = logging.getLogger(__name__)
 # What every model pagellm serves can do. Models of other tasks (embeddings, ...) do not exist yet.
 SERVED_TASKS = frozenset({"generate"})
 DEFAULT_MAX_REQUEST_BODY_BYTES = 1 << 20
+DEFAULT_MAX_SEQUENCES_PER_REQUEST = 256
+DEFAULT_MAX_WAITING_REQUESTS = 1024
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+DEFAULT_BODY_TIMEOUT_S = 30.0
+RETRY_AFTER_S = 1
 API_KEY_ENV = "PAGELLM_API_KEY"
 OPEN_PATHS = frozenset({"/health"})
 
@@ -85,9 +90,41 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--shutdown-timeout",
-        type=int,
+        type=float,
         default=5,
-        help="On SIGTERM/SIGINT, seconds in-flight requests get to finish before they are aborted.",
+        help="On SIGTERM/SIGINT, seconds until the process exits: in-flight requests may finish "
+        "until shortly before; those still running then end with an error (a stream with an "
+        "error event and [DONE]).",
+    )
+    parser.add_argument(
+        "--max-sequences-per-request",
+        type=int,
+        default=DEFAULT_MAX_SEQUENCES_PER_REQUEST,
+        help="Most sequences one HTTP request may ask for (prompts × n); more get HTTP 400.",
+    )
+    parser.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=DEFAULT_MAX_WAITING_REQUESTS,
+        help="Most sequences that may wait for the engine beyond those it runs; past it, requests "
+        "get HTTP 503 with Retry-After (0: no limit).",
+    )
+    parser.add_argument(
+        "--header-timeout",
+        type=float,
+        default=DEFAULT_HEADER_TIMEOUT_S,
+        help="Seconds a connection may take to send a request's headers before it is closed.",
+    )
+    parser.add_argument(
+        "--body-timeout",
+        type=float,
+        default=DEFAULT_BODY_TIMEOUT_S,
+        help="Seconds a request may take to send its body before it gets HTTP 408.",
+    )
+    parser.add_argument(
+        "--disable-fastapi-docs",
+        action="store_true",
+        help="Serve no /docs, /redoc or /openapi.json.",
     )
 
 
@@ -98,10 +135,17 @@ class _RequestGuard:
     refused before any handler sees it, whether or not the client sent a Content-Length.
     """
 
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        api_key: str | None,
+        max_body_bytes: int,
+        body_timeout: float = DEFAULT_BODY_TIMEOUT_S,
+    ) -> None:
         self.app = app
         self.api_key = api_key.encode() if api_key else None
         self.max_body_bytes = max_body_bytes
+        self.body_timeout = body_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -126,9 +170,17 @@ class _RequestGuard:
             await error.response()(scope, receive, send_with_id)
             return
         try:
-            body = await self._read_body(headers, receive)
+            body = await asyncio.wait_for(self._read_body(headers, receive), self.body_timeout)
         except APIError as error:
             await error.response()(scope, receive, send_with_id)
+            return
+        except asyncio.TimeoutError:
+            timeout = APIError(
+                408,
+                f"The request body did not arrive within {self.body_timeout:g} s.",
+                code="request_timeout",
+            )
+            await timeout.response(headers={"Connection": "close"})(scope, receive, send_with_id)
             return
         if body is None:
             return  # the client left before sending its body
@@ -142,7 +194,21 @@ class _RequestGuard:
                 return {"type": "http.request", "body": body, "more_body": False}
             return await receive()
 
-        await self.app(scope, replay, send_with_id)
+        started = False
+
+        async def send_tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send_with_id(message)
+
+        try:
+            await self.app(scope, replay, send_tracked)
+        except Exception as exc:
+            # Whatever no handler took: logged with the request id, answered without details
+            # (and the connection stays usable: nothing reaches uvicorn).
+            logger.error("Request %s failed", request_id, exc_info=exc)
+            if not started:
+                await internal_error(request_id).response()(scope, receive, send_with_id)
 
     def _authorized(self, headers: Headers) -> bool:
         if self.api_key is None:
@@ -197,7 +263,24 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     return bad_request(message, param=loc[0] if loc else None)
 
 
+def _request_id(request: Request) -> str:
+    return str(getattr(request.state, "request_id", "") or "unknown")
+
+
+def internal_error(request_id: str, status: int = 500, code: str | None = None) -> APIError:
+    """What a client learns of a failure inside the server: that it happened, and the id to
+    find it in the server's log (where its details are)."""
+    return APIError(
+        status,
+        f"The server failed to handle the request (request id {request_id}); "
+        "its log has the details.",
+        type=SERVER_ERROR,
+        code=code,
+    )
+
+
 def _install_error_handlers(app: FastAPI) -> None:
+    from pagellm.engine.async_llm import EngineOverloadedError, EngineShuttingDownError
     from pagellm.engine.core_client import EngineDeadError
 
     async def api_error(request: Request, exc: Exception) -> Response:
@@ -215,18 +298,29 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     async def engine_dead(request: Request, exc: Exception) -> Response:
         return APIError(
-            503, f"The engine is dead: {exc}", type=SERVER_ERROR, code="engine_dead"
+            503,
+            "The engine has stopped (request id "
+            f"{_request_id(request)}); the server must be restarted.",
+            type=SERVER_ERROR,
+            code="engine_dead",
         ).response()
 
-    async def unexpected(request: Request, exc: Exception) -> Response:
-        # Starlette logs the traceback; the client gets the same error shape as for any other.
-        return APIError(500, f"{type(exc).__name__}: {exc}", type=SERVER_ERROR).response()
+    async def unavailable(request: Request, exc: Exception) -> Response:
+        overloaded = isinstance(exc, EngineOverloadedError)
+        error = APIError(
+            503,
+            str(exc),
+            type=SERVER_ERROR,
+            code="server_overloaded" if overloaded else "server_shutting_down",
+        )
+        return error.response(headers={"Retry-After": str(RETRY_AFTER_S)} if overloaded else None)
 
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(HTTPException, http_error)
     app.add_exception_handler(EngineDeadError, engine_dead)
-    app.add_exception_handler(Exception, unexpected)
+    app.add_exception_handler(EngineOverloadedError, unavailable)
+    app.add_exception_handler(EngineShuttingDownError, unavailable)
 
 
 def _endpoint_names(args: argparse.Namespace) -> list[str]:
@@ -288,25 +382,32 @@ def build_app(
             yield
         finally:
             logger.info("Shutting the engine down")
-            engine_client.shutdown()
+            deadline: float | None = getattr(app.state, "shutdown_deadline", None)
+            loop = asyncio.get_running_loop()
+            remaining = 1.0 if deadline is None else deadline - loop.time()
+            await engine_client.shutdown_async(max(0.1, remaining))
 
-    app = FastAPI(title="pagellm", version=__version__, lifespan=lifespan)
+    docs: dict[str, Any] = (
+        {"docs_url": None, "redoc_url": None, "openapi_url": None}
+        if getattr(args, "disable_fastapi_docs", False)
+        else {}
+    )
+    app = FastAPI(title="pagellm", version=__version__, lifespan=lifespan, **docs)
     model_path = engine_client.config.model.model
     app.state.engine_client = engine_client
     app.state.model_path = model_path
     app.state.served_model_names = list(getattr(args, "served_model_name", None) or [model_path])
+    app.state.max_sequences_per_request = getattr(
+        args, "max_sequences_per_request", DEFAULT_MAX_SEQUENCES_PER_REQUEST
+    )
     _install_error_handlers(app)
 
     @app.get("/health")
     async def health() -> Response:
-        problem: str | None = "the engine has failed" if engine_client.errored else None
-        if problem is None:
-            try:
-                await engine_client.check_health()
-            except Exception as exc:
-                problem = f"{type(exc).__name__}: {exc}"
-        if problem is not None:
-            return APIError(503, f"Unhealthy: {problem}", type=SERVER_ERROR).response()
+        try:
+            engine_client.check_health()
+        except Exception as exc:
+            return APIError(503, f"Unhealthy: {exc}", type=SERVER_ERROR).response()
         return JSONResponse({"status": "ok"})
 
     @app.get("/version")
@@ -326,22 +427,28 @@ def build_app(
     _attach_endpoint_plugins(app, engine_client, args)
     api_key = getattr(args, "api_key", None) or os.environ.get(API_KEY_ENV) or None
     max_body = getattr(args, "max_request_body_bytes", DEFAULT_MAX_REQUEST_BODY_BYTES)
-    app.add_middleware(_RequestGuard, api_key=api_key, max_body_bytes=max_body)
+    body_timeout = getattr(args, "body_timeout", DEFAULT_BODY_TIMEOUT_S)
+    app.add_middleware(
+        _RequestGuard, api_key=api_key, max_body_bytes=max_body, body_timeout=body_timeout
+    )
     return app
 
 
 async def _serve(args: argparse.Namespace) -> None:
-    import uvicorn
-
     from pagellm.engine.args import EngineArgs
-    from pagellm.engine.async_llm import AsyncLLM
+    from pagellm.engine.async_llm import AsyncLLM, EngineShuttingDownError
+    from pagellm.entrypoints.http_server import make_server, shutdown_margin
     from pagellm.metrics.loggers import PrometheusStatLogger, build_stat_loggers
 
     served_name = (args.served_model_name or [args.model])[0]
     plugin_loggers = [n.strip() for n in args.stat_loggers.split(",") if n.strip()]
     stat_loggers = build_stat_loggers(served_name, plugin_loggers)
     prometheus = next(s for s in stat_loggers if isinstance(s, PrometheusStatLogger))
-    engine = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args), stat_loggers=stat_loggers)
+    engine = AsyncLLM.from_engine_args(
+        EngineArgs.from_cli_args(args),
+        stat_loggers=stat_loggers,
+        max_waiting_requests=args.max_waiting_requests or None,
+    )
     for child in multiprocessing.active_children():  # for operators (and tests) that need the pid
         logger.info("Engine process %s: pid %d", child.name, child.pid)
     try:
@@ -349,16 +456,24 @@ async def _serve(args: argparse.Namespace) -> None:
     except BaseException:
         engine.shutdown()
         raise
-    config = uvicorn.Config(
+    timeout = max(0.0, args.shutdown_timeout)
+
+    def on_shutdown() -> None:
+        loop = asyncio.get_running_loop()
+        app.state.shutdown_deadline = loop.time() + timeout
+        error = EngineShuttingDownError("The server is shutting down; retry on another server.")
+        loop.call_later(timeout - shutdown_margin(timeout), engine.fail_all, error)
+
+    server = make_server(
         app,
         host=args.host,
         port=args.port,
-        log_config=None,
-        access_log=False,
-        timeout_graceful_shutdown=max(0, args.shutdown_timeout),
+        header_timeout=args.header_timeout,
+        shutdown_timeout=timeout,
+        on_shutdown=on_shutdown,
     )
     # From here the app's lifespan owns the engine: uvicorn runs it even when it fails to bind.
-    await uvicorn.Server(config).serve()
+    await server.serve()
 
 
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:

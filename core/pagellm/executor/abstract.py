@@ -35,6 +35,10 @@ class Executor(ABC):
         result: ModelRunnerOutput = self.collective_rpc("execute_model", (scheduler_output,))[0]
         return result
 
+    def drop_requests(self, req_ids: list[str]) -> None:
+        """Make every worker forget these requests (after a step that raised)."""
+        self.collective_rpc("drop_requests", (req_ids,))
+
     def get_kv_cache_spec(self) -> KVCacheSpec:
         spec: KVCacheSpec = self.collective_rpc("get_kv_cache_spec")[0]
         return spec

@@ -19,6 +19,8 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     eos_token_id: int | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    """Tokens it generated before the workers dropped it (after a failed step); usually none."""
 
 
 @dataclass

@@ -4,12 +4,18 @@ There is no prefill or decode phase. Each request's ``num_computed_tokens`` catc
 ``num_tokens``; a step gives each request as many tokens as the budget, the long-prefill
 threshold and the KV cache allow (chunked prefill falls out of this). When the cache is full a
 running request is preempted: its blocks are freed and it is recomputed later from scratch.
+
+A step that raised (`fail_step`) must not take the other requests down with the one that made it
+fail: a lone request is failed; the requests of a larger step are set back to be recomputed,
+then run one at a time (each one the only request of its steps, a *probe*, until it samples a
+token), so the one that fails again alone is failed, and the others go on.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+from collections import deque
 from collections.abc import Iterable
 
 from pagellm.config import SchedulerConfig
@@ -38,6 +44,11 @@ class Scheduler:
         # Requests that ended since the last schedule(): the workers must drop their state.
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
+        # After a failed step: requests waiting to run alone, and the one that runs alone now.
+        self.quarantine: deque[Request] = deque()
+        self.probe: Request | None = None
+        # Requests the workers dropped after a failed step: sent whole when next scheduled.
+        self.resend: set[str] = set()
 
     # ---------------------------------------------------------------- requests in and out
 
@@ -59,18 +70,23 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif request in self.quarantine:
+                self.quarantine.remove(request)
             else:
                 self.waiting.remove(request)
             request.status = status
             self._free_request(request)
 
-    def _free_request(self, request: Request) -> None:
-        self.kv_cache_manager.free(request)
+    def _free_request(self, request: Request, num_valid_tokens: int | None = None) -> None:
+        self.kv_cache_manager.free(request, num_valid_tokens)
         self.finished_req_ids.add(request.request_id)
+        self.resend.discard(request.request_id)
+        if self.probe is request:
+            self.probe = None
         del self.requests[request.request_id]
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.quarantine)
 
     def has_unfinished_requests(self) -> bool:
         return self.get_num_unfinished_requests() > 0
@@ -84,10 +100,15 @@ class Scheduler:
         num_scheduled: dict[str, int] = {}
         new_block_ids: dict[str, list[int]] = {}
         scheduled_running: list[Request] = []
+        scheduled_new: list[Request] = []
         preempted: list[Request] = []
+        if self.probe is None and self.quarantine:
+            self.probe = self.quarantine.popleft()
+            self.probe.status = RequestStatus.RUNNING
+            self.running.append(self.probe)
 
-        # 1. Running requests, in order.
-        running = self.running
+        # 1. Running requests, in order (only the probe while there is one).
+        running = self.running if self.probe is None else [self.probe]
         cap = cfg.long_prefill_token_threshold
         i = 0
         while i < len(running) and token_budget > 0:
@@ -106,7 +127,7 @@ class Scheduler:
                 if blocks is not None:
                     break
                 victim = self._pick_victim()
-                victim_index = self.running.index(victim)
+                victim_index = running.index(victim) if victim in running else len(running)
                 self.running.remove(victim)
                 scheduled_this_step = victim.request_id in num_scheduled
                 if scheduled_this_step:
@@ -122,16 +143,18 @@ class Scheduler:
                     break
             if blocks is None:
                 continue  # the request preempted itself; `i` already points at the next one
-            scheduled_running.append(request)
+            if request.request_id in self.resend:
+                scheduled_new.append(request)  # the probe, dropped by the workers: sent whole
+            else:
+                scheduled_running.append(request)
             num_scheduled[request.request_id] = num_new
             new_block_ids[request.request_id] = [b.block_id for b in blocks] if blocks else []
             token_budget -= num_new
             i += 1
 
         # 2. Waiting requests, unless this step had to preempt (the cache is short of room).
-        scheduled_new: list[Request] = []
         scheduled_resumed: list[Request] = []
-        if not preempted:
+        if not preempted and self.probe is None:
             while len(self.waiting) and token_budget > 0 and len(self.running) < cfg.max_num_seqs:
                 request = self.waiting.peek()
                 hits, num_hit_tokens = kv.get_computed_blocks(request)
@@ -146,6 +169,7 @@ class Scheduler:
                     break
                 self.waiting.pop()
                 resumed = request.status == RequestStatus.PREEMPTED
+                resumed = resumed and request.request_id not in self.resend
                 request.status = RequestStatus.RUNNING
                 request.num_computed_tokens = num_hit_tokens
                 if request.num_cached_tokens < 0:
@@ -164,6 +188,7 @@ class Scheduler:
                     block_ids=kv.get_block_ids(r.request_id),
                     num_computed_tokens=r.num_computed_tokens,
                     eos_token_id=None if r.sampling_params.ignore_eos else r.eos_token_id,
+                    output_token_ids=list(r.output_token_ids),
                 )
                 for r in scheduled_new
             ],
@@ -175,10 +200,9 @@ class Scheduler:
             preempted_req_ids={r.request_id for r in preempted},
             finished_req_ids=self.finished_req_ids,
         )
-        for request in scheduled_running:
+        for request in itertools.chain(scheduled_running, scheduled_new, scheduled_resumed):
             request.num_computed_tokens += num_scheduled[request.request_id]
-        for request in itertools.chain(scheduled_new, scheduled_resumed):
-            request.num_computed_tokens += num_scheduled[request.request_id]
+        self.resend.difference_update(r.request_id for r in scheduled_new)
         self.finished_req_ids = set()
         return output
 
@@ -200,9 +224,11 @@ class Scheduler:
         return data
 
     def _pick_victim(self) -> Request:
+        """The running request to preempt; never the probe (it must run to tell its fault)."""
+        candidates = [r for r in self.running if r is not self.probe] or self.running
         if self.config.policy == "priority":
-            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
-        return self.running[-1]
+            return max(candidates, key=lambda r: (r.priority, r.arrival_time))
+        return candidates[-1]
 
     def _preempt(self, request: Request, scheduled_this_step: bool = False) -> None:
         # Blocks it registered this step will not be computed: keep them out of the prefix cache.
@@ -270,9 +296,45 @@ class Scheduler:
                     prompt_logprobs,
                 )
             )
+            if request is self.probe:
+                self.probe = None  # it ran alone up to a sampled token: it was not the fault
             if finish is not None:
                 self.running.remove(request)
                 self._free_request(request)
+        return EngineCoreOutputs(outputs=outputs)
+
+    def fail_step(self, scheduler_output: SchedulerOutput) -> EngineCoreOutputs:
+        """The workers raised running ``scheduler_output`` and dropped every request it named
+        (`Worker.drop_requests`). A step of one request fails it; the requests of a larger step
+        are recomputed one at a time (see the module docstring). Returns the failed requests'
+        outputs (finish reason ERROR)."""
+        scheduled = [
+            self.requests[r] for r in scheduler_output.num_scheduled_tokens if r in self.requests
+        ]
+        # Requests it preempted: the workers dropped their state too, so they come back whole.
+        self.resend.update(r for r in scheduler_output.preempted_req_ids if r in self.requests)
+        outputs: list[EngineCoreOutput] = []
+        for request in scheduled:
+            # The K/V this step was to write are not valid: keep them out of the prefix cache.
+            valid = (
+                request.num_computed_tokens
+                - scheduler_output.num_scheduled_tokens[request.request_id]
+            )
+            self.running.remove(request)
+            if len(scheduled) == 1:
+                request.status = RequestStatus.FINISHED_ERROR
+                self._free_request(request, valid)
+                outputs.append(
+                    EngineCoreOutput(request.request_id, [], finish_reason=int(FinishReason.ERROR))
+                )
+                continue
+            self.kv_cache_manager.free(request, num_valid_tokens=valid)
+            request.status = RequestStatus.PREEMPTED
+            request.num_computed_tokens = 0
+            if request is self.probe:
+                self.probe = None
+            self.quarantine.append(request)
+            self.resend.add(request.request_id)
         return EngineCoreOutputs(outputs=outputs)
 
     def _check_stop(self, request: Request) -> bool:

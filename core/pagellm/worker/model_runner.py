@@ -226,6 +226,7 @@ class ModelRunner:
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 eos_token_id=new.eos_token_id,
+                output_token_ids=list(new.output_token_ids),
             )
             self.requests[new.req_id] = state
             self._add_to_batch(state)
@@ -262,6 +263,14 @@ class ModelRunner:
             batch.num_computed_tokens[index] = num_computed
             if block_ids:
                 batch.append_block_ids(index, block_ids)
+
+    def drop_requests(self, req_ids: list[str]) -> None:
+        """Forget these requests entirely (after a failed step, whose partial updates cannot be
+        trusted); the scheduler sends any of them that goes on as a new request."""
+        for req_id in req_ids:
+            self.requests.pop(req_id, None)
+            self.input_batch.remove_request(req_id)
+        self._md_cache = None
 
     def _add_to_batch(self, state: CachedRequestState) -> None:
         row = self.input_batch.add_request(state)
@@ -480,7 +489,7 @@ class ModelRunner:
             all_greedy=bool((temperature == 0).all()),
             all_random=bool((temperature > 0).all()),
             top_p=torch.from_numpy(top_p).to(dev) if (top_p < 1).any() else None,
-            top_k=torch.from_numpy(np.where(top_k > 0, top_k, vocab)).to(dev)
+            top_k=torch.from_numpy(np.where(top_k > 0, np.minimum(top_k, vocab), vocab)).to(dev)
             if (top_k > 0).any()
             else None,
             min_p=torch.from_numpy(min_p).to(dev) if (min_p > 0).any() else None,

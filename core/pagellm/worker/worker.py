@@ -43,3 +43,6 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)
+
+    def drop_requests(self, req_ids: list[str]) -> None:
+        self.model_runner.drop_requests(req_ids)

@@ -64,6 +64,7 @@ async def create_chat_completion(
     model = ctx.model_name(request.model)
     if request.top_logprobs is not None and not request.logprobs:
         raise bad_request("top_logprobs needs logprobs=true.", param="top_logprobs")
+    ctx.check_num_sequences(1, request.n)
     prompt = ctx.chat_prompt(request.messages, request.add_generation_prompt)
     if request.max_completion_tokens is not None:
         requested, param = request.max_completion_tokens, "max_completion_tokens"
@@ -126,7 +127,7 @@ async def create_chat_completion(
                 if include_usage:
                     yield chunk([], streams.usage(num_prompt_tokens, generated))
             except Exception as exc:
-                yield streams.error_event(exc)
+                yield streams.error_event(exc, raw.state.request_id)
             finally:
                 await merged.aclose()
             yield streams.DONE

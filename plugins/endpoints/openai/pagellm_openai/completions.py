@@ -26,9 +26,11 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions API
 def _prompts(ctx: ServingContext, request: CompletionRequest) -> list[Prompt]:
     prompt = request.prompt
     if isinstance(prompt, str):
+        ctx.check_num_sequences(1, request.n)
         return [ctx.text_prompt(prompt)]
     if not prompt:
         raise bad_request("prompt is empty.", param="prompt")
+    ctx.check_num_sequences(1 if isinstance(prompt[0], int) else len(prompt), request.n)
     if isinstance(prompt[0], int):
         return [ctx.token_prompt(prompt)]  # type: ignore[arg-type]
     if isinstance(prompt[0], str):
@@ -167,7 +169,7 @@ async def create_completion(
                 if include_usage:
                     yield chunk([], streams.usage(num_prompt_tokens, generated))
             except Exception as exc:
-                yield streams.error_event(exc)
+                yield streams.error_event(exc, raw.state.request_id)
             finally:
                 await merged.aclose()
             yield streams.DONE

@@ -8,11 +8,44 @@ by default. The extensions after the OpenAI fields carry vLLM's names.
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-from pagellm.sampling_params import MAX_LOGPROBS
+from pagellm.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS
+
+
+def _no_lone_surrogates(text: str) -> str:
+    """JSON can carry lone UTF-16 surrogates (``"\\ud800"``), which no text encodes: refused."""
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(
+                f"contains a lone surrogate (U+{ord(text[exc.start]):04X}), which is not text"
+            ) from None
+    return text
+
+
+def _check_strings(value: Any, where: str) -> None:
+    if isinstance(value, str):
+        try:
+            _no_lone_surrogates(value)
+        except ValueError as exc:
+            raise ValueError(f"{where} {exc}") from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_strings(key, where)
+            _check_strings(item, f"{where}.{key}")
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_strings(item, f"{where}[{i}]")
+
+
+Text = Annotated[str, AfterValidator(_no_lone_surrogates)]
+# Integers the engine's wire carries (msgpack int64).
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
 
 
 class _Request(BaseModel):
@@ -26,40 +59,40 @@ class StreamOptions(_Request):
 class SamplingRequest(_Request):
     """What completions and chat completions share."""
 
-    model: str | None = None
-    n: int = Field(1, ge=1)
+    model: Text | None = None
+    n: int = Field(1, ge=1, le=INT64_MAX)
     temperature: float | None = Field(None, ge=0.0, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
-    max_tokens: int | None = Field(None, ge=1)
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    max_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
+    stop: Text | list[Text] | None = None
+    seed: Int64 | None = None
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[Text, float] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Text | None = None
     # Extensions (vLLM's names).
-    top_k: int | None = None
+    top_k: int | None = Field(None, ge=-1, le=INT64_MAX)
     min_p: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
     repetition_penalty: float | None = Field(None, gt=0.0, allow_inf_nan=False)
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = Field(0, ge=0, le=INT64_MAX)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    suffix: str | None = None
+    suffix: Text | None = None
 
 
 class TextPart(_Request):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
@@ -68,7 +101,14 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: Text | list[TextPart] | None = None
+
+    @model_validator(mode="after")
+    def _extra_fields_are_text(self) -> ChatMessage:
+        for key, value in (self.model_extra or {}).items():
+            _check_strings(key, "a field name")
+            _check_strings(value, key)
+        return self
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -83,16 +123,16 @@ class ChatCompletionRequest(SamplingRequest):
 class TokenizeRequest(_Request):
     """Either ``prompt`` (text) or ``messages`` (rendered through the chat template)."""
 
-    model: str | None = None
-    prompt: str | None = None
+    model: Text | None = None
+    prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
 
 class DetokenizeRequest(_Request):
-    model: str | None = None
-    tokens: list[int]
+    model: Text | None = None
+    tokens: list[TokenId]
 
 
 def _now() -> int:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagellm.entrypoints.http_errors import bad_request
-from pagellm.sampling_params import RequestOutputKind, SamplingParams
+from pagellm.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
 from pagellm_openai.protocol import ChatMessage, SamplingRequest
 
 
@@ -33,6 +33,8 @@ class ServingContext:
     max_model_len: int
     max_num_seqs: int
     vocab_size: int
+    max_sequences_per_request: int
+    """Prompts × n one HTTP request may ask for (``--max-sequences-per-request``)."""
 
     @classmethod
     def from_app(cls, app: Any, engine: Any) -> ServingContext:
@@ -44,7 +46,20 @@ class ServingContext:
             max_model_len=config.model.max_model_len,
             max_num_seqs=config.scheduler.max_num_seqs,
             vocab_size=config.model.vocab_size,
+            max_sequences_per_request=getattr(app.state, "max_sequences_per_request", 256),
         )
+
+    def check_num_sequences(self, num_prompts: int, n: int) -> None:
+        """One request may not ask for more sequences than ``--max-sequences-per-request``."""
+        limit = self.max_sequences_per_request
+        if num_prompts * n > limit:
+            raise bad_request(
+                f"The request asks for {num_prompts} prompt(s) × n={n} = {num_prompts * n} "
+                f"sequences; this server allows at most {limit} per request "
+                "(--max-sequences-per-request).",
+                param="prompt" if num_prompts > 1 else "n",
+                code="too_many_sequences",
+            )
 
     @property
     def tokenizer(self) -> Any:
@@ -180,6 +195,8 @@ class ServingContext:
                     RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
                 ),
             )
+        except SamplingParamsError as exc:
+            raise bad_request(str(exc), param=exc.param) from exc
         except ValueError as exc:
             raise bad_request(str(exc)) from exc
 

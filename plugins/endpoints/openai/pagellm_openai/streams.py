@@ -18,7 +18,7 @@ import msgspec
 from fastapi import Request
 from pydantic import BaseModel
 
-from pagellm.entrypoints.http_errors import SERVER_ERROR, bad_request
+from pagellm.entrypoints.http_errors import SERVER_ERROR, APIError, bad_request
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ async def start(generators: list[AsyncGenerator[T, None]]) -> list[Started[T]]:
         for g in generators:
             await g.aclose()
         if isinstance(error, ValueError):
-            raise bad_request(str(error)) from error
+            raise bad_request(str(error), param=getattr(error, "param", None)) from error
         raise error
     return [
         Started(None, g, empty=True)
@@ -161,24 +161,22 @@ async def merge(iterators: list[Started[T]]) -> AsyncGenerator[tuple[int, T], No
             await it.aclose()
 
 
-def error_event(exc: Exception) -> str:
+def error_event(exc: Exception, request_id: str) -> bytes:
     """The event that ends a stream whose request failed after the response began (its status,
-    200, is already sent): an OpenAI-style error, which OpenAI clients raise."""
+    200, is already sent): an OpenAI-style error, which OpenAI clients raise. What went wrong
+    inside is logged with the request id; the client gets the id, not the details."""
+    from pagellm.engine.async_llm import EngineShuttingDownError
     from pagellm.engine.core_client import EngineDeadError
+    from pagellm.entrypoints.api_server import internal_error
 
-    dead = isinstance(exc, EngineDeadError)
-    if not dead:
-        logger.exception("A streamed request failed")
-    return sse(
-        {
-            "error": {
-                "message": f"The engine is dead: {exc}" if dead else f"{type(exc).__name__}: {exc}",
-                "type": SERVER_ERROR,
-                "param": None,
-                "code": "engine_dead" if dead else None,
-            }
-        }
-    )
+    if isinstance(exc, EngineShuttingDownError):
+        error = APIError(503, str(exc), type=SERVER_ERROR, code="server_shutting_down")
+    elif isinstance(exc, EngineDeadError):
+        error = internal_error(request_id, 503, code="engine_dead")
+    else:
+        logger.error("Streamed request %s failed", request_id, exc_info=exc)
+        error = internal_error(request_id)
+    return sse(error.body())
 
 
 async def _disconnected(request: Request) -> None:

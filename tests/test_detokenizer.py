@@ -1,0 +1,67 @@
+"""Incremental detokenization against whole-text decoding, with SmolLM2's real tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+
+from pagellm.engine.detokenizer import FastIncrementalDetokenizer, IncrementalDetokenizer
+from pagellm.sampling_params import SamplingParams
+
+HELLO, E_ACUTE_FIRST, E_ACUTE_SECOND = 19556, 142, 119  # "Hello", then "é" in two byte tokens
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_tokenizer_dir):
+    return AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
+
+
+@pytest.mark.parametrize("cls", [FastIncrementalDetokenizer, IncrementalDetokenizer])
+def test_prompt_ending_inside_a_character_gives_the_character_not_the_prompt_again(
+    tokenizer, cls
+):
+    prompt = [HELLO, E_ACUTE_FIRST]
+    output = [E_ACUTE_SECOND, *tokenizer.encode(" world", add_special_tokens=False)]
+    detok = cls(tokenizer, prompt, SamplingParams())
+    text = "".join(detok.update([t]) for t in output)
+    assert text == "é world"
+    assert tokenizer.decode(prompt + output) == "Hello" + text
+
+
+@pytest.mark.parametrize("cls", [FastIncrementalDetokenizer, IncrementalDetokenizer])
+def test_streamed_text_equals_the_decoded_output(tokenizer, cls):
+    prompt = tokenizer.encode("Say it in French:", add_special_tokens=False)
+    output = tokenizer.encode(" Bonjour, ça va? 日本語 🙂 fin", add_special_tokens=False)
+    detok = cls(tokenizer, prompt, SamplingParams())
+    text = "".join(detok.update([t]) for t in output)
+    assert text == tokenizer.decode(prompt + output)[len(tokenizer.decode(prompt)) :]
+
+
+def test_a_streamed_n2_choice_ends_once_while_its_sibling_goes_on(tokenizer):
+    """Used to repeat a finished choice (with its finish reason) in every later delta."""
+    from pagellm.engine.llm_engine import child_params
+    from pagellm.engine.output_processor import OutputProcessor
+    from pagellm.request import FinishReason
+    from pagellm.sampling_params import RequestOutputKind
+    from pagellm.scheduler.output import EngineCoreOutput, EngineCoreOutputs
+
+    processor = OutputProcessor(tokenizer)
+    params = SamplingParams(n=2, max_tokens=4, output_kind=RequestOutputKind.DELTA)
+    children = child_params(params)
+    processor.add_request("r", None, [HELLO], params, ["0_r", "1_r"], children)
+    length = int(FinishReason.LENGTH)
+    steps = [
+        [EngineCoreOutput("0_r", [11]), EngineCoreOutput("1_r", [12])],
+        [EngineCoreOutput("0_r", [13], finish_reason=length), EngineCoreOutput("1_r", [14])],
+        [EngineCoreOutput("1_r", [15])],
+        [EngineCoreOutput("1_r", [16], finish_reason=length)],
+    ]
+    finishes: dict[int, int] = {}
+    for step in steps:
+        outputs, _ = processor.process_outputs(EngineCoreOutputs(outputs=step))
+        for output in outputs:
+            for completion in output.outputs:
+                if completion.finish_reason is not None:
+                    finishes[completion.index] = finishes.get(completion.index, 0) + 1
+    assert finishes == {0: 1, 1: 1}
+    assert not processor.has_unfinished_requests()
