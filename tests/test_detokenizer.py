@@ -17,9 +17,7 @@ def tokenizer(smollm2_tokenizer_dir):
 
 
 @pytest.mark.parametrize("cls", [FastIncrementalDetokenizer, IncrementalDetokenizer])
-def test_prompt_ending_inside_a_character_gives_the_character_not_the_prompt_again(
-    tokenizer, cls
-):
+def test_prompt_ending_inside_a_character_gives_the_character_not_the_prompt_again(tokenizer, cls):
     prompt = [HELLO, E_ACUTE_FIRST]
     output = [E_ACUTE_SECOND, *tokenizer.encode(" world", add_special_tokens=False)]
     detok = cls(tokenizer, prompt, SamplingParams())
