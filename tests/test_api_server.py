@@ -669,6 +669,11 @@ def test_request_id_is_echoed_or_made(main: Server):
     assert httpx.get(f"{main.url}/health").headers["x-request-id"]
 
 
+def test_fastapi_docs_are_served_by_default(main: Server):
+    assert main.get("/openapi.json").status_code == 200
+    assert main.get("/docs").status_code == 200
+
+
 def test_version_and_metrics(main: Server):
     import pagellm
 
@@ -762,7 +767,9 @@ def test_killing_the_engine_fails_inflight_requests_with_5xx_and_health_503(
     for thread in threads:
         thread.start()
     time.sleep(0.1)  # let their requests reach the server
-    os.kill(server.engine_pid(), signal.SIGKILL)
+    engine_pid = server.engine_pid()
+    killed_at = time.monotonic()
+    os.kill(engine_pid, signal.SIGKILL)
     try:
         for _ in iterator:
             pass
@@ -772,9 +779,15 @@ def test_killing_the_engine_fails_inflight_requests_with_5xx_and_health_503(
         thread.join(10)
     assert stream_error, "the stream ended without an error"
     assert results and all(isinstance(r, int) and r >= 500 for r in results), results
+    assert time.monotonic() - killed_at < 5  # every client had its 5xx within 5 s
     health = httpx.get(f"{server.url}/health", timeout=10)
     assert health.status_code == 503
     assert health.json()["error"]["type"] == "server_error"
+    # The dead engine is reaped by the server (its parent): no zombie is left.
+    deadline = time.monotonic() + 5
+    while Path(f"/proc/{engine_pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not Path(f"/proc/{engine_pid}").exists()
     after = server.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
     assert after.status_code == 503, after.text
 
