@@ -117,7 +117,7 @@ def test_engine_process_speaks_msgspec_serves_utilities_and_reports_a_failure(ti
         assert stats[-1].num_free_blocks == stats[-1].num_total_blocks == num_usable
         assert stats[0].prefix_cache_queries == 3
 
-        assert client.call(1, "ping").result == "pong"
+        assert client.call(1, "get_state").result["num_running"] == 0
         assert client.call(2, "reset_prefix_cache").result is True
         unknown = client.call(3, "shutdown_everything")
         assert unknown.result is None and "unknown utility" in (unknown.error or "")
@@ -143,12 +143,24 @@ def test_engine_process_speaks_msgspec_serves_utilities_and_reports_a_failure(ti
             raw = msgspec.msgpack.decode(frame)
             assert isinstance(raw, list) and raw[0] in {"ready", "outputs", "result", "error"}
 
-        # An exception in the loop (a duplicate request id) is reported, then the process exits 1.
+        # A request the engine cannot add (a duplicate id) fails alone; the engine goes on.
         client.send(AddRequest(EngineCoreRequest("dup", [5, 6], long, None, 0.0)))
         client.send(AddRequest(EngineCoreRequest("dup", [5, 6], long, None, 0.0)))
+        failed = None
+        while failed is None:
+            msg = client.recv()
+            assert isinstance(msg, EngineStepOutputs)
+            failed = next((o for o in msg.outputs.outputs if o.finish_reason is not None), None)
+        assert failed.request_id == "dup" and failed.finish_reason == FinishReason.ERROR
+        client.send(AbortRequests(["dup"]))
+        assert client.call(5, "get_state").result["num_running"] == 0
+
+        # An exception in the loop itself (a frame that is no message) is reported, then the
+        # process exits 1.
+        client.push.send(b"not a message")
         while not isinstance(msg := client.recv(), EngineError):
             pass
-        assert "ValueError" in msg.message and "dup" in msg.message and msg.traceback
+        assert "msgspec" in msg.traceback and "decode" in msg.traceback
         client.proc.join(10)
         assert client.proc.exitcode == 1
     finally:
