@@ -14,6 +14,7 @@ allowlists:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.metadata
 import json
 import os
@@ -203,12 +204,27 @@ class Server:
         self._log.close()
 
 
+@contextlib.contextmanager
+def started_servers(
+    model: str, logs: Path, specs: dict[str, tuple[dict[str, str], tuple[str, ...]]]
+) -> Iterator[dict[str, Server]]:
+    """Start one server per spec (environment, extra flags) together; stop them all after."""
+    started = {
+        name: Server(model, logs / f"{name}.log", env, *args) for name, (env, args) in specs.items()
+    }
+    try:
+        yield {name: server.wait_ready() for name, server in started.items()}
+    finally:
+        for server in started.values():
+            server.stop()
+
+
 @pytest.fixture(scope="module")
 def servers(
     endpoint_packages: None, model_dir: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[dict[str, Server]]:
     logs = tmp_path_factory.mktemp("server_logs")
-    specs = {
+    specs: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
         "main": (
             {
                 "VLLM_PLUGINS": "openai,admin,dummy_endpoint,embed_endpoint",
@@ -219,15 +235,8 @@ def servers(
         "openai_only": ({"VLLM_PLUGINS": "openai"}, ()),
         "default": ({}, ("--endpoints", "openai")),
     }
-    started = {
-        name: Server(model_dir, logs / f"{name}.log", env, *args)
-        for name, (env, args) in specs.items()
-    }
-    try:
-        yield {name: server.wait_ready() for name, server in started.items()}
-    finally:
-        for server in started.values():
-            server.stop()
+    with started_servers(model_dir, logs, specs) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")

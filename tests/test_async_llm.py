@@ -15,7 +15,7 @@ from pagellm import LLM, SamplingParams
 from pagellm.engine import async_llm as async_llm_module
 from pagellm.engine.args import EngineArgs
 from pagellm.engine.async_llm import AsyncLLM
-from pagellm.engine.core_client import EngineDeadError
+from pagellm.engine.errors import EngineDeadError
 from pagellm.metrics.stats import IterationStats, SchedulerStats, StatLoggerBase
 from pagellm.sampling_params import RequestOutputKind
 

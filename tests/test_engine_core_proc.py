@@ -16,8 +16,9 @@ import zmq
 
 from pagellm import LLM, SamplingParams
 from pagellm.engine.args import EngineArgs
-from pagellm.engine.core_client import EngineDeadError, SyncMPClient
+from pagellm.engine.core_client import SyncMPClient
 from pagellm.engine.core_proc import run_engine_core
+from pagellm.engine.errors import EngineDeadError
 from pagellm.engine.messages import (
     AbortRequests,
     AddRequest,

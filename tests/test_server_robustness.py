@@ -35,7 +35,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from test_api_server import MODEL_NAME, Server, endpoint_packages, model_dir  # noqa: F401
+from test_api_server import (  # noqa: F401
+    MODEL_NAME,
+    Server,
+    endpoint_packages,
+    model_dir,
+    started_servers,
+)
 
 FAULT_PACKAGE = Path(__file__).parent / "fault_injection"
 POISON = 14744  # " electromagnetic"
@@ -93,7 +99,7 @@ def servers(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[dict[str, Server]]:
     logs = tmp_path_factory.mktemp("robustness_logs")
-    specs = {
+    specs: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
         "robust": (FAULT_ENV, (*LIMITS, "--disable-fastapi-docs")),
         "doomed": ({**FAULT_ENV, "PAGELLM_FAULT_AFTER": "0"}, ()),
         "stopper": (
@@ -101,15 +107,8 @@ def servers(
             ("--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)),
         ),
     }
-    started = {
-        name: Server(model_dir, logs / f"{name}.log", env, *args)
-        for name, (env, args) in specs.items()
-    }
-    try:
-        yield {name: server.wait_ready() for name, server in started.items()}
-    finally:
-        for server in started.values():
-            server.stop()
+    with started_servers(model_dir, logs, specs) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")

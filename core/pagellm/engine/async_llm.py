@@ -21,9 +21,15 @@ from typing import Any
 
 from pagellm.config import EngineConfig
 from pagellm.engine.args import EngineArgs
-from pagellm.engine.core_client import AsyncMPClient, EngineDeadError
+from pagellm.engine.core_client import AsyncMPClient
+from pagellm.engine.errors import (
+    EngineDeadError,
+    EngineOverloadedError,
+    RequestFailedError,
+)
 from pagellm.engine.llm_engine import child_params, engine_request_ids
 from pagellm.engine.messages import EngineStepOutputs
+from pagellm.engine.output_collector import RequestOutputCollector
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.processor import InputProcessor, PromptType
 from pagellm.metrics.stats import (
@@ -34,24 +40,14 @@ from pagellm.metrics.stats import (
 )
 from pagellm.outputs import RequestOutput
 from pagellm.plugins import load_frontend_plugins, load_general_plugins
-from pagellm.sampling_params import RequestOutputKind, SamplingParams
+from pagellm.request import FinishReason
+from pagellm.sampling_params import SamplingParams
 from pagellm.tokenizer import get_tokenizer
 
 logger = logging.getLogger(__name__)
 
 _LOG_INTERVAL_S = 5.0
-
-
-class RequestFailedError(RuntimeError):
-    """The request made an engine step raise; the engine failed it and serves the others."""
-
-
-class EngineOverloadedError(RuntimeError):
-    """More requests wait for the engine than ``max_waiting_requests`` allows: try again later."""
-
-
-class EngineShuttingDownError(RuntimeError):
-    """The server is shutting down; requests still running at its deadline end with this."""
+_ERROR = str(FinishReason.ERROR)
 
 
 @dataclass(slots=True)
@@ -75,69 +71,6 @@ class _Timing:
             ttft_s=None if self.first_token is None else self.first_token - self.arrival,
             mean_itl_s=self.itl_sum / self.num_itls if self.num_itls else None,
         )
-
-
-def merge_delta(into: RequestOutput, new: RequestOutput) -> None:
-    """Append ``new`` (a DELTA output of the same request) to ``into``, completion by index."""
-    by_index = {c.index: c for c in into.outputs}
-    for c in new.outputs:
-        old = by_index.get(c.index)
-        if old is None:
-            into.outputs.append(c)
-            continue
-        old.text += c.text
-        old.token_ids.extend(c.token_ids)
-        if old.logprobs is not None and c.logprobs is not None:
-            old.logprobs.extend(c.logprobs)
-        old.cumulative_logprob = c.cumulative_logprob
-        old.finish_reason = c.finish_reason
-        old.stop_reason = c.stop_reason
-    if into.prompt_logprobs is None:
-        into.prompt_logprobs = new.prompt_logprobs
-    into.finished = new.finished
-    into.num_cached_tokens = new.num_cached_tokens
-
-
-class RequestOutputCollector:
-    """The outputs of one request not yet taken by its consumer: at most one, merged.
-
-    DELTA outputs are merged (texts and token ids appended); for the other kinds the newer output
-    supersedes the older. An error is handed out after the output that came before it.
-    """
-
-    __slots__ = ("delta", "output", "error", "ready")
-
-    def __init__(self, output_kind: RequestOutputKind) -> None:
-        self.delta = output_kind == RequestOutputKind.DELTA
-        self.output: RequestOutput | None = None
-        self.error: Exception | None = None
-        self.ready = asyncio.Event()
-
-    def put(self, output: RequestOutput) -> None:
-        if self.output is None or not self.delta:
-            self.output = output
-        else:
-            merge_delta(self.output, output)
-        self.ready.set()
-
-    def put_error(self, error: Exception) -> None:
-        self.error = error
-        self.ready.set()
-
-    def get_nowait(self) -> RequestOutput | Exception | None:
-        """The pending output, else the error (it stays: every later call returns it), else None."""
-        output = self.output
-        if output is not None:
-            self.output = None
-            if self.error is None:
-                self.ready.clear()
-            return output
-        return self.error
-
-    async def get(self) -> RequestOutput | Exception:
-        while (item := self.get_nowait()) is None:
-            await self.ready.wait()
-        return item
 
 
 class AsyncLLM:
@@ -299,7 +232,7 @@ class AsyncLLM:
             if not output.finished:
                 queue.put(output)
                 continue
-            if any(c.finish_reason == "error" for c in output.outputs):
+            if any(c.finish_reason == _ERROR for c in output.outputs):
                 logger.error("Request %s failed in the engine", output.request_id)
                 queue.put_error(
                     RequestFailedError(

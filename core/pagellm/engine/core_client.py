@@ -32,6 +32,7 @@ import zmq.asyncio
 
 from pagellm.engine.args import EngineArgs
 from pagellm.engine.core_proc import run_engine_core
+from pagellm.engine.errors import EngineDeadError, EngineStartupError
 from pagellm.engine.messages import (
     AbortRequests,
     AddRequest,
@@ -58,14 +59,6 @@ _DRAIN_MS = 200
 _POLL_MS = 5000
 
 
-class EngineDeadError(RuntimeError):
-    """The engine-core process is gone (crashed, killed, or failed): no request can complete."""
-
-
-class EngineStartupError(RuntimeError):
-    """The engine-core process failed while loading the model or sizing the KV cache."""
-
-
 class EngineCoreClient(Protocol):
     """What `LLMEngine` drives: `EngineCore` in process, or `SyncMPClient`."""
 
@@ -78,6 +71,11 @@ class EngineCoreClient(Protocol):
     def shutdown(self) -> None: ...
 
 
+def _send_shutdown(input_socket: zmq.Socket) -> None:
+    with contextlib.suppress(zmq.ZMQError):
+        input_socket.send(encoder.encode(Shutdown()), zmq.NOBLOCK)
+
+
 def _stop_process(
     proc: BaseProcess, input_socket: zmq.Socket, sockets: list[zmq.Socket], tmpdir: str
 ) -> None:
@@ -85,8 +83,7 @@ def _stop_process(
     A module function (not a method) so the finalizer does not keep the client alive."""
     try:
         if proc.pid is not None and proc.exitcode is None:
-            with contextlib.suppress(zmq.ZMQError):
-                input_socket.send(encoder.encode(Shutdown()), zmq.NOBLOCK)
+            _send_shutdown(input_socket)
             proc.join(_SHUTDOWN_TIMEOUT_S)
             if proc.exitcode is None:
                 logger.warning(
@@ -381,8 +378,7 @@ class AsyncMPClient(_MPClient):
         if self._closed:
             return
         if self.proc.exitcode is None:
-            with contextlib.suppress(zmq.ZMQError):
-                self.input_socket.send(encoder.encode(Shutdown()), zmq.NOBLOCK)
+            _send_shutdown(self.input_socket)
             loop = asyncio.get_running_loop()
             deadline = loop.time() + timeout
             while self.proc.exitcode is None and loop.time() < deadline:

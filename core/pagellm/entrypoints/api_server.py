@@ -3,8 +3,11 @@
 The core serves only ``/health``, ``/version`` and ``/metrics``; every other route comes from the
 endpoint plugins the server is allowed to load (deny by default: VLLM_PLUGINS when it is set, else
 ``--endpoints``), whose ``required_tasks`` the served model must meet. One ASGI middleware in front of
-every route (plugin routes included) gives each request an id (``X-Request-Id``, echoed or made),
-checks the API key (everywhere but ``/health``) and refuses bodies over ``--max-request-body-bytes``.
+every route (plugin routes included, `request_guard.RequestGuard`) gives each request an id
+(``X-Request-Id``, echoed or made), checks the API key (everywhere but ``/health``), refuses bodies
+over ``--max-request-body-bytes`` or slower than ``--body-timeout``, and answers what no handler
+took with a generic 500 (`http_errors`). uvicorn's side (header timeout, shutdown deadline) is
+`http_server`.
 
 Plugins find what they need on ``app.state``: ``engine_client`` (the `AsyncLLM`),
 ``served_model_names`` (the names clients may ask for; the first is the one reported) and
@@ -15,24 +18,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hmac
 import logging
 import multiprocessing
 import os
 import sys
-import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
-from starlette.datastructures import Headers
-from starlette.exceptions import HTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pagellm.entrypoints.http_errors import SERVER_ERROR, APIError, bad_request
+from pagellm.entrypoints.http_errors import SERVER_ERROR, APIError, install_error_handlers
+from pagellm.entrypoints.request_guard import DEFAULT_BODY_TIMEOUT_S, RequestGuard
 from pagellm.plugins import allowlist, groups, load_endpoint_plugins
 from pagellm.plugins.loader import PluginError, discover, strict_mode
 from pagellm.version import __version__
@@ -49,10 +47,7 @@ DEFAULT_MAX_REQUEST_BODY_BYTES = 1 << 20
 DEFAULT_MAX_SEQUENCES_PER_REQUEST = 256
 DEFAULT_MAX_WAITING_REQUESTS = 1024
 DEFAULT_HEADER_TIMEOUT_S = 10.0
-DEFAULT_BODY_TIMEOUT_S = 30.0
-RETRY_AFTER_S = 1
 API_KEY_ENV = "PAGELLM_API_KEY"
-OPEN_PATHS = frozenset({"/health"})
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -126,201 +121,6 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="Serve no /docs, /redoc or /openapi.json.",
     )
-
-
-class _RequestGuard:
-    """Request id, API key and body-size limit, in front of every route.
-
-    The body is read here, up to the limit, and replayed to the app: a body that is too large is
-    refused before any handler sees it, whether or not the client sent a Content-Length.
-    """
-
-    def __init__(
-        self,
-        app: ASGIApp,
-        api_key: str | None,
-        max_body_bytes: int,
-        body_timeout: float = DEFAULT_BODY_TIMEOUT_S,
-    ) -> None:
-        self.app = app
-        self.api_key = api_key.encode() if api_key else None
-        self.max_body_bytes = max_body_bytes
-        self.body_timeout = body_timeout
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        headers = Headers(scope=scope)
-        request_id = headers.get("x-request-id") or uuid.uuid4().hex
-        scope.setdefault("state", {})["request_id"] = request_id
-        id_header = (b"x-request-id", request_id.encode("latin-1"))
-
-        async def send_with_id(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                message["headers"] = [*message.get("headers", ()), id_header]
-            await send(message)
-
-        if scope["path"] not in OPEN_PATHS and not self._authorized(headers):
-            error = APIError(
-                401,
-                "Missing or wrong API key: send it as 'Authorization: Bearer <key>'.",
-                code="invalid_api_key",
-            )
-            await error.response()(scope, receive, send_with_id)
-            return
-        try:
-            body = await asyncio.wait_for(self._read_body(headers, receive), self.body_timeout)
-        except APIError as error:
-            await error.response()(scope, receive, send_with_id)
-            return
-        except asyncio.TimeoutError:
-            timeout = APIError(
-                408,
-                f"The request body did not arrive within {self.body_timeout:g} s.",
-                code="request_timeout",
-            )
-            await timeout.response(headers={"Connection": "close"})(scope, receive, send_with_id)
-            return
-        if body is None:
-            return  # the client left before sending its body
-
-        replayed = False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        started = False
-
-        async def send_tracked(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send_with_id(message)
-
-        try:
-            await self.app(scope, replay, send_tracked)
-        except Exception as exc:
-            # Whatever no handler took: logged with the request id, answered without details
-            # (and the connection stays usable: nothing reaches uvicorn).
-            logger.error("Request %s failed", request_id, exc_info=exc)
-            if not started:
-                await internal_error(request_id).response()(scope, receive, send_with_id)
-
-    def _authorized(self, headers: Headers) -> bool:
-        if self.api_key is None:
-            return True
-        scheme, _, token = headers.get("authorization", "").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(
-            token.strip().encode(), self.api_key
-        )
-
-    async def _read_body(self, headers: Headers, receive: Receive) -> bytes | None:
-        limit = self.max_body_bytes
-        too_large = bad_request(
-            f"The request body is larger than the server's limit of {limit} bytes.",
-            code="request_too_large",
-        )
-        declared = headers.get("content-length")
-        if declared is not None:
-            if not declared.isdigit():
-                raise bad_request(f"Invalid Content-Length header {declared!r}.")
-            if int(declared) > limit:
-                raise too_large
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return None
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                raise too_large
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                return b"".join(chunks)
-
-
-def _validation_error(exc: RequestValidationError) -> APIError:
-    """A 400 naming the offending top-level field as ``param`` (``messages``, ``n``) and its full
-    location in the message."""
-    errors = exc.errors()
-    first = errors[0] if errors else {}
-    if first.get("type") == "json_invalid":
-        return bad_request(
-            f"The request body is not valid JSON: {first.get('ctx', {}).get('error', '')}"
-        )
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    message = first.get("msg", "Invalid request.")
-    if loc:
-        message = f"{'.'.join(loc)}: {message}"
-    if len(errors) > 1:
-        message += f" (and {len(errors) - 1} more error(s))"
-    return bad_request(message, param=loc[0] if loc else None)
-
-
-def _request_id(request: Request) -> str:
-    return str(getattr(request.state, "request_id", "") or "unknown")
-
-
-def internal_error(request_id: str, status: int = 500, code: str | None = None) -> APIError:
-    """What a client learns of a failure inside the server: that it happened, and the id to
-    find it in the server's log (where its details are)."""
-    return APIError(
-        status,
-        f"The server failed to handle the request (request id {request_id}); "
-        "its log has the details.",
-        type=SERVER_ERROR,
-        code=code,
-    )
-
-
-def _install_error_handlers(app: FastAPI) -> None:
-    from pagellm.engine.async_llm import EngineOverloadedError, EngineShuttingDownError
-    from pagellm.engine.core_client import EngineDeadError
-
-    async def api_error(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, APIError)
-        return exc.response()
-
-    async def validation_error(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, RequestValidationError)
-        return _validation_error(exc).response()
-
-    async def http_error(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, HTTPException)
-        error = APIError(exc.status_code, str(exc.detail))
-        return error.response(headers=dict(exc.headers or {}))
-
-    async def engine_dead(request: Request, exc: Exception) -> Response:
-        return APIError(
-            503,
-            "The engine has stopped (request id "
-            f"{_request_id(request)}); the server must be restarted.",
-            type=SERVER_ERROR,
-            code="engine_dead",
-        ).response()
-
-    async def unavailable(request: Request, exc: Exception) -> Response:
-        overloaded = isinstance(exc, EngineOverloadedError)
-        error = APIError(
-            503,
-            str(exc),
-            type=SERVER_ERROR,
-            code="server_overloaded" if overloaded else "server_shutting_down",
-        )
-        return error.response(headers={"Retry-After": str(RETRY_AFTER_S)} if overloaded else None)
-
-    app.add_exception_handler(APIError, api_error)
-    app.add_exception_handler(RequestValidationError, validation_error)
-    app.add_exception_handler(HTTPException, http_error)
-    app.add_exception_handler(EngineDeadError, engine_dead)
-    app.add_exception_handler(EngineOverloadedError, unavailable)
-    app.add_exception_handler(EngineShuttingDownError, unavailable)
 
 
 def _endpoint_names(args: argparse.Namespace) -> list[str]:
@@ -400,7 +200,7 @@ def build_app(
     app.state.max_sequences_per_request = getattr(
         args, "max_sequences_per_request", DEFAULT_MAX_SEQUENCES_PER_REQUEST
     )
-    _install_error_handlers(app)
+    install_error_handlers(app)
 
     @app.get("/health")
     async def health() -> Response:
@@ -429,14 +229,15 @@ def build_app(
     max_body = getattr(args, "max_request_body_bytes", DEFAULT_MAX_REQUEST_BODY_BYTES)
     body_timeout = getattr(args, "body_timeout", DEFAULT_BODY_TIMEOUT_S)
     app.add_middleware(
-        _RequestGuard, api_key=api_key, max_body_bytes=max_body, body_timeout=body_timeout
+        RequestGuard, api_key=api_key, max_body_bytes=max_body, body_timeout=body_timeout
     )
     return app
 
 
 async def _serve(args: argparse.Namespace) -> None:
     from pagellm.engine.args import EngineArgs
-    from pagellm.engine.async_llm import AsyncLLM, EngineShuttingDownError
+    from pagellm.engine.async_llm import AsyncLLM
+    from pagellm.engine.errors import EngineShuttingDownError
     from pagellm.entrypoints.http_server import make_server, shutdown_margin
     from pagellm.metrics.loggers import PrometheusStatLogger, build_stat_loggers
 

@@ -1,15 +1,21 @@
 """OpenAI-style HTTP errors: ``{"error": {"message", "type", "param", "code"}}``.
 
-Route handlers (the server's and the endpoint plugins') raise `APIError`; the API server turns it,
-and every other error it knows (validation, unknown route, dead engine), into this body.
+Route handlers (the server's and the endpoint plugins') raise `APIError`; `install_error_handlers`
+turns it, and every other error the server knows (validation, unknown route, dead engine,
+overload, shutdown), into this body. A failure inside the server is `internal_error`: the client
+learns the request id, the log gets the details.
 """
 
 from __future__ import annotations
 
-from fastapi.responses import JSONResponse
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
 
 INVALID_REQUEST = "invalid_request_error"
 SERVER_ERROR = "server_error"
+RETRY_AFTER_S = 1
 
 
 class APIError(Exception):
@@ -48,3 +54,84 @@ class APIError(Exception):
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     """HTTP 400, the answer to any request the server refuses to run."""
     return APIError(400, message, param=param, code=code)
+
+
+def _validation_error(exc: RequestValidationError) -> APIError:
+    """A 400 naming the offending top-level field as ``param`` (``messages``, ``n``) and its full
+    location in the message."""
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":
+        return bad_request(
+            f"The request body is not valid JSON: {first.get('ctx', {}).get('error', '')}"
+        )
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    message = first.get("msg", "Invalid request.")
+    if loc:
+        message = f"{'.'.join(loc)}: {message}"
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more error(s))"
+    return bad_request(message, param=loc[0] if loc else None)
+
+
+def _request_id(request: Request) -> str:
+    return str(getattr(request.state, "request_id", "") or "unknown")
+
+
+def internal_error(request_id: str, status: int = 500, code: str | None = None) -> APIError:
+    """What a client learns of a failure inside the server: that it happened, and the id to
+    find it in the server's log (where its details are)."""
+    return APIError(
+        status,
+        f"The server failed to handle the request (request id {request_id}); "
+        "its log has the details.",
+        type=SERVER_ERROR,
+        code=code,
+    )
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    from pagellm.engine.errors import (
+        EngineDeadError,
+        EngineOverloadedError,
+        EngineShuttingDownError,
+    )
+
+    async def api_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, APIError)
+        return exc.response()
+
+    async def validation_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestValidationError)
+        return _validation_error(exc).response()
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        error = APIError(exc.status_code, str(exc.detail))
+        return error.response(headers=dict(exc.headers or {}))
+
+    async def engine_dead(request: Request, exc: Exception) -> Response:
+        return APIError(
+            503,
+            "The engine has stopped (request id "
+            f"{_request_id(request)}); the server must be restarted.",
+            type=SERVER_ERROR,
+            code="engine_dead",
+        ).response()
+
+    async def unavailable(request: Request, exc: Exception) -> Response:
+        overloaded = isinstance(exc, EngineOverloadedError)
+        error = APIError(
+            503,
+            str(exc),
+            type=SERVER_ERROR,
+            code="server_overloaded" if overloaded else "server_shutting_down",
+        )
+        return error.response(headers={"Retry-After": str(RETRY_AFTER_S)} if overloaded else None)
+
+    app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(HTTPException, http_error)
+    app.add_exception_handler(EngineDeadError, engine_dead)
+    app.add_exception_handler(EngineOverloadedError, unavailable)
+    app.add_exception_handler(EngineShuttingDownError, unavailable)

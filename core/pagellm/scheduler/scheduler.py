@@ -143,7 +143,7 @@ class Scheduler:
                     break
             if blocks is None:
                 continue  # the request preempted itself; `i` already points at the next one
-            if request.request_id in self.resend:
+            if self.resend and request.request_id in self.resend:
                 scheduled_new.append(request)  # the probe, dropped by the workers: sent whole
             else:
                 scheduled_running.append(request)
@@ -202,7 +202,8 @@ class Scheduler:
         )
         for request in itertools.chain(scheduled_running, scheduled_new, scheduled_resumed):
             request.num_computed_tokens += num_scheduled[request.request_id]
-        self.resend.difference_update(r.request_id for r in scheduled_new)
+        if self.resend:
+            self.resend.difference_update(r.request_id for r in scheduled_new)
         self.finished_req_ids = set()
         return output
 
@@ -225,7 +226,9 @@ class Scheduler:
 
     def _pick_victim(self) -> Request:
         """The running request to preempt; never the probe (it must run to tell its fault)."""
-        candidates = [r for r in self.running if r is not self.probe] or self.running
+        candidates = self.running
+        if self.probe is not None:
+            candidates = [r for r in candidates if r is not self.probe] or candidates
         if self.config.policy == "priority":
             return max(candidates, key=lambda r: (r.priority, r.arrival_time))
         return candidates[-1]

@@ -18,7 +18,7 @@ import msgspec
 from fastapi import Request
 from pydantic import BaseModel
 
-from pagellm.entrypoints.http_errors import SERVER_ERROR, APIError, bad_request
+from pagellm.entrypoints.http_errors import SERVER_ERROR, APIError, bad_request, internal_error
 
 logger = logging.getLogger(__name__)
 
@@ -165,9 +165,7 @@ def error_event(exc: Exception, request_id: str) -> bytes:
     """The event that ends a stream whose request failed after the response began (its status,
     200, is already sent): an OpenAI-style error, which OpenAI clients raise. What went wrong
     inside is logged with the request id; the client gets the id, not the details."""
-    from pagellm.engine.async_llm import EngineShuttingDownError
-    from pagellm.engine.core_client import EngineDeadError
-    from pagellm.entrypoints.api_server import internal_error
+    from pagellm.engine.errors import EngineDeadError, EngineShuttingDownError
 
     if isinstance(exc, EngineShuttingDownError):
         error = APIError(503, str(exc), type=SERVER_ERROR, code="server_shutting_down")

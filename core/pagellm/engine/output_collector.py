@@ -1,0 +1,76 @@
+"""`RequestOutputCollector`: where one request's outputs wait for their consumer (an HTTP stream).
+
+One slot rather than a queue: when the consumer falls behind the engine, the DELTA outputs that
+pile up are merged into one, so a busy front end sends fewer, larger chunks instead of falling
+further behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from pagellm.outputs import RequestOutput
+from pagellm.sampling_params import RequestOutputKind
+
+
+def merge_delta(into: RequestOutput, new: RequestOutput) -> None:
+    """Append ``new`` (a DELTA output of the same request) to ``into``, completion by index."""
+    by_index = {c.index: c for c in into.outputs}
+    for c in new.outputs:
+        old = by_index.get(c.index)
+        if old is None:
+            into.outputs.append(c)
+            continue
+        old.text += c.text
+        old.token_ids.extend(c.token_ids)
+        if old.logprobs is not None and c.logprobs is not None:
+            old.logprobs.extend(c.logprobs)
+        old.cumulative_logprob = c.cumulative_logprob
+        old.finish_reason = c.finish_reason
+        old.stop_reason = c.stop_reason
+    if into.prompt_logprobs is None:
+        into.prompt_logprobs = new.prompt_logprobs
+    into.finished = new.finished
+    into.num_cached_tokens = new.num_cached_tokens
+
+
+class RequestOutputCollector:
+    """The outputs of one request not yet taken by its consumer: at most one, merged.
+
+    DELTA outputs are merged (texts and token ids appended); for the other kinds the newer output
+    supersedes the older. An error is handed out after the output that came before it.
+    """
+
+    __slots__ = ("delta", "output", "error", "ready")
+
+    def __init__(self, output_kind: RequestOutputKind) -> None:
+        self.delta = output_kind == RequestOutputKind.DELTA
+        self.output: RequestOutput | None = None
+        self.error: Exception | None = None
+        self.ready = asyncio.Event()
+
+    def put(self, output: RequestOutput) -> None:
+        if self.output is None or not self.delta:
+            self.output = output
+        else:
+            merge_delta(self.output, output)
+        self.ready.set()
+
+    def put_error(self, error: Exception) -> None:
+        self.error = error
+        self.ready.set()
+
+    def get_nowait(self) -> RequestOutput | Exception | None:
+        """The pending output, else the error (it stays: every later call returns it), else None."""
+        output = self.output
+        if output is not None:
+            self.output = None
+            if self.error is None:
+                self.ready.clear()
+            return output
+        return self.error
+
+    async def get(self) -> RequestOutput | Exception:
+        while (item := self.get_nowait()) is None:
+            await self.ready.wait()
+        return item
