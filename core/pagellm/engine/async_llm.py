@@ -21,7 +21,7 @@ from typing import Any
 
 from pagellm.config import EngineConfig
 from pagellm.engine.args import EngineArgs
-from pagellm.engine.core_client import AsyncMPClient
+from pagellm.engine.async_core_client import AsyncMPClient
 from pagellm.engine.errors import (
     EngineDeadError,
     EngineOverloadedError,

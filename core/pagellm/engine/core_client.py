@@ -1,7 +1,8 @@
 """Clients of the engine core: what `LLMEngine` and `AsyncLLM` drive.
 
 `EngineCore` itself is the in-process client. `SyncMPClient` (blocking, for `LLM`) and
-`AsyncMPClient` (asyncio, for `AsyncLLM`) run it in a spawned process (`core_proc`) and talk to it
+`AsyncMPClient` (asyncio, for `AsyncLLM`, in `async_core_client`) run it in a spawned process
+(`core_proc`) and talk to it
 over two ZMQ PUSH/PULL channels on IPC paths in a private temporary directory: the engine process
 binds both, the client connects both (so its sends never block, even before the engine is up or
 after it died). Frames are msgspec-msgpack structs (`engine.messages`), never pickle.
@@ -13,7 +14,6 @@ pending request and utility call then fails with `EngineDeadError` and `errored`
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import itertools
 import logging
@@ -23,7 +23,7 @@ import shutil
 import tempfile
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from multiprocessing.process import BaseProcess
 from typing import Any, Protocol
 
@@ -54,7 +54,7 @@ logger = logging.getLogger(__name__)
 
 _SHUTDOWN_TIMEOUT_S = 5.0
 # After the process exited, how long its last messages (an EngineError) may take to arrive.
-_DRAIN_MS = 200
+DRAIN_MS = 200
 # Sync client: re-check the process this often even if the sentinel said nothing.
 _POLL_MS = 5000
 
@@ -71,7 +71,7 @@ class EngineCoreClient(Protocol):
     def shutdown(self) -> None: ...
 
 
-def _send_shutdown(input_socket: zmq.Socket) -> None:
+def send_shutdown(input_socket: zmq.Socket) -> None:
     with contextlib.suppress(zmq.ZMQError):
         input_socket.send(encoder.encode(Shutdown()), zmq.NOBLOCK)
 
@@ -83,7 +83,7 @@ def _stop_process(
     A module function (not a method) so the finalizer does not keep the client alive."""
     try:
         if proc.pid is not None and proc.exitcode is None:
-            _send_shutdown(input_socket)
+            send_shutdown(input_socket)
             proc.join(_SHUTDOWN_TIMEOUT_S)
             if proc.exitcode is None:
                 logger.warning(
@@ -100,7 +100,7 @@ def _stop_process(
         shutil.rmtree(tmpdir, ignore_errors=True)
 
 
-class _MPClient:
+class MPClientBase:
     """Starts the engine-core process and owns its sockets; subclasses read the outputs."""
 
     def __init__(self, args: EngineArgs) -> None:
@@ -154,7 +154,7 @@ class _MPClient:
                         f"The engine core failed to start: {msg.message}\n{msg.traceback}"
                     )
             elif self.proc.sentinel in events:
-                if self._output_sync.poll(_DRAIN_MS):
+                if self._output_sync.poll(DRAIN_MS):
                     continue  # its error message is still on the way
                 raise EngineStartupError(
                     f"The engine-core process exited with code {self.proc.exitcode} while starting."
@@ -217,7 +217,7 @@ class _MPClient:
         self._finalizer()
 
 
-class SyncMPClient(_MPClient):
+class SyncMPClient(MPClientBase):
     """Blocking client for `LLMEngine` (``LLM(..., multiprocess_engine=True)``)."""
 
     def __init__(self, args: EngineArgs) -> None:
@@ -233,7 +233,7 @@ class SyncMPClient(_MPClient):
         while True:
             self.raise_if_dead()
             events = dict(self._poller.poll(_POLL_MS))
-            if sock in events or (self.proc.sentinel in events and sock.poll(_DRAIN_MS)):
+            if sock in events or (self.proc.sentinel in events and sock.poll(DRAIN_MS)):
                 msg = output_decoder.decode(sock.recv())
                 if isinstance(msg, EngineError):
                     self.proc.join(_SHUTDOWN_TIMEOUT_S)  # it exits right after: reap it
@@ -267,134 +267,3 @@ class SyncMPClient(_MPClient):
                 if msg.error is not None:
                     raise RuntimeError(f"Engine utility {method!r} failed: {msg.error}")
                 return msg.result
-
-
-class AsyncMPClient(_MPClient):
-    """asyncio client for `AsyncLLM`.
-
-    A background task (started by `start_output_task` in the running loop, and again in a later
-    loop if that one ended) reads the output socket and hands each step's outputs to
-    ``on_outputs``; ``on_dead`` is called once when the engine dies. Requests and aborts are
-    sent synchronously (they never block), so an abort can be sent from any ``finally``.
-    """
-
-    def __init__(
-        self,
-        args: EngineArgs,
-        on_outputs: Callable[[EngineStepOutputs], None],
-        on_dead: Callable[[EngineDeadError], None],
-    ) -> None:
-        super().__init__(args)
-        self.output_socket = zmq.asyncio.Socket.from_socket(self._output_sync)
-        self._on_outputs = on_outputs
-        self._on_dead = on_dead
-        self._task: asyncio.Task[None] | None = None
-        self._calls: dict[int, asyncio.Future[Any]] = {}
-        self._call_ids = itertools.count()
-        self._exited = False
-        self._recv_future: asyncio.Future[Any] | None = None
-
-    def start_output_task(self) -> None:
-        """Make sure the output task runs in the current event loop."""
-        loop = asyncio.get_running_loop()
-        task = self._task
-        if task is not None and not task.done() and task.get_loop() is loop:
-            return
-        self._task = loop.create_task(self._process_outputs(loop), name="pagellm-engine-outputs")
-
-    async def _process_outputs(self, loop: asyncio.AbstractEventLoop) -> None:
-        sentinel = self.proc.sentinel
-
-        def on_exit() -> None:
-            loop.remove_reader(sentinel)
-            self.proc.join(0)  # it has exited: reap it (no zombie left behind)
-            self._exited = True
-            if self._recv_future is not None:
-                self._recv_future.cancel()
-
-        loop.add_reader(sentinel, on_exit)
-        sock = self.output_socket
-        try:
-            while not self._exited:
-                self._recv_future = sock.recv()  # type: ignore[assignment]
-                try:
-                    frame = await self._recv_future  # type: ignore[misc]
-                except asyncio.CancelledError:
-                    if self._exited and not self._closed:
-                        break  # cancelled by on_exit, not from outside
-                    raise
-                finally:
-                    self._recv_future = None
-                self._dispatch(output_decoder.decode(frame))
-            # The process is gone: take what it sent before dying (its EngineError, if any).
-            while await sock.poll(_DRAIN_MS):
-                self._dispatch(output_decoder.decode(await sock.recv()))
-            if not self._closed:
-                self._fail_all(self._set_dead(None))
-        except Exception as exc:
-            if not self._closed:  # a closed socket is how shutdown() stops us
-                self._fail_all(self._set_frontend_failed(exc))
-        finally:
-            loop.remove_reader(sentinel)
-
-    def _dispatch(self, msg: EngineOutputMsg) -> None:
-        if isinstance(msg, EngineStepOutputs):
-            self._on_outputs(msg)
-        elif isinstance(msg, UtilityResult):
-            future = self._calls.pop(msg.call_id, None)
-            if future is not None and not future.done():
-                if msg.error is not None:
-                    future.set_exception(RuntimeError(f"Engine utility failed: {msg.error}"))
-                else:
-                    future.set_result(msg.result)
-        elif isinstance(msg, EngineError):
-            self._fail_all(self._set_dead(msg))
-
-    def _fail_all(self, error: EngineDeadError) -> None:
-        calls, self._calls = self._calls, {}
-        for future in calls.values():
-            if not future.done():
-                future.set_exception(error)
-        self._on_dead(error)
-
-    async def call_utility(self, method: str, *args: Any, timeout: float | None = None) -> Any:
-        """Run a utility method in the engine process; ``asyncio.TimeoutError`` after
-        ``timeout`` seconds, `EngineDeadError` if the engine dies meanwhile."""
-        self.raise_if_dead()
-        self.start_output_task()
-        call_id = next(self._call_ids)
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._calls[call_id] = future
-        try:
-            self._send(UtilityCall(call_id, method, list(args)))
-            return await asyncio.wait_for(future, timeout)
-        finally:
-            self._calls.pop(call_id, None)
-
-    async def shutdown_async(self, timeout: float) -> None:
-        """`shutdown` without blocking the event loop: ask the engine to stop, wait up to
-        ``timeout`` seconds for it to exit (its output socket stays open meanwhile, so its last
-        sends never block), then kill it if it has not."""
-        if self._closed:
-            return
-        if self.proc.exitcode is None:
-            _send_shutdown(self.input_socket)
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + timeout
-            while self.proc.exitcode is None and loop.time() < deadline:
-                await asyncio.sleep(0.02)
-            if self.proc.exitcode is None:
-                logger.warning("Engine core did not stop within %.1f s: killing it", timeout)
-                self.proc.kill()
-        self.shutdown()
-
-    def shutdown(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        task = self._task
-        if task is not None and not task.done() and not task.get_loop().is_closed():
-            task.get_loop().remove_reader(self.proc.sentinel)
-            task.cancel()
-        self._finalizer()  # stops the process first, then closes the sockets
-        self.output_socket.close(linger=0)
