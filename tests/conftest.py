@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+import tomllib
 import torch
 
 # Triton fixes interpreter or compiled mode when it is first imported, for the whole process. On a
@@ -90,3 +96,33 @@ def tiny_models(
         kind: make_tiny_model(kind, os.path.join(root, kind), smollm2_tokenizer_dir)
         for kind in TINY_CONFIGS
     }
+
+
+@contextlib.contextmanager
+def editable_installs(projects: list[Path]) -> Iterator[None]:
+    """``pip install -e`` each project from this checkout (replacing any install of the same
+    name), check that a fresh interpreter imports its packages, and uninstall them afterwards."""
+    pip = [sys.executable, "-m", "pip", "-q"]
+    if not projects:
+        yield
+        return
+    metadata = [tomllib.loads((p / "pyproject.toml").read_text()) for p in projects]
+    args = [a for p in projects for a in ("-e", str(p))]
+    subprocess.run([*pip, "install", "--no-deps", "--no-build-isolation", *args], check=True)
+    try:
+        packages = [
+            pkg
+            for m in metadata
+            for pkg in m.get("tool", {}).get("setuptools", {}).get("packages")
+            or [m["project"]["name"].replace("-", "_")]
+        ]
+        check = subprocess.run(
+            [sys.executable, "-c", "".join(f"import {pkg}\n" for pkg in packages)],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).parent.parent,
+        )
+        assert check.returncode == 0, f"installed, yet not importable:\n{check.stderr}"
+        yield
+    finally:
+        subprocess.run([*pip, "uninstall", "-y", *(m["project"]["name"] for m in metadata)])

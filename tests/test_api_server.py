@@ -33,12 +33,14 @@ import openai
 import pytest
 import torch
 
+from conftest import editable_installs
+
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = {
+FIRST_PARTY = {
     "pagellm-openai": ROOT / "plugins" / "endpoints" / "openai",
     "pagellm-admin": ROOT / "plugins" / "endpoints" / "admin",
-    "pagellm-dummy-endpoint": ROOT / "tests" / "plugins" / "dummy_endpoint",
 }
+DUMMY_ENDPOINT = ROOT / "tests" / "plugins" / "dummy_endpoint"
 API_KEY = "test-key"
 MAX_MODEL_LEN = 512
 MAX_NUM_SEQS = 64
@@ -52,19 +54,16 @@ LONG_TEXT = "word " * (MAX_MODEL_LEN + 10)
 
 @pytest.fixture(scope="module")
 def endpoint_packages() -> Iterator[None]:
+    """The first-party endpoint packages unless installed already; the test package always, from
+    this checkout (an install left by another checkout must not stand in for it)."""
     missing = []
-    for dist in PACKAGES:
+    for dist in FIRST_PARTY:
         try:
             importlib.metadata.distribution(dist)
         except importlib.metadata.PackageNotFoundError:
             missing.append(dist)
-    pip = [sys.executable, "-m", "pip", "-q"]
-    if missing:
-        args = [a for d in missing for a in ("-e", str(PACKAGES[d]))]
-        subprocess.run([*pip, "install", "--no-deps", "--no-build-isolation", *args], check=True)
-    yield
-    if missing:
-        subprocess.run([*pip, "uninstall", "-y", *missing], check=True)
+    with editable_installs([*(FIRST_PARTY[d] for d in missing), DUMMY_ENDPOINT]):
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -15,18 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from conftest import editable_installs
+
 PLUGIN_DIRS = sorted(
     p for p in (Path(__file__).parent / "plugins").iterdir() if (p / "pyproject.toml").exists()
 )
-PLUGIN_DISTS = [
-    "pagellm-broken-plugin",
-    "pagellm-dummy-attention",
-    "pagellm-dummy-endpoint",
-    "pagellm-dummy-frontend",
-    "pagellm-dummy-model",
-    "pagellm-dummy-platform",
-    "pagellm-dummy-quant",
-]
 CONTROL_VARS = (
     "VLLM_PLUGINS",
     "PAGELLM_PLUGINS_STRICT",
@@ -38,11 +31,8 @@ CONTROL_VARS = (
 
 @pytest.fixture(scope="module", autouse=True)
 def installed_plugins():
-    pip = [sys.executable, "-m", "pip", "-q"]
-    args = [a for d in PLUGIN_DIRS for a in ("-e", str(d))]
-    subprocess.run([*pip, "install", "--no-deps", "--no-build-isolation", *args], check=True)
-    yield
-    subprocess.run([*pip, "uninstall", "-y", *PLUGIN_DISTS], check=True)
+    with editable_installs(PLUGIN_DIRS):
+        yield
 
 
 def run(code: str, env: dict[str, str] | None = None, *args: str) -> subprocess.CompletedProcess:

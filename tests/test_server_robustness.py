@@ -17,14 +17,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.metadata
 import json
 import os
 import re
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -35,6 +32,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import editable_installs
 from test_api_server import (  # noqa: F401
     MODEL_NAME,
     Server,
@@ -76,19 +74,8 @@ LIMITS = (
 
 @pytest.fixture(scope="module")
 def fault_package() -> Iterator[None]:
-    pip = [sys.executable, "-m", "pip", "-q"]
-    try:
-        importlib.metadata.distribution("pagellm-fault-injection")
-        installed_here = False
-    except importlib.metadata.PackageNotFoundError:
-        subprocess.run(
-            [*pip, "install", "--no-deps", "--no-build-isolation", "-e", str(FAULT_PACKAGE)],
-            check=True,
-        )
-        installed_here = True
-    yield
-    if installed_here:
-        subprocess.run([*pip, "uninstall", "-y", "pagellm-fault-injection"], check=True)
+    with editable_installs([FAULT_PACKAGE]):
+        yield
 
 
 @pytest.fixture(scope="module")
