@@ -242,11 +242,6 @@ def test_cache_salt_changes_the_first_block_hash():
     assert other_salt.block_hashes[0] != salted.block_hashes[0]
 
 
-def test_unsupported_hash_algo_is_rejected():
-    with pytest.raises(ValueError):
-        make_block_hasher(4, algo="md5")
-
-
 # ---------------------------------------------------------------------------- KVCacheManager
 
 

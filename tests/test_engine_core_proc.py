@@ -48,10 +48,12 @@ class RawClient:
         self.push.connect(input_address)
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.connect(output_address)
-        args = EngineArgs(model, max_model_len=128, kv_cache_memory=8 << 20)
+        config = EngineArgs(
+            model, max_model_len=128, kv_cache_memory=8 << 20
+        ).create_engine_config()
         self.proc = multiprocessing.get_context("spawn").Process(
             target=run_engine_core,
-            args=(args, input_address, output_address, os.getpid()),
+            args=(config, input_address, output_address, os.getpid()),
             daemon=True,
         )
         self.proc.start()

@@ -1,6 +1,8 @@
-"""Engine configuration: one validated object (`EngineConfig`) passed to every layer.
+"""Engine configuration: one resolved object (`EngineConfig`) passed to every layer.
 
-`EngineArgs.create_engine_config` (engine/args.py) is the one place that builds and cross-checks it.
+`EngineArgs.create_engine_config` (engine/args.py) is the one place that validates the user's
+values and fills every field; what it returns is complete (no field is left for a later layer to
+pick) and travels, pickled, to the engine-core process.
 """
 
 from __future__ import annotations
@@ -10,25 +12,18 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-_DTYPES: dict[str, torch.dtype] = {
+DTypeName = Literal["float32", "float16", "bfloat16"]
+LoadFormat = Literal["auto", "safetensors", "gguf", "dummy"]
+
+DTYPES: dict[DTypeName, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
 }
-DTYPE_ALIASES = {
-    "float": "float32",
-    "half": "float16",
-    "fp32": "float32",
-    "fp16": "float16",
-    "bf16": "bfloat16",
-}
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    for name, value in _DTYPES.items():
-        if value == dtype:
-            return name
-    raise ValueError(f"dtype {dtype} is not supported; use one of {sorted(_DTYPES)}")
+class ConfigError(ValueError):
+    """An engine argument (a ``LLM`` keyword, a CLI flag) has a value the engine cannot use."""
 
 
 class _Config(BaseModel):
@@ -44,20 +39,20 @@ class ModelConfig(_Config):
     model: str
     """Local path: a Hugging Face model directory or a GGUF file."""
     tokenizer: str
-    skip_tokenizer_init: bool = False
+    skip_tokenizer_init: bool
     """No tokenizer: prompts must be token ids and outputs carry no text."""
-    gguf_file: str | None = None
+    gguf_file: str | None
     """Set when the weights come from a GGUF file (then tokenizer and config come from it too)."""
-    dtype: str = "float32"
+    dtype: DTypeName
     max_model_len: int
-    seed: int = 0
+    seed: int
     architecture: str
     hf_config: Any = Field(repr=False)
     """The `transformers.PretrainedConfig` of the model."""
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        return DTYPES[self.dtype]
 
     @property
     def text_config(self) -> Any:
@@ -72,10 +67,6 @@ class ModelConfig(_Config):
         return int(self.text_config.num_hidden_layers)
 
     @property
-    def num_attention_heads(self) -> int:
-        return int(self.text_config.num_attention_heads)
-
-    @property
     def num_kv_heads(self) -> int:
         cfg = self.text_config
         return int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
@@ -88,43 +79,47 @@ class ModelConfig(_Config):
 
     @property
     def sliding_window(self) -> int | None:
+        """The attention window every layer uses, or None for full attention: the one definition
+        that backend selection, the model's layers and the KV cache spec read."""
         cfg = self.text_config
-        if getattr(cfg, "use_sliding_window", True) is False:
-            return None
         window = getattr(cfg, "sliding_window", None)
-        return int(window) if window else None
+        if not window or getattr(cfg, "use_sliding_window", True) is False:
+            return None
+        kinds = set(getattr(cfg, "layer_types", None) or ["sliding_attention"])
+        if kinds == {"full_attention"}:
+            return None
+        if kinds != {"sliding_attention"}:
+            raise NotImplementedError(
+                "Models mixing sliding-window and full-attention layers are not supported yet."
+            )
+        return int(window)
 
 
 class CacheConfig(_Config):
-    block_size: int | None = None
-    """Tokens per KV block; None lets the platform pick what the attention backend supports."""
-    enable_prefix_caching: bool = True
-    prefix_caching_hash_algo: Literal["sha256"] = "sha256"
-    kv_cache_memory: int | None = None
-    """Bytes for the KV cache (CPU); None: a platform default."""
-    gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)
-    num_blocks: int | None = None
-    """Filled in once the executor has measured the memory available for the KV cache."""
+    block_size: int
+    """Tokens per KV block (the user's, or the attention backend's default)."""
+    enable_prefix_caching: bool
+    kv_cache_memory: int | None
+    """Bytes for the KV cache; None: the platform measures or picks them."""
+    gpu_memory_utilization: float
 
 
 class SchedulerConfig(_Config):
-    max_num_seqs: int = Field(ge=1)
-    max_num_batched_tokens: int = Field(ge=1)
-    max_model_len: int = Field(ge=1)
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
     enable_chunked_prefill: bool = True
-    long_prefill_token_threshold: int = Field(default=0, ge=0)
+    long_prefill_token_threshold: int = 0
     """A request's prefill chunk is capped at this many tokens per step (0: no cap)."""
-    policy: Literal["fcfs", "priority"] = "fcfs"
+    policy: str = "fcfs"
 
 
 class ParallelConfig(_Config):
-    tensor_parallel_size: int = Field(default=1, ge=1)
-    pipeline_parallel_size: int = Field(default=1, ge=1)
-    distributed_executor_backend: Literal["uni"] = "uni"
+    tensor_parallel_size: int = 1
 
 
 class DeviceConfig(_Config):
-    device: str = "cpu"
+    device: str
     """The platform's device type ("cpu", "cuda", ...)."""
 
 
@@ -140,7 +135,7 @@ class CompilationConfig(_Config):
 
 
 class LoadConfig(_Config):
-    load_format: Literal["auto", "safetensors", "gguf", "dummy"] = "auto"
+    load_format: LoadFormat = "auto"
 
 
 class EngineConfig(_Config):
@@ -150,8 +145,8 @@ class EngineConfig(_Config):
     parallel: ParallelConfig
     device: DeviceConfig
     load: LoadConfig
-    compilation: CompilationConfig = Field(default_factory=CompilationConfig)
-    attention_backend: str | None = None
+    compilation: CompilationConfig
+    attention_backend: str
     """The attention backend's registered name, chosen by the platform unless the user forced one."""
-    quantization: str | None = None
+    quantization: str | None
     """The quantization method's registered name, or None for dense weights."""

@@ -153,7 +153,7 @@ def run_pagellm(
     result = _summary("pagellm", requests, total_elapsed)
     result["num_steps"] = num_steps
     result["num_preemptions"] = core.scheduler.num_preemptions
-    result["kv_cache_blocks"] = config.cache.num_blocks
+    result["kv_cache_blocks"] = core.kv_cache_manager.block_pool.num_blocks
     result["attention_backend"] = config.attention_backend
     result["cudagraph_mode"] = config.compilation.cudagraph_mode
     if steady_steps:

@@ -1,27 +1,38 @@
-"""`EngineArgs`: the user-facing knobs (LLM kwargs and CLI flags), turned into a validated
-`EngineConfig` in one ordered place."""
+"""`EngineArgs`: the user-facing knobs (`LLM` keywords, CLI flags), turned into a complete
+`EngineConfig` in one ordered place.
+
+A field's type is its validation (pydantic: `Literal` for closed sets, bounds through `Field`) and
+the docstring under it is its ``--help`` text; a bad value becomes one `ConfigError` naming the
+flag, whether pydantic or a check that needs the model or the platform found it.
+"""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import types
+import typing
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import torch
+from pydantic import ConfigDict, Field, TypeAdapter, ValidationError, with_config
 
 from pagellm.attention.selector import select_attention_backend
 from pagellm.config import (
-    DTYPE_ALIASES,
+    DTYPES,
     CacheConfig,
     CompilationConfig,
+    ConfigError,
     DeviceConfig,
+    DTypeName,
     EngineConfig,
     LoadConfig,
+    LoadFormat,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
-    dtype_name,
 )
 from pagellm.model_loader.source import load_hf_config, resolve_model_source
 from pagellm.models.registry import resolve_model_cls
@@ -30,64 +41,117 @@ from pagellm.quantization.registry import get_quantization_config_cls
 
 _DEFAULT_MAX_NUM_SEQS = 256
 _DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+_DTYPE_ALIASES: dict[str, DTypeName] = {
+    "float": "float32",
+    "half": "float16",
+    "fp32": "float32",
+    "fp16": "float16",
+    "bf16": "bfloat16",
+}
+
+PositiveInt = Annotated[int, Field(ge=1)]
+DTypeArg = Literal[
+    "auto", "float32", "float16", "bfloat16", "float", "half", "fp32", "fp16", "bf16"
+]
 
 
+@with_config(ConfigDict(use_attribute_docstrings=True))
 @dataclass
 class EngineArgs:
     model: str
+    """A Hugging Face model directory or a GGUF file (a local path)."""
     tokenizer: str | None = None
-    dtype: str = "auto"
+    """The tokenizer's directory or GGUF file (default: the model's)."""
+    dtype: DTypeArg = "auto"
+    """Weights and activations dtype; auto: the platform's choice for the checkpoint's dtype."""
     seed: int = 0
-    max_model_len: int | None = None
-    block_size: int | None = None
-    max_num_seqs: int | None = None
-    max_num_batched_tokens: int | None = None
+    """Seed for sampling without a per-request seed, and for dummy weights."""
+    max_model_len: PositiveInt | None = None
+    """Longest request, prompt and output tokens together (default: the model's
+    max_position_embeddings)."""
+    block_size: PositiveInt | None = None
+    """Tokens per KV cache block (default: the attention backend's)."""
+    max_num_seqs: PositiveInt | None = None
+    """Most requests running in one step (default: 256)."""
+    max_num_batched_tokens: PositiveInt | None = None
+    """Most tokens computed in one step (default: 8192, and with chunked prefill off at least
+    max_model_len)."""
     enable_prefix_caching: bool = True
+    """Reuse the KV blocks of equal prompt prefixes across requests."""
     enable_chunked_prefill: bool = True
-    long_prefill_token_threshold: int = 0
+    """Split long prompts over several steps, batched with the decodes."""
+    long_prefill_token_threshold: Annotated[int, Field(ge=0)] = 0
+    """Most prefill tokens of one request in one step (0: no cap)."""
     scheduling_policy: str = "fcfs"
-    load_format: str = "auto"
-    kv_cache_memory: int | None = None
-    gpu_memory_utilization: float = 0.9
+    """Order of the waiting queue: fcfs, or priority (lower value first, then arrival)."""
+    load_format: LoadFormat = "auto"
+    """auto (by the model's files), safetensors, gguf, or dummy (random weights)."""
+    kv_cache_memory: PositiveInt | None = None
+    """Bytes for the KV cache (default: the platform's; a share of RAM on CPU, measured on GPU)."""
+    gpu_memory_utilization: Annotated[float, Field(gt=0.0, le=1.0)] = 0.9
+    """Fraction of the GPU's memory the engine may take (weights, activations, KV cache)."""
     attention_backend: str | None = None
+    """An attention backend by registered name (default: the platform's best that fits)."""
     quantization: str | None = None
+    """A quantization method by registered name (default: dense weights)."""
     device: str | None = None
-    tensor_parallel_size: int = 1
+    """The platform by name or device type: the CLI chooses it (as PAGELLM_PLATFORM does); in
+    Python it must match the current platform."""
+    tensor_parallel_size: PositiveInt = 1
+    """GPUs to shard the model over (only 1 is supported yet)."""
     enforce_eager: bool = False
+    """Never capture CUDA graphs: every step runs eagerly."""
     skip_tokenizer_init: bool = False
+    """No tokenizer: prompts must be token ids and outputs carry no text."""
     multiprocess_engine: bool = False
-    """`LLM` / `LLMEngine`: run the engine core in a background process (`AsyncLLM` always does)."""
+    """LLM: run the engine core in a background process (the API server always does)."""
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
-        """One ``--flag`` per field (``--no-enable-prefix-caching`` style for booleans)."""
+        """One ``--flag`` per field but ``model`` (``--no-enable-prefix-caching`` style for
+        booleans, choices for closed sets), its help the field's docstring."""
+        docs = _validator().json_schema()["properties"]
+        hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
-            flag = "--" + f.name.replace("_", "-")
             if f.name == "model":
                 continue
-            if f.type in ("bool", bool):
-                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
-            elif f.type in ("int", "int | None"):
-                parser.add_argument(flag, type=int, default=f.default)
-            elif f.type == "float":
-                parser.add_argument(flag, type=float, default=f.default)
+            hint = hints[f.name]
+            if typing.get_origin(hint) in (typing.Union, types.UnionType):  # X | None: takes an X
+                hint = next(a for a in typing.get_args(hint) if a is not type(None))
+            options: dict[str, Any] = {"default": f.default, "help": docs[f.name]["description"]}
+            if hint is bool:
+                options["action"] = argparse.BooleanOptionalAction
+            elif typing.get_origin(hint) is Literal:
+                options["choices"] = typing.get_args(hint)
             else:
-                parser.add_argument(flag, type=str, default=f.default)
+                options["type"] = hint
+            parser.add_argument("--" + f.name.replace("_", "-"), **options)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
         return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
 
     def create_engine_config(self) -> EngineConfig:
+        """Validate every field, then fill the config in dependency order: model, dtype, lengths,
+        budgets, attention backend, the platform's last look."""
+        try:
+            args = _validator().validate_python(vars(self))
+        except ValidationError as exc:
+            raise ConfigError(_describe(exc)) from None
+        return args._resolve()
+
+    def _resolve(self) -> EngineConfig:
         platform = current_platform
         if self.device is not None and self.device not in (
             current_platform_name(),
             platform.device_type,
         ):
-            raise ValueError(
+            raise ConfigError(
                 f"device={self.device!r} but this process runs on platform {platform.name!r}; "
                 "choose the platform before first use with PAGELLM_PLATFORM (the CLI's --device does)."
             )
+        if self.tensor_parallel_size != 1:
+            raise NotImplementedError("tensor_parallel_size > 1 is not supported yet.")
         source = resolve_model_source(self.model, field="model")
         tokenizer = self.tokenizer or self.model
         if not self.skip_tokenizer_init:
@@ -116,29 +180,15 @@ class EngineArgs:
             else max(_DEFAULT_MAX_NUM_BATCHED_TOKENS, model_cfg.max_model_len)
         )
         if not chunked and max_num_batched_tokens < model_cfg.max_model_len:
-            raise ValueError(
+            raise ConfigError(
                 f"max_num_batched_tokens={max_num_batched_tokens} is smaller than max_model_len="
                 f"{model_cfg.max_model_len} with chunked prefill off, so a long prompt could never be "
                 "scheduled; raise max_num_batched_tokens, lower max_model_len or enable chunked prefill."
             )
-        _positive("max_num_seqs", self.max_num_seqs)
-        _positive("max_num_batched_tokens", max_num_batched_tokens)
-        _positive("block_size", self.block_size)
-        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
-            raise ValueError(
-                f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}."
-            )
-        if self.tensor_parallel_size != 1:
-            raise NotImplementedError("tensor_parallel_size > 1 is not supported yet.")
-        if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
-            raise ValueError(
-                f"load_format={self.load_format!r} is not supported; use auto, safetensors, gguf or dummy."
-            )
-
         if self.quantization is not None:
             quant_cls = get_quantization_config_cls(self.quantization)
             if model_cfg.torch_dtype not in quant_cls.supported_dtypes:
-                raise ValueError(
+                raise ConfigError(
                     f"quantization={self.quantization!r} does not support dtype {model_cfg.dtype}."
                 )
         backend = select_attention_backend(
@@ -164,11 +214,11 @@ class EngineArgs:
                 max_model_len=model_cfg.max_model_len,
                 enable_chunked_prefill=chunked,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
-                policy=self.scheduling_policy,  # type: ignore[arg-type]
+                policy=self.scheduling_policy,
             ),
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
             device=DeviceConfig(device=platform.device_type),
-            load=LoadConfig(load_format=self.load_format),  # type: ignore[arg-type]
+            load=LoadConfig(load_format=self.load_format),
             compilation=CompilationConfig(enforce_eager=self.enforce_eager),
             attention_backend=backend.name,
             quantization=self.quantization,
@@ -176,18 +226,19 @@ class EngineArgs:
         platform.check_and_update_config(config)
         return config
 
-    def _resolve_dtype(self, hf_config: Any, platform: Any) -> str:
-        requested = DTYPE_ALIASES.get(self.dtype, self.dtype)
-        if requested == "auto":
+    def _resolve_dtype(self, hf_config: Any, platform: Any) -> DTypeName:
+        names = {dtype: name for name, dtype in DTYPES.items()}
+        if self.dtype == "auto":
             declared = getattr(hf_config, "dtype", None)
             if isinstance(declared, str):
                 declared = getattr(torch, declared, None)
-            return dtype_name(platform.default_dtype(declared))
-        dtype = getattr(torch, requested, None)
-        if not isinstance(dtype, torch.dtype) or dtype not in platform.supported_dtypes:
-            names = [dtype_name(d) for d in platform.supported_dtypes]
-            raise ValueError(
-                f"dtype={self.dtype!r} is not supported on {platform.name}; use auto or one of {names}."
+            return names[platform.default_dtype(declared)]
+        requested = _DTYPE_ALIASES.get(self.dtype) or typing.cast(DTypeName, self.dtype)
+        if DTYPES[requested] not in platform.supported_dtypes:
+            supported = [names[d] for d in platform.supported_dtypes]
+            raise ConfigError(
+                f"dtype={self.dtype!r} is not supported on {platform.name}; use auto or one of "
+                f"{supported}."
             )
         return requested
 
@@ -195,19 +246,28 @@ class EngineArgs:
         limit = getattr(model_cfg.text_config, "max_position_embeddings", None)
         if self.max_model_len is None:
             if limit is None:
-                raise ValueError(
+                raise ConfigError(
                     "The model config has no max_position_embeddings; pass max_model_len."
                 )
             return int(limit)
-        if self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}.")
         if limit is not None and self.max_model_len > limit:
-            raise ValueError(
-                f"max_model_len={self.max_model_len} is larger than the model's max_position_embeddings={limit}."
+            raise ConfigError(
+                f"max_model_len={self.max_model_len} is larger than the model's "
+                f"max_position_embeddings={limit}."
             )
         return self.max_model_len
 
 
-def _positive(name: str, value: int | None) -> None:
-    if value is not None and value < 1:
-        raise ValueError(f"{name} must be at least 1, got {value}.")
+@functools.cache
+def _validator() -> TypeAdapter[EngineArgs]:
+    """Built on first use: importing pagellm stays cheap."""
+    return TypeAdapter(EngineArgs)
+
+
+def _describe(exc: ValidationError) -> str:
+    problems = []
+    for error in exc.errors():
+        name = str(error["loc"][0]) if error["loc"] else "engine arguments"
+        flag = "--" + name.replace("_", "-")
+        problems.append(f"{name}={error['input']!r} ({flag}): {error['msg']}")
+    return "; ".join(problems) + "."

@@ -15,7 +15,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from pagellm.engine.args import EngineArgs
+from pagellm.config import EngineConfig
 from pagellm.engine.core_client import DRAIN_MS, MPClientBase, send_shutdown
 from pagellm.engine.errors import EngineDeadError
 from pagellm.engine.messages import (
@@ -41,11 +41,11 @@ class AsyncMPClient(MPClientBase):
 
     def __init__(
         self,
-        args: EngineArgs,
+        config: EngineConfig,
         on_outputs: Callable[[EngineStepOutputs], None],
         on_dead: Callable[[EngineDeadError], None],
     ) -> None:
-        super().__init__(args)
+        super().__init__(config)
         self.output_socket = zmq.asyncio.Socket.from_socket(self._output_sync)
         self._on_outputs = on_outputs
         self._on_dead = on_dead

@@ -76,7 +76,6 @@ class _Timing:
 class AsyncLLM:
     def __init__(
         self,
-        args: EngineArgs,
         config: EngineConfig,
         stat_loggers: list[StatLoggerBase] | None = None,
         max_waiting_requests: int | None = None,
@@ -98,8 +97,7 @@ class AsyncLLM:
         self._log_task: asyncio.Task[None] | None = None
         self.max_waiting_requests = max_waiting_requests
         self._num_engine_requests = 0  # submitted and not finished
-        self.engine_core = AsyncMPClient(args, self._on_outputs, self._on_dead)
-        config.cache.num_blocks = self.engine_core.ready.num_blocks
+        self.engine_core = AsyncMPClient(config, self._on_outputs, self._on_dead)
 
     @classmethod
     def from_engine_args(
@@ -109,7 +107,7 @@ class AsyncLLM:
         max_waiting_requests: int | None = None,
     ) -> AsyncLLM:
         load_general_plugins()  # out-of-tree models must be known before the config is checked
-        return cls(args, args.create_engine_config(), stat_loggers, max_waiting_requests)
+        return cls(args.create_engine_config(), stat_loggers, max_waiting_requests)
 
     # ---------------------------------------------------------------- requests
 

@@ -58,15 +58,12 @@ class EngineCore:
         gc.collect()
         gc.freeze()
         block_size = config.cache.block_size
-        assert block_size is not None
         self.kv_cache_manager = KVCacheManager(
             block_size, num_blocks, config.cache.enable_prefix_caching
         )
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
         self.block_hasher = (
-            make_block_hasher(block_size, config.cache.prefix_caching_hash_algo)
-            if config.cache.enable_prefix_caching
-            else None
+            make_block_hasher(block_size) if config.cache.enable_prefix_caching else None
         )
 
     def _initialize_kv_cache(self) -> int:
@@ -85,7 +82,6 @@ class EngineCore:
                 "gpu_memory_utilization) or lower max_model_len."
             )
         self.executor.initialize_cache(num_blocks)
-        cfg.cache.num_blocks = num_blocks
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB)",
             num_blocks,
@@ -103,9 +99,9 @@ class EngineCore:
         model length and the token budget), alone and mixed with a batch of decodes, and decode
         batches (CUDA graph replay)."""
         cfg = self.config
-        block_size = cfg.cache.block_size
-        assert block_size is not None
-        scheduler = Scheduler(cfg.scheduler, KVCacheManager(block_size, num_blocks, False))
+        scheduler = Scheduler(
+            cfg.scheduler, KVCacheManager(cfg.cache.block_size, num_blocks, False)
+        )
         vocab = cfg.model.vocab_size
         cap = max(1, min(1024, cfg.model.max_model_len - 3, cfg.scheduler.max_num_batched_tokens))
         lengths = [1 << k for k in range(11) if 1 << k <= cap]

@@ -28,9 +28,8 @@ from multiprocessing.process import BaseProcess
 from typing import Any, Protocol
 
 import zmq
-import zmq.asyncio
 
-from pagellm.engine.args import EngineArgs
+from pagellm.config import EngineConfig
 from pagellm.engine.core_proc import run_engine_core
 from pagellm.engine.errors import EngineDeadError, EngineStartupError
 from pagellm.engine.messages import (
@@ -103,7 +102,7 @@ def _stop_process(
 class MPClientBase:
     """Starts the engine-core process and owns its sockets; subclasses read the outputs."""
 
-    def __init__(self, args: EngineArgs) -> None:
+    def __init__(self, config: EngineConfig) -> None:
         self.ipc_dir = tempfile.mkdtemp(prefix="pagellm-engine-")
         input_address = f"ipc://{os.path.join(self.ipc_dir, 'input')}"
         output_address = f"ipc://{os.path.join(self.ipc_dir, 'output')}"
@@ -118,7 +117,7 @@ class MPClientBase:
         # daemon: the process never outlives the front end, even if nobody calls shutdown().
         self.proc = multiprocessing.get_context("spawn").Process(
             target=run_engine_core,
-            args=(args, input_address, output_address, os.getpid()),
+            args=(config, input_address, output_address, os.getpid()),
             name="pagellm-engine-core",
             daemon=True,
         )
@@ -220,8 +219,8 @@ class MPClientBase:
 class SyncMPClient(MPClientBase):
     """Blocking client for `LLMEngine` (``LLM(..., multiprocess_engine=True)``)."""
 
-    def __init__(self, args: EngineArgs) -> None:
-        super().__init__(args)
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
         self._poller = zmq.Poller()
         self._poller.register(self._output_sync, zmq.POLLIN)
         self._poller.register(self.proc.sentinel, zmq.POLLIN)

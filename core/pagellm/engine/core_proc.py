@@ -1,8 +1,9 @@
 """`EngineCoreProc`: the engine core in a background process, driven over ZMQ.
 
-The front end (`core_client`) starts `run_engine_core` in a *spawned* process with the
-`EngineArgs` and two IPC addresses; this process loads the general plugins, builds the config and
-the `EngineCore` itself, binds both sockets (PULL for requests, PUSH for outputs: see
+The front end (`core_client`) starts `run_engine_core` in a *spawned* process with the resolved
+`EngineConfig` (pickled by `multiprocessing`) and two IPC addresses; this process builds the
+`EngineCore` from that config (its worker loads the general plugins; the platform, attention and
+quantization groups load where they are first used, as in any process), binds both sockets (PULL for requests, PUSH for outputs: see
 `engine.messages`) and runs the busy loop: take every queued message, step while requests are
 unfinished and send each step's outputs with the scheduler's stats; with nothing to do it blocks
 on the input socket. An exception is reported to the front end as an `EngineError` message, then
@@ -22,7 +23,7 @@ from typing import Any
 
 import zmq
 
-from pagellm.engine.args import EngineArgs
+from pagellm.config import EngineConfig
 from pagellm.engine.core import EngineCore
 from pagellm.engine.messages import (
     AbortRequests,
@@ -128,7 +129,7 @@ def _exit_when_orphaned(parent_pid: int) -> None:
 
 
 def run_engine_core(
-    args: EngineArgs, input_address: str, output_address: str, parent_pid: int
+    config: EngineConfig, input_address: str, output_address: str, parent_pid: int
 ) -> None:
     """The engine-core process's entry point (a `multiprocessing` spawn target)."""
     # Ctrl-C reaches the whole process group: the front end decides when the engine stops.
@@ -143,10 +144,7 @@ def run_engine_core(
     status = 0
     core: EngineCore | None = None
     try:
-        from pagellm.plugins import load_general_plugins
-
-        load_general_plugins()  # out-of-tree models must be known before the config is checked
-        core = EngineCore(args.create_engine_config())
+        core = EngineCore(config)  # its worker loads the general plugins
         proc = EngineCoreProc(core, input_socket, output_socket)
         proc.send(EngineReady(num_blocks=core.kv_cache_manager.block_pool.num_blocks))
         proc.run_busy_loop()

@@ -39,9 +39,9 @@ def engine_request_ids(request_id: str, n: int) -> list[str]:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, engine_args: EngineArgs | None = None) -> None:
-        """``engine_args`` with ``multiprocess_engine`` set: run the engine core in a process of
-        its own (it builds its config from the args)."""
+    def __init__(self, config: EngineConfig, multiprocess_engine: bool = False) -> None:
+        """``multiprocess_engine``: run the engine core in a process of its own (it gets
+        ``config``)."""
         load_general_plugins()
         load_frontend_plugins()
         self.config = config
@@ -51,10 +51,8 @@ class LLMEngine:
         self.processor = InputProcessor(config, self.tokenizer)
         self._engine_core: EngineCore | None = None
         self.core_client: EngineCoreClient
-        if engine_args is not None and engine_args.multiprocess_engine:
-            client = SyncMPClient(engine_args)
-            config.cache.num_blocks = client.ready.num_blocks
-            self.core_client = client
+        if multiprocess_engine:
+            self.core_client = SyncMPClient(config)
         else:
             self._engine_core = self.core_client = EngineCore(config)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -62,7 +60,7 @@ class LLMEngine:
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
         load_general_plugins()  # out-of-tree models must be known before the config is checked
-        return cls(args.create_engine_config(), args)
+        return cls(args.create_engine_config(), args.multiprocess_engine)
 
     @property
     def engine_core(self) -> EngineCore:

@@ -45,7 +45,7 @@ class EngineReady(msgspec.Struct, tag="ready", array_like=True):
     """Sent once the engine core is built (model loaded, KV cache sized)."""
 
     num_blocks: int
-    """KV cache blocks, the null block included (as `CacheConfig.num_blocks` counts them)."""
+    """KV cache blocks, the null block included."""
 
 
 class EngineStepOutputs(msgspec.Struct, tag="outputs", array_like=True):

@@ -9,7 +9,8 @@ from typing import Any
 import msgspec
 from tqdm.auto import tqdm
 
-from pagellm.engine.args import EngineArgs
+from pagellm.config import LoadFormat
+from pagellm.engine.args import DTypeArg, EngineArgs
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.engine.processor import PromptType
 from pagellm.outputs import RequestOutput
@@ -23,7 +24,7 @@ class LLM:
         self,
         model: str,
         tokenizer: str | None = None,
-        dtype: str = "auto",
+        dtype: DTypeArg = "auto",
         seed: int = 0,
         max_model_len: int | None = None,
         block_size: int | None = None,
@@ -31,7 +32,7 @@ class LLM:
         max_num_batched_tokens: int | None = None,
         enable_prefix_caching: bool = True,
         enable_chunked_prefill: bool = True,
-        load_format: str = "auto",
+        load_format: LoadFormat = "auto",
         kv_cache_memory: int | None = None,
         **kwargs: Any,
     ) -> None:

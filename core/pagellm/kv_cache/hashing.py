@@ -29,10 +29,8 @@ def hash_block_tokens(
     return h.digest()
 
 
-def make_block_hasher(block_size: int, algo: str = "sha256") -> Callable[[Request], list[bytes]]:
+def make_block_hasher(block_size: int) -> Callable[[Request], list[bytes]]:
     """A function giving the hashes of a request's blocks that became full since the last call."""
-    if algo != "sha256":
-        raise ValueError(f"prefix_caching_hash_algo {algo!r} is not supported; use 'sha256'.")
 
     def hasher(request: Request) -> list[bytes]:
         start = len(request.block_hashes)

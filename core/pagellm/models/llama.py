@@ -22,28 +22,12 @@ from pagellm.layers.rotary_embedding import RotaryEmbedding, rope_parameters
 from pagellm.quantization.base import QuantizationConfig
 
 
-def uniform_sliding_window(hf_config: Any) -> int | None:
-    """The model's sliding window when every layer uses the same one (mixed layers are not supported yet)."""
-    window = getattr(hf_config, "sliding_window", None)
-    if not window or getattr(hf_config, "use_sliding_window", True) is False:
-        return None
-    layer_types = getattr(hf_config, "layer_types", None)
-    if layer_types:
-        kinds = set(layer_types)
-        if kinds == {"full_attention"}:
-            return None
-        if kinds != {"sliding_attention"}:
-            raise NotImplementedError(
-                "Models mixing sliding-window and full-attention layers are not supported yet."
-            )
-    return int(window)
-
-
 @dataclass(frozen=True)
 class LayerContext:
     """What every layer of the model is built with."""
 
     hf_config: Any
+    sliding_window: int | None
     backend: type[AttentionBackend]
     quant_config: QuantizationConfig | None
     rotary_emb: RotaryEmbedding
@@ -83,7 +67,7 @@ class LlamaAttention(nn.Module):
             self.head_size,
             self.head_size**-0.5,
             self.num_kv_heads,
-            sliding_window=uniform_sliding_window(cfg),
+            sliding_window=ctx.sliding_window,
         )
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -183,7 +167,7 @@ class LlamaForCausalLM(nn.Module):
         head_size = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         # One cos/sin table shared by every layer.
         rotary_emb = RotaryEmbedding(head_size, config.model.max_model_len, rope_parameters(cfg))
-        ctx = LayerContext(cfg, attn_backend, quant_config, rotary_emb)
+        ctx = LayerContext(cfg, config.model.sliding_window, attn_backend, quant_config, rotary_emb)
         self.model = LlamaModel(ctx, self.layer_cls, "model")
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         if self.tie_word_embeddings:

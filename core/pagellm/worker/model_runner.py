@@ -22,7 +22,6 @@ from pagellm.kv_cache.manager import cdiv
 from pagellm.kv_cache.spec import KVCacheSpec
 from pagellm.layers.sampler import Penalties, Sampler, SamplingMetadata, gather_logprobs
 from pagellm.model_loader import load_model
-from pagellm.models.llama import uniform_sliding_window
 from pagellm.platforms import current_platform
 from pagellm.scheduler.output import ModelRunnerOutput, SampleLogprobs, SchedulerOutput
 from pagellm.worker.input_batch import CachedRequestState, InputBatch
@@ -47,15 +46,9 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, device: torch.device) -> None:
         self.config = config
         self.device = device
-        if config.attention_backend is None:
-            raise ValueError(
-                "EngineConfig.attention_backend must be chosen before building the runner."
-            )
         self.attn_backend = get_backend_cls(config.attention_backend)
         model_cfg = config.model
         block_size = config.cache.block_size
-        if block_size is None:
-            raise ValueError("CacheConfig.block_size must be chosen before building the runner.")
         self.block_size = block_size
         self.max_model_len = model_cfg.max_model_len
         self.kv_cache_spec = KVCacheSpec(
@@ -63,7 +56,7 @@ class ModelRunner:
             num_kv_heads=model_cfg.num_kv_heads,
             head_size=model_cfg.head_size,
             dtype=model_cfg.torch_dtype,
-            sliding_window=uniform_sliding_window(model_cfg.text_config),
+            sliding_window=model_cfg.sliding_window,
         )
         self.input_batch = InputBatch(
             config.scheduler.max_num_seqs, self.max_model_len, cdiv(self.max_model_len, block_size)

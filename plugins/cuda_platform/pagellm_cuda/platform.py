@@ -124,7 +124,7 @@ class CudaPlatform(Platform):
         why_not = None
         if comp.enforce_eager:
             why_not = "--enforce-eager"
-        elif backend is None or not get_backend_cls(backend).cudagraph_support:
+        elif not get_backend_cls(backend).cudagraph_support:
             why_not = f"attention backend {backend} does not support them"
         if why_not is not None:
             comp.cudagraph_mode = "none"
