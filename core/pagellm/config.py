@@ -1,9 +1,6 @@
-"""Engine configuration: one resolved object (`EngineConfig`) passed to every layer.
-
-`EngineArgs.create_engine_config` (engine/args.py) is the one place that validates the user's
-values and fills every field; what it returns is complete (no field is left for a later layer to
-pick) and travels, pickled, to the engine-core process.
-"""
+"""Engine configuration: one resolved object (`EngineConfig`) passed to every layer, and pickled
+to the engine-core process. `EngineArgs.create_engine_config` (engine/args.py) validates the user's
+values and fills every field: no field is left for a later layer to pick."""
 
 from __future__ import annotations
 
@@ -79,14 +76,12 @@ class ModelConfig(_Config):
 
     @property
     def sliding_window(self) -> int | None:
-        """The attention window every layer uses, or None for full attention: the one definition
-        that backend selection, the model's layers and the KV cache spec read."""
+        """Every layer's attention window (None: full attention), for backend, layers and KV spec."""
         cfg = self.text_config
         window = getattr(cfg, "sliding_window", None)
-        if not window or getattr(cfg, "use_sliding_window", True) is False:
-            return None
         kinds = set(getattr(cfg, "layer_types", None) or ["sliding_attention"])
-        if kinds == {"full_attention"}:
+        enabled = getattr(cfg, "use_sliding_window", True) is not False
+        if not (window and enabled) or kinds == {"full_attention"}:
             return None
         if kinds != {"sliding_attention"}:
             raise NotImplementedError(
@@ -127,11 +122,9 @@ class CompilationConfig(_Config):
     enforce_eager: bool = False
     """Never capture CUDA graphs (the user's ``--enforce-eager``)."""
     cudagraph_mode: Literal["none", "decode"] = "none"
-    """``decode``: decode-only batches replay captured graphs. Set by the platform in
-    ``check_and_update_config`` (and kept ``none`` when ``enforce_eager``)."""
+    """``decode``: decode-only batches replay captured graphs (the platform's choice)."""
     cudagraph_capture_sizes: list[int] = Field(default_factory=list)
-    """Batch sizes (requests = tokens in a decode-only batch) with a captured graph, ascending;
-    a batch is padded up to the next one. Filled in by the platform."""
+    """Decode batch sizes with a captured graph, ascending (a batch is padded up to the next)."""
 
 
 class LoadConfig(_Config):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import types
 import typing
 from dataclasses import dataclass
@@ -67,15 +66,13 @@ class EngineArgs:
     seed: int = 0
     """Seed for sampling without a per-request seed, and for dummy weights."""
     max_model_len: PositiveInt | None = None
-    """Longest request, prompt and output tokens together (default: the model's
-    max_position_embeddings)."""
+    """Most tokens of one request, prompt and output (default: max_position_embeddings)."""
     block_size: PositiveInt | None = None
     """Tokens per KV cache block (default: the attention backend's)."""
     max_num_seqs: PositiveInt | None = None
     """Most requests running in one step (default: 256)."""
     max_num_batched_tokens: PositiveInt | None = None
-    """Most tokens computed in one step (default: 8192, and with chunked prefill off at least
-    max_model_len)."""
+    """Most tokens computed in one step (default: 8192; unchunked, at least max_model_len)."""
     enable_prefix_caching: bool = True
     """Reuse the KV blocks of equal prompt prefixes across requests."""
     enable_chunked_prefill: bool = True
@@ -95,8 +92,7 @@ class EngineArgs:
     quantization: str | None = None
     """A quantization method by registered name (default: dense weights)."""
     device: str | None = None
-    """The platform by name or device type: the CLI chooses it (as PAGELLM_PLATFORM does); in
-    Python it must match the current platform."""
+    """The platform (name or device type): the CLI selects it, LLM checks it is the current one."""
     tensor_parallel_size: PositiveInt = 1
     """GPUs to shard the model over (only 1 is supported yet)."""
     enforce_eager: bool = False
@@ -110,7 +106,7 @@ class EngineArgs:
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
         """One ``--flag`` per field but ``model`` (``--no-enable-prefix-caching`` style for
         booleans, choices for closed sets), its help the field's docstring."""
-        docs = _validator().json_schema()["properties"]
+        docs = _VALIDATOR.json_schema()["properties"]
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             if f.name == "model":
@@ -135,17 +131,19 @@ class EngineArgs:
         """Validate every field, then fill the config in dependency order: model, dtype, lengths,
         budgets, attention backend, the platform's last look."""
         try:
-            args = _validator().validate_python(vars(self))
+            args = _VALIDATOR.validate_python(vars(self))
         except ValidationError as exc:
-            raise ConfigError(_describe(exc)) from None
+            problems = []
+            for error in exc.errors():
+                name = str(error["loc"][0])
+                flag = "--" + name.replace("_", "-")
+                problems.append(f"{name}={error['input']!r} ({flag}): {error['msg']}")
+            raise ConfigError("; ".join(problems) + ".") from None
         return args._resolve()
 
     def _resolve(self) -> EngineConfig:
         platform = current_platform
-        if self.device is not None and self.device not in (
-            current_platform_name(),
-            platform.device_type,
-        ):
+        if self.device not in (None, current_platform_name(), platform.device_type):
             raise ConfigError(
                 f"device={self.device!r} but this process runs on platform {platform.name!r}; "
                 "choose the platform before first use with PAGELLM_PLATFORM (the CLI's --device does)."
@@ -258,16 +256,4 @@ class EngineArgs:
         return self.max_model_len
 
 
-@functools.cache
-def _validator() -> TypeAdapter[EngineArgs]:
-    """Built on first use: importing pagellm stays cheap."""
-    return TypeAdapter(EngineArgs)
-
-
-def _describe(exc: ValidationError) -> str:
-    problems = []
-    for error in exc.errors():
-        name = str(error["loc"][0]) if error["loc"] else "engine arguments"
-        flag = "--" + name.replace("_", "-")
-        problems.append(f"{name}={error['input']!r} ({flag}): {error['msg']}")
-    return "; ".join(problems) + "."
+_VALIDATOR = TypeAdapter(EngineArgs)

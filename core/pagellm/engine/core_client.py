@@ -132,6 +132,10 @@ class MPClientBase:
         self._closed = False
         self._dead: EngineDeadError | None = None
         self.proc.start()
+        # The output socket and the process's sentinel: a message, or the process's exit.
+        self._poller = zmq.Poller()
+        self._poller.register(self._output_sync, zmq.POLLIN)
+        self._poller.register(self.proc.sentinel, zmq.POLLIN)
         try:
             self.ready = self._wait_until_ready()
         except BaseException:
@@ -139,13 +143,12 @@ class MPClientBase:
             raise
 
     def _wait_until_ready(self) -> EngineReady:
-        poller = zmq.Poller()
-        poller.register(self._output_sync, zmq.POLLIN)
-        poller.register(self.proc.sentinel, zmq.POLLIN)
+        sock = self._output_sync
         while True:
-            events = dict(poller.poll())
-            if self._output_sync in events:
-                msg = output_decoder.decode(self._output_sync.recv())
+            events = dict(self._poller.poll())
+            # After the exit, its last messages (an EngineError) may still be on the way.
+            if sock in events or (self.proc.sentinel in events and sock.poll(DRAIN_MS)):
+                msg = output_decoder.decode(sock.recv())
                 if isinstance(msg, EngineReady):
                     return msg
                 if isinstance(msg, EngineError):
@@ -153,8 +156,6 @@ class MPClientBase:
                         f"The engine core failed to start: {msg.message}\n{msg.traceback}"
                     )
             elif self.proc.sentinel in events:
-                if self._output_sync.poll(DRAIN_MS):
-                    continue  # its error message is still on the way
                 raise EngineStartupError(
                     f"The engine-core process exited with code {self.proc.exitcode} while starting."
                 )
@@ -221,9 +222,6 @@ class SyncMPClient(MPClientBase):
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
-        self._poller = zmq.Poller()
-        self._poller.register(self._output_sync, zmq.POLLIN)
-        self._poller.register(self.proc.sentinel, zmq.POLLIN)
         self._buffered: deque[EngineStepOutputs] = deque()
         self._call_ids = itertools.count()
 

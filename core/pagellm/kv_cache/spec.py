@@ -18,5 +18,4 @@ class KVCacheSpec:
     @property
     def page_size_bytes(self) -> int:
         """Bytes of one block of one layer: keys and values."""
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.block_size * self.num_kv_heads * self.head_size * itemsize
+        return 2 * self.block_size * self.num_kv_heads * self.head_size * self.dtype.itemsize
