@@ -7,6 +7,7 @@ from typing import Any
 
 def run_engine_core(config: Any, queue: Any) -> None:
     from pagellm.engine.core import EngineCore
+    from pagellm.platforms import current_platform
     from pagellm.plugins.loader import loaded_records
     from pagellm.request import EngineCoreRequest
     from pagellm.sampling_params import SamplingParams
@@ -18,4 +19,4 @@ def run_engine_core(config: Any, queue: Any) -> None:
     while core.has_unfinished_requests():
         for out in core.step().outputs:
             tokens += out.new_token_ids
-    queue.put((tokens, sorted(loaded_records())))
+    queue.put((tokens, current_platform.name, sorted(loaded_records())))

@@ -201,38 +201,71 @@ def test_out_of_tree_model_from_general_plugin_is_usable_by_llm(tiny_models, tmp
     assert refused.returncode != 0 and "DummyLlamaForCausalLM" in refused.stderr
 
 
+ENGINE_CORE_CHILD = """
+import json, multiprocessing, sys
+from pagellm.engine.args import EngineArgs
+from pagellm.plugins import load_general_plugins
+sys.path.insert(0, sys.argv[2])
+from engine_core_child import run_engine_core
+
+if __name__ == "__main__":
+    load_general_plugins()
+    args = EngineArgs(sys.argv[1], max_model_len=64, kv_cache_memory=4 << 20, **eval(sys.argv[3]))
+    config = args.create_engine_config()
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    child = ctx.Process(target=run_engine_core, args=(config, queue))
+    child.start()
+    tokens, platform, groups = queue.get(timeout=240)
+    child.join(timeout=60)
+    print(json.dumps(dict(exitcode=child.exitcode, backend=config.attention_backend,
+                          platform=platform, tokens=tokens, groups=groups)))
+"""
+
+
+def run_engine_core_child(model: str, env: dict[str, str] | None = None, **kwargs) -> dict:
+    """The front end resolves the config; a spawned engine-core process (a fresh interpreter that
+    never saw the front end's registrations) builds the engine from it and runs one request:
+    the config's backend, the child's platform, its tokens and the plugin groups it loaded."""
+    proc = run(ENGINE_CORE_CHILD, env, model, str(Path(__file__).parent), repr(kwargs))
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["exitcode"] == 0
+    return result
+
+
 def test_general_plugin_registration_is_visible_in_a_separate_engine_core_process(
     tiny_models, tmp_path
 ):
-    """The front end builds the config; a spawned engine-core process (a fresh interpreter that never
-    saw the front end's registrations) must resolve the out-of-tree architecture by itself."""
-    code = """
-    import multiprocessing, sys
-    from pagellm.engine.args import EngineArgs
-    from pagellm.plugins import load_general_plugins
-    sys.path.insert(0, sys.argv[2])
-    from engine_core_child import run_engine_core
-
-    if __name__ == "__main__":
-        load_general_plugins()
-        config = EngineArgs(sys.argv[1], max_model_len=64, kv_cache_memory=4 << 20).create_engine_config()
-        ctx = multiprocessing.get_context("spawn")
-        queue = ctx.Queue()
-        child = ctx.Process(target=run_engine_core, args=(config, queue))
-        child.start()
-        tokens, groups = queue.get(timeout=240)
-        child.join(timeout=60)
-        print(child.exitcode, tokens, groups)
-    """
+    """The engine-core process must resolve the out-of-tree architecture by itself."""
     model = make_dummy_arch_model(tiny_models, tmp_path)
-    proc = run(code, None, model, str(Path(__file__).parent))
-    assert proc.returncode == 0, proc.stderr
-    exitcode, rest = proc.stdout.split(" ", 1)
-    assert exitcode == "0"
-    assert rest.startswith("[7, 7, 7]")  # the plugin model's favoured token
+    child = run_engine_core_child(model)
+    assert child["tokens"] == [7, 7, 7]  # the plugin model's favoured token
     # The engine-core process loads its groups and not the front end's.
-    assert "pagellm.general_plugins" in rest
-    assert "pagellm.io_processor_plugins" not in rest and "pagellm.stat_logger_plugins" not in rest
+    groups = child["groups"]
+    assert "pagellm.general_plugins" in groups
+    assert "pagellm.io_processor_plugins" not in groups
+    assert "pagellm.stat_logger_plugins" not in groups
+
+
+def test_engine_core_process_loads_the_platform_backend_and_quantization_of_its_config(
+    tiny_models,
+):
+    """The config crosses the process boundary resolved; the engine-core process still finds the
+    plugins it names (platform, attention backend, quantization method) on its own."""
+    env = {"PAGELLM_DUMMY_PLATFORM": "1"}
+    reference = run(GENERATE, env, tiny_models["llama3"], "{'quantization': 'dummy_int8'}")
+    assert reference.returncode == 0, reference.stderr
+    child = run_engine_core_child(tiny_models["llama3"], env, quantization="dummy_int8")
+    assert (child["backend"], child["platform"]) == ("DUMMY_ATTN", "dummy")
+    # In process, the same prompt and greedy decoding: the child's 3 tokens start its 4.
+    assert child["tokens"] == json.loads(reference.stdout.split(" ", 3)[3])[:3]
+    for group in (
+        "pagellm.platform_plugins",
+        "pagellm.attention_backends",
+        "pagellm.quantization_methods",
+    ):
+        assert group in child["groups"]
 
 
 def test_active_platform_plugin_is_selected_and_ranks_its_backend_first(tiny_models):
