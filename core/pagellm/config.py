@@ -114,7 +114,8 @@ class SchedulerConfig(_Config):
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = Field(default=0, ge=0)
     """A request's prefill chunk is capped at this many tokens per step (0: no cap)."""
-    policy: Literal["fcfs", "priority"] = "fcfs"
+    policy: str = "fcfs"
+    """A registered scheduling policy (`pagellm.scheduler.policy`): waiting order, preemption victim."""
 
 
 class ParallelConfig(_Config):
