@@ -22,6 +22,7 @@ from pagellm.metrics.loggers import (
 )
 from pagellm.metrics.registry import get_stat_logger_cls, register_stat_logger
 from pagellm.metrics.stats import FinishedRequestStats, IterationStats, SchedulerStats
+from pagellm.plugins import PluginError
 
 DUMMY_FRONTEND = Path(__file__).parent / "plugins" / "dummy_frontend"
 
@@ -246,5 +247,5 @@ def test_build_stat_loggers_rejects_unknown_builtin_and_foreign_names(dummy_fron
     register_stat_logger(
         "test_not_a_logger", "pagellm_dummy_frontend.processors:UpperTextProcessor"
     )
-    with pytest.raises(TypeError, match="is not a StatLoggerBase"):
+    with pytest.raises(PluginError, match="is not a StatLoggerBase subclass"):
         get_stat_logger_cls("test_not_a_logger")

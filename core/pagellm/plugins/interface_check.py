@@ -19,12 +19,15 @@ def _defined(cls: type, name: str) -> Any:
     return next(vars(k)[name] for k in cls.__mro__ if name in vars(k))
 
 
-def _interface(base: type) -> set[str]:
+def _contract(base: type) -> list[type]:
     # Only pagellm's own classes are a contract: a library base (nn.Module) is not checked.
+    return [k for k in base.__mro__ if k.__module__.startswith("pagellm.")]
+
+
+def _interface(base: type) -> set[str]:
     return {
         name
-        for k in base.__mro__
-        if k.__module__.startswith("pagellm.")
+        for k in _contract(base)
         for name, value in vars(k).items()
         if not name.startswith("_") and (inspect.isfunction(value) or type(value) in _KINDS)
     }
@@ -66,13 +69,14 @@ def _calls(sig: inspect.Signature) -> list[tuple[list[None], dict[str, None]]]:
 
 
 def interface_mismatches(base: type, cls: type) -> list[str]:
-    """How ``cls`` fails the interface of ``base``: class attributes the base declares without a
+    """How ``cls`` fails the interface of ``base``: class variables the base declares without a
     value that ``cls`` leaves unset, and overridden methods of another kind (class method, static
     method, method) or that cannot take every call the base's signature allows."""
     problems = [
         f"{name} is not set ({base.__name__} declares it)"
-        for name in getattr(base, "__annotations__", {})
-        if not hasattr(base, name) and not hasattr(cls, name)
+        for k in _contract(base)
+        for name, annotation in vars(k).get("__annotations__", {}).items()
+        if "ClassVar" in str(annotation) and not hasattr(base, name) and not hasattr(cls, name)
     ]
     for name in sorted(_interface(base)):
         expected, actual = _defined(base, name), _defined(cls, name)

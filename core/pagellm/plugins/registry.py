@@ -99,7 +99,8 @@ class Registry(Generic[T]):
     def check(self) -> None:
         """Look up every class a plugin registered: a plugin with one that fails becomes
         "misregistered", with the reasons."""
-        for name, (_, record) in list(self._entries.items()):
+        for name in self.names():
+            record = self._entries[name][1]
             if record is None:
                 continue
             try:
