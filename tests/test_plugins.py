@@ -404,9 +404,9 @@ def test_front_end_groups_fill_their_registries_in_the_front_end(tiny_models):
     code = (
         GENERATE
         + """
-    from pagellm.io_processors import get_io_processor_cls
-    from pagellm.metrics.registry import get_stat_logger_cls
-    print(get_io_processor_cls("upper_text")().process_input("hi"), get_stat_logger_cls("collecting").__name__)
+    from pagellm.io_processors import io_processors
+    from pagellm.metrics.registry import stat_loggers
+    print(io_processors.get("upper_text")().process_input("hi"), stat_loggers.get("collecting").__name__)
     """.replace("\n    ", "\n")
     )
     proc = run(code, None, tiny_models["llama3"])

@@ -49,14 +49,12 @@ def select_attention_backend(
             block_size=block_size,
             sliding_window=sliding_window,
         )
-        if not reasons:
+        if not reasons:  # one start-up line: what was chosen, and what was passed over and why
+            passed_over = "".join(f"; {n} rejected: {', '.join(r)}" for n, r in rejected.items())
+            size = block_size or cls.default_block_size
             logger.info(
-                "Platform %s: attention backend %s, block size %d, dtype %s%s",
-                current_platform_name(),
-                name,
-                block_size or cls.default_block_size,
-                str(dtype).removeprefix("torch."),
-                "".join(f"; {n} rejected: {', '.join(r)}" for n, r in rejected.items()),
+                f"Platform {current_platform_name()}: attention backend {name}, block size {size}, "
+                f"dtype {str(dtype).removeprefix('torch.')}{passed_over}"
             )
             return cls
         rejected[name] = reasons

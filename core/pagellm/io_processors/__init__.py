@@ -7,4 +7,3 @@ from pagellm.plugins.groups import IO_PROCESSOR
 from pagellm.plugins.registry import Registry
 
 io_processors: Registry[object] = Registry("IO processor", object, IO_PROCESSOR)
-get_io_processor_cls = io_processors.get

@@ -8,5 +8,3 @@ from pagellm.plugins.groups import STAT_LOGGER
 from pagellm.plugins.registry import Registry
 
 stat_loggers: Registry[StatLoggerBase] = Registry("Stat logger", StatLoggerBase, STAT_LOGGER)
-register_stat_logger = stat_loggers.register
-get_stat_logger_cls = stat_loggers.get

@@ -11,7 +11,7 @@ import logging
 
 from pagellm.plugins import groups
 from pagellm.plugins.groups import GROUPS
-from pagellm.plugins.hookspecs import PLUGIN_API_VERSION, EndpointPlugin, hookimpl, hookspec
+from pagellm.plugins.hookspecs import PLUGIN_API_VERSION, EndpointPlugin, hookimpl
 from pagellm.plugins.loader import PluginError, PluginRecord, allowlist, load_group
 
 logger = logging.getLogger(__name__)
@@ -36,19 +36,15 @@ def load_endpoint_plugins(
     enabled = []
     # Not cached like the other groups: the answer depends on the endpoint list and the tasks.
     for record in load_group(groups.ENDPOINT, allowed=set(endpoints or ()), force=True):
-        if record.status != "loaded":
-            if record.status == "skipped":
-                logger.info("Endpoint plugin %r skipped: %s", record.name, record.reason)
-            continue
-        plugin: EndpointPlugin = record.result
-        needed = plugin.required_tasks
+        needed = record.result.required_tasks if record.status == "loaded" else None
         if served_tasks is not None and needed is not None and not (needed & served_tasks):
             record.status = "skipped"
             record.reason = f"required_tasks {sorted(needed)} do not meet the served model's tasks {sorted(served_tasks)}"
+        if record.status == "skipped":
             logger.info("Endpoint plugin %r skipped: %s", record.name, record.reason)
-            continue
-        logger.info("Endpoint plugin %r enabled", record.name)
-        enabled.append((record.name, plugin))
+        elif record.status == "loaded":
+            logger.info("Endpoint plugin %r enabled", record.name)
+            enabled.append((record.name, record.result))
     return enabled
 
 
@@ -60,7 +56,6 @@ __all__ = [
     "PluginRecord",
     "allowlist",
     "hookimpl",
-    "hookspec",
     "load_endpoint_plugins",
     "load_frontend_plugins",
     "load_general_plugins",

@@ -45,14 +45,8 @@ class PluginRecord:
     """What the plugin's hook returned (e.g. an endpoint plugin's `EndpointPlugin`)."""
 
     def as_dict(self) -> dict[str, str | None]:
-        return {
-            "name": self.name,
-            "distribution": self.distribution,
-            "version": self.version,
-            "api_version": self.api_version,
-            "status": self.status,
-            "reason": self.reason,
-        }
+        keys = ("name", "distribution", "version", "api_version", "status", "reason")
+        return {key: getattr(self, key) for key in keys}
 
 
 def allowlist() -> set[str] | None:
@@ -77,10 +71,24 @@ def not_installed() -> list[str]:
     return sorted((allowlist() or set()) - known)
 
 
+def _spec(group: PluginGroup) -> inspect.Signature:
+    return inspect.signature(getattr(group.spec, group.hook))
+
+
 def expected_hook(group: PluginGroup) -> str:
-    sig = inspect.signature(getattr(group.spec, group.hook))
-    params = ", ".join(p for p in sig.parameters if p != "self")
-    return f"{group.hook}({params}) -> {sig.return_annotation}"
+    params = ", ".join(p for p in _spec(group).parameters if p != "self")
+    return f"{group.hook}({params}) -> {_spec(group).return_annotation}"
+
+
+def _returns_its_spec(group: PluginGroup, result: Any) -> bool:
+    expected = _spec(group).return_annotation
+    if expected == "dict[str, str]":
+        return isinstance(result, dict) and all(
+            isinstance(x, str) for x in (*result, *result.values())
+        )
+    types: dict[str, Any] = {"None": type(None), "str | None": (str, type(None))}
+    types["EndpointPlugin"] = EndpointPlugin
+    return isinstance(result, types[expected])
 
 
 def _check_api_version(module: ModuleType) -> str:
@@ -104,41 +112,12 @@ def _check_api_version(module: ModuleType) -> str:
 
 
 def _show_info_logs(module: ModuleType) -> None:
-    """A plugin's own loggers show what pagellm's show (the CLI and the server set pagellm's level,
-    and a plugin package is not below the ``pagellm`` logger)."""
+    """A plugin's own loggers show what pagellm's show (the CLI and the server set pagellm's level;
+    a plugin package is not below the ``pagellm`` logger)."""
     level = logging.getLogger(PROJECT_NAME).level
     plugin_logger = logging.getLogger(module.__name__.partition(".")[0])
     if level != logging.NOTSET and plugin_logger.level == logging.NOTSET:
         plugin_logger.setLevel(level)
-
-
-def _call_hook(
-    ep: importlib.metadata.EntryPoint, group: PluginGroup, pm: pluggy.PluginManager
-) -> tuple[str, Any]:
-    """Import the plugin's module, register it with the group's plugin manager (pluggy checks
-    hook names and arguments against the specification) and call its hook; returns the API
-    version it declares and what the hook returned."""
-    if ep.attr:
-        raise PluginError(
-            f"its entry point {ep.value!r} names an attribute (the vLLM style: a function to call); "
-            f"pagellm's entry points name a module of @hookimpl functions: set the value to "
-            f"{ep.module!r} and implement `@hookimpl def {group.hook}()` there"
-        )
-    module = ep.load()
-    api_version = _check_api_version(module)
-    _show_info_logs(module)
-    try:
-        pm.register(module, name=ep.name)
-        pm.check_pending()
-    except pluggy.PluginValidationError as exc:
-        pm.unregister(name=ep.name)
-        message = str(exc).replace("\n", "; ")
-        raise PluginError(f"{message}; expected {expected_hook(group)}") from None
-    if not pm.get_hookcallers(module):
-        raise PluginError(f"it implements no hook of {group.name}; expected {expected_hook(group)}")
-    others = [p for p in pm.get_plugins() if p is not module]
-    results = pm.subset_hook_caller(group.hook, remove_plugins=others)()
-    return api_version, results[0] if results else None
 
 
 def _load_one(
@@ -147,26 +126,49 @@ def _load_one(
     pm: pluggy.PluginManager,
     record: PluginRecord,
 ) -> None:
+    """Import the plugin's module, register it with the group's plugin manager (pluggy checks
+    hook names and arguments against the specification) and call its hook."""
+    who = f"Plugin {ep.name!r} ({record.distribution}) of group {group.name}"
+    expected = f"expected {expected_hook(group)}"
     try:
-        record.api_version, result = _call_hook(ep, group, pm)
-        expected, accepts = group.returns
-        if not accepts(result):
-            raise PluginError(f"its hook returned {result!r}; expected {expected}")
-        if isinstance(result, EndpointPlugin):
-            result.api_version = record.api_version
-        if result is None and group.name == PLATFORM:
-            record.reason = "inactive: its hardware is not present"
-        record.result, record.status = result, "loaded"
+        if ep.attr:
+            raise PluginError(
+                f"its entry point {ep.value!r} names an attribute (the vLLM style: a function to "
+                f"call); pagellm's entry points name a module of @hookimpl functions: set the value "
+                f"to {ep.module!r} and implement `@hookimpl def {group.hook}()` there"
+            )
+        module = ep.load()
+        record.api_version = api_version = _check_api_version(module)
+        _show_info_logs(module)
+        try:
+            pm.register(module, name=ep.name)
+            pm.check_pending()
+        except pluggy.PluginValidationError as exc:
+            pm.unregister(name=ep.name)
+            raise PluginError(f"{exc}; {expected}".replace("\n", "; ")) from None
+        if not pm.get_hookcallers(module):
+            raise PluginError(f"it implements no hook of {group.name}; {expected}")
+        others = [p for p in pm.get_plugins() if p is not module]
+        results = pm.subset_hook_caller(group.hook, remove_plugins=others)()
+        record.result = results[0] if results else None
+        if not _returns_its_spec(group, record.result):
+            raise PluginError(f"its hook returned {record.result!r}; {expected}")
+        if isinstance(record.result, EndpointPlugin):
+            record.result.api_version = api_version
     except Exception as exc:
         record.status, record.reason = "failed", f"{type(exc).__name__}: {exc}"
-        logger.error(
-            "Plugin %r (%s) of group %s failed to load: %s",
-            ep.name,
-            record.distribution,
-            group.name,
-            record.reason,
-            exc_info=True,
-        )
+        logger.error("%s failed to load: %s", who, record.reason, exc_info=True)
+        return
+    record.status = "loaded"
+    if record.result is None and group.name == PLATFORM:
+        record.reason = "inactive: its hardware is not present"
+    note = f" ({record.reason})" if record.reason else ""
+    logger.log(
+        logging.INFO if group.name in (PLATFORM, ENDPOINT) else logging.DEBUG,
+        "%s loaded%s",
+        who,
+        note,
+    )
 
 
 def _skip_reason(
@@ -210,17 +212,6 @@ def load_group(
         record.reason = _skip_reason(record, group, names, allowed)
         if record.reason is None:
             _load_one(ep, group, pm, record)
-        if record.status == "loaded":
-            level = logging.INFO if group_name in (PLATFORM, ENDPOINT) else logging.DEBUG
-            note = f" ({record.reason})" if record.reason else ""
-            logger.log(
-                level,
-                "Loaded plugin %r (%s) of group %s%s",
-                ep.name,
-                record.distribution,
-                group_name,
-                note,
-            )
     _records[group_name] = records
     failed = [r for r in records if r.status == "failed"]
     if failed and strict_mode():

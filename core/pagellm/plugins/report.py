@@ -10,26 +10,17 @@ import importlib.metadata
 from pagellm.attention.registry import attention_backends
 from pagellm.io_processors import io_processors
 from pagellm.metrics.registry import stat_loggers
-from pagellm.models.registry import models
 from pagellm.platforms import platforms
+from pagellm.plugins import loader
 from pagellm.plugins.groups import GROUPS
-from pagellm.plugins.loader import (
-    PluginError,
-    PluginRecord,
-    load_group,
-    loaded_records,
-    not_installed,
-    strict_mode,
-)
+from pagellm.plugins.loader import PluginError, PluginRecord
 from pagellm.quantization.registry import quantization_methods
 from pagellm.scheduler.policy import scheduling_policies
 
-NOT_INSTALLED = "VLLM_PLUGINS"
-"""The report's section for names the allowlist lists and no installed plugin has."""
+NOT_INSTALLED = "VLLM_PLUGINS"  # the section of names it lists that no installed plugin has
 REGISTRIES = (
     platforms,
     attention_backends,
-    models,
     quantization_methods,
     scheduling_policies,
     io_processors,
@@ -47,15 +38,9 @@ def ignored_entry_points() -> list[PluginRecord]:
             if ep.group in GROUPS or not (meant or ep.group.startswith(("pagellm", "vllm."))):
                 continue
             fix = f"move it to {meant[0]!r}" if meant else f"pagellm reads {', '.join(GROUPS)}"
+            reason = f"unknown group {ep.group!r}: {fix}"
             records.append(
-                PluginRecord(
-                    ep.group,
-                    ep.name,
-                    distribution=dist.name,
-                    version=dist.version,
-                    status="ignored",
-                    reason=f"unknown group {ep.group!r}: {fix}",
-                )
+                PluginRecord(ep.group, ep.name, dist.name, dist.version, "ignored", reason)
             )
     return records
 
@@ -66,31 +51,28 @@ def plugin_report() -> dict[str, list[dict[str, str | None]]]:
     failures = []
     for group in GROUPS:
         try:
-            load_group(group)
+            loader.load_group(group)
         except PluginError as exc:
             failures.append(str(exc))
     for registry in REGISTRIES:
         registry.check()
-    records = loaded_records()
+    records = {group: loader.loaded_records()[group] for group in GROUPS}
     failures += [
         f"plugin {r.name!r} ({r.distribution}) of group {r.group} is misregistered: {r.reason}"
-        for group in GROUPS
-        for r in records[group]
+        for group_records in records.values()
+        for r in group_records
         if r.status == "misregistered"
     ]
-    if failures and strict_mode():
+    if failures and loader.strict_mode():
         raise PluginError("\n".join(failures))
-    report = {group: [r.as_dict() for r in records[group]] for group in GROUPS}
     for record in ignored_entry_points():
-        report.setdefault(record.group, []).append(record.as_dict())
+        records.setdefault(record.group, []).append(record)
     reason = "VLLM_PLUGINS names it, but no installed package declares a plugin of that name"
-    missing = [
-        PluginRecord(NOT_INSTALLED, n, status="not installed", reason=reason)
-        for n in not_installed()
-    ]
-    if missing:
-        report[NOT_INSTALLED] = [r.as_dict() for r in missing]
-    return report
+    for name in loader.not_installed():
+        records.setdefault(NOT_INSTALLED, []).append(
+            PluginRecord(NOT_INSTALLED, name, status="not installed", reason=reason)
+        )
+    return {group: [r.as_dict() for r in group_records] for group, group_records in records.items()}
 
 
 def format_report(report: dict[str, list[dict[str, str | None]]]) -> str:
@@ -98,9 +80,7 @@ def format_report(report: dict[str, list[dict[str, str | None]]]) -> str:
     lines = []
     for group, records in report.items():
         where = GROUPS[group].loaded_in if group in GROUPS else "not a pagellm group"
-        lines.append(
-            f"{group}  ({'names matching no plugin' if group == NOT_INSTALLED else where})"
-        )
+        lines.append(f"{group}  ({'names no plugin has' if group == NOT_INSTALLED else where})")
         if not records:
             lines.append("  (none installed)")
         for r in records:

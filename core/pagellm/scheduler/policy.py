@@ -1,15 +1,14 @@
 """The scheduling-policy contract: the order in which waiting requests are admitted, and which
-running request is preempted when the KV cache runs short.
-
-Policies are plugins of ``pagellm.scheduler_policies`` (the built-in ``fcfs`` and ``priority``
-come in through that group too: `pagellm.scheduler.builtin_policies`); ``--scheduling-policy``
-names one. Each scheduler builds its own instance, with no arguments.
+running request is preempted when the KV cache runs short. Policies are plugins of
+``pagellm.scheduler_policies`` (the built-in ``fcfs`` and ``priority`` too); ``--scheduling-policy``
+names one, and each scheduler builds its own instance, with no arguments.
 """
 
 from __future__ import annotations
 
 import heapq
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,44 +17,47 @@ from pagellm.plugins.registry import Registry
 from pagellm.request import Request
 
 
-class SchedulingPolicy(ABC):
+class SchedulingPolicy:
     """Holds the waiting requests: the scheduler adds them, admits them in the policy's order
-    (`peek`, then `pop` once the request fits) and removes the aborted ones."""
+    (`peek`, then `pop` once the request fits) and removes aborted ones. This base class is first
+    come, first served; a policy overrides what it does differently."""
 
-    @abstractmethod
+    def __init__(self) -> None:
+        self._queue: deque[Request] = deque()
+
     def add(self, request: Request) -> None:
         """A new request."""
+        self._queue.append(request)
 
-    @abstractmethod
     def prepend(self, request: Request) -> None:
-        """A preempted request back in the queue: it had been admitted before every waiting one."""
+        """A preempted request back in the queue: it was admitted before every waiting one."""
+        self._queue.appendleft(request)
 
-    @abstractmethod
     def peek(self) -> Request:
-        """The request to admit next (called only when some request waits)."""
+        """The request to admit next (asked only when some request waits)."""
+        return self._queue[0]
 
-    @abstractmethod
     def pop(self) -> Request:
         """Remove and return the request `peek` returns."""
+        return self._queue.popleft()
 
-    @abstractmethod
     def remove(self, request: Request) -> None:
         """Remove a waiting request (aborted)."""
+        self._queue.remove(request)
 
-    @abstractmethod
-    def __len__(self) -> int: ...
+    def __len__(self) -> int:
+        return len(self._queue)
 
-    @abstractmethod
     def __iter__(self) -> Iterator[Request]:
         """The waiting requests, in admission order."""
+        return iter(self._queue)
 
     def pick_victim(self, running: list[Request]) -> Request:
-        """The request to preempt among ``running`` (never empty, in admission order): by default
-        the last admitted."""
+        """The request to preempt among ``running`` (never empty, in admission order)."""
         return running[-1]
 
 
-class KeyOrderedPolicy(SchedulingPolicy):
+class KeyOrderedPolicy(SchedulingPolicy, ABC):
     """Admits waiting requests by ascending `key` (equal keys: by request id), and preempts the
     running request with the largest key. A policy of this kind is its `key` alone."""
 
