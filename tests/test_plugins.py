@@ -149,7 +149,7 @@ def test_misregistered_classes_are_reported_by_plugin_name():
     attention = plugins_json()["pagellm.attention_backends"]
     misnamed = attention["misnamed_backend"]
     assert misnamed["status"] == "misregistered"
-    assert "'SDPA_ALIAS'" in misnamed["reason"] and "is named 'TORCH_SDPA'" in misnamed["reason"]
+    assert "'SDPA_ALIAS'" in misnamed["reason"] and "its name is 'TORCH_SDPA'" in misnamed["reason"]
     assert attention["dummy_attn"]["status"] == "loaded"
     platforms = plugins_json({"PAGELLM_BROKEN_PLATFORMS": "1"})["pagellm.platform_plugins"]
     bad_path = platforms["bad_path"]
