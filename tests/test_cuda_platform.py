@@ -237,12 +237,11 @@ class CudaGraphCapableBackend(TorchSDPABackend):
 
 @pytest.fixture
 def capable_backend(monkeypatch: pytest.MonkeyPatch) -> str:
-    from pagellm.attention import registry
+    from pagellm.attention.registry import attention_backends
 
     # Registered for this test only, so no later selection sees it.
-    monkeypatch.setitem(
-        registry._BACKENDS, CudaGraphCapableBackend.name, f"{__name__}:CudaGraphCapableBackend"
-    )
+    entry = (f"{__name__}:CudaGraphCapableBackend", None)
+    monkeypatch.setitem(attention_backends._entries, CudaGraphCapableBackend.name, entry)
     return CudaGraphCapableBackend.name
 
 

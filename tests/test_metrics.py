@@ -20,8 +20,9 @@ from pagellm.metrics.loggers import (
     make_metrics_app,
     metrics_response,
 )
-from pagellm.metrics.registry import get_stat_logger_cls, register_stat_logger
+from pagellm.metrics.registry import stat_loggers
 from pagellm.metrics.stats import FinishedRequestStats, IterationStats, SchedulerStats
+from pagellm.plugins import PluginError
 
 DUMMY_FRONTEND = Path(__file__).parent / "plugins" / "dummy_frontend"
 
@@ -217,7 +218,7 @@ def dummy_frontend_importable(monkeypatch):
 def test_build_stat_loggers_adds_plugin_loggers_built_with_the_model_name(
     dummy_frontend_importable,
 ):
-    register_stat_logger(
+    stat_loggers.register(
         "test_collecting", "pagellm_dummy_frontend.processors:CollectingStatLogger"
     )
     loggers = build_stat_loggers("tiny", ["test_collecting"])
@@ -243,8 +244,8 @@ def test_build_stat_loggers_rejects_unknown_builtin_and_foreign_names(dummy_fron
         build_stat_loggers("tiny", ["nope"])
     with pytest.raises(ValueError, match="'prometheus' is built in and always on"):
         build_stat_loggers("tiny", ["prometheus"])
-    register_stat_logger(
+    stat_loggers.register(
         "test_not_a_logger", "pagellm_dummy_frontend.processors:UpperTextProcessor"
     )
-    with pytest.raises(TypeError, match="is not a StatLoggerBase"):
-        get_stat_logger_cls("test_not_a_logger")
+    with pytest.raises(PluginError, match="is not a StatLoggerBase subclass"):
+        stat_loggers.get("test_not_a_logger")

@@ -26,6 +26,7 @@ CONTROL_VARS = (
     "PAGELLM_PLATFORM",
     "PAGELLM_DUMMY_PLATFORM",
     "PAGELLM_DUMMY_PLATFORM_B",
+    "PAGELLM_BROKEN_PLATFORMS",
 )
 
 
@@ -47,11 +48,11 @@ def run(code: str, env: dict[str, str] | None = None, *args: str) -> subprocess.
     )
 
 
+PLUGINS_CLI = "from pagellm.entrypoints.cli import main; raise SystemExit(main(sys.argv[1:]))"
+
+
 def plugins_json(env: dict[str, str] | None = None) -> dict:
-    proc = run(
-        "from pagellm.entrypoints.cli import main; raise SystemExit(main(['plugins', '--json']))",
-        env,
-    )
+    proc = run("import sys\n" + PLUGINS_CLI, env, "plugins", "--json")
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     return {group: {r["name"]: r for r in records} for group, records in report.items()}
@@ -70,20 +71,22 @@ print(current_platform.name, cfg.attention_backend, cfg.cache.block_size, out[0]
 
 def test_plugins_json_reports_each_plugin_with_distribution_status_and_reason():
     report = plugins_json()
-    assert list(report) == [
+    assert list(report)[:8] == [
         "pagellm.general_plugins",
         "pagellm.platform_plugins",
         "pagellm.attention_backends",
         "pagellm.quantization_methods",
+        "pagellm.scheduler_policies",
         "pagellm.io_processor_plugins",
         "pagellm.stat_logger_plugins",
         "pagellm.endpoint_plugins",
     ]
     general = report["pagellm.general_plugins"]
     model = general["dummy_model"]
-    assert (model["distribution"], model["version"], model["status"]) == (
+    assert (model["distribution"], model["version"], model["api_version"], model["status"]) == (
         "pagellm-dummy-model",
         "0.1.0",
+        "1.0",
         "loaded",
     )
     assert general["broken_import"]["status"] == "failed"
@@ -96,22 +99,80 @@ def test_plugins_json_reports_each_plugin_with_distribution_status_and_reason():
     wrong = general["wrong_args"]["reason"]
     assert "registry" in wrong and "pagellm_register()" in wrong
     future = general["future_api"]["reason"]
-    assert "2.0" in future and "1.0" in future
+    assert "2.0" in future and "1.1" in future
     assert report["pagellm.platform_plugins"]["dummy"]["reason"].startswith("inactive")
     assert report["pagellm.attention_backends"]["dummy_attn"]["status"] == "loaded"
     assert report["pagellm.quantization_methods"]["dummy_int8"]["status"] == "loaded"
     assert report["pagellm.io_processor_plugins"]["dummy_io"]["status"] == "loaded"
     assert report["pagellm.stat_logger_plugins"]["dummy_stats"]["status"] == "loaded"
+    policies = report["pagellm.scheduler_policies"]
+    assert policies["builtin_policies"]["distribution"] == "pagellm"
+    assert [policies[n]["status"] for n in ("builtin_policies", "shortest_prompt")] == [
+        "loaded"
+    ] * 2
+    assert policies["shortest_prompt"]["api_version"] == "1.1"
     for record in report["pagellm.endpoint_plugins"].values():
         assert record["status"] == "skipped" and "off unless named" in record["reason"]
 
 
-def test_plugins_command_prints_a_table_per_group():
-    proc = run("from pagellm.entrypoints.cli import main; raise SystemExit(main(['plugins']))")
+def test_plugins_command_prints_a_table_per_group_and_plugins_log_at_info():
+    proc = run("import sys\n" + PLUGINS_CLI, {"PAGELLM_DUMMY_PLATFORM": "1"}, "plugins")
     assert proc.returncode == 0
     assert "pagellm.general_plugins" in proc.stdout
     assert "broken_import" in proc.stdout and "failed" in proc.stdout
     assert "Traceback" in proc.stderr  # the failure is logged with its traceback
+    # The plugin's own logger shows at the level the CLI gives pagellm's loggers.
+    assert "INFO pagellm_dummy_platform.plugin: dummy hardware found" in proc.stderr
+
+
+def test_vllm_style_entry_points_and_groups_are_answered_with_the_fix():
+    report = plugins_json()
+    function_value = report["pagellm.general_plugins"]["function_value"]
+    assert function_value["status"] == "failed"
+    assert "names an attribute (the vLLM style" in function_value["reason"]
+    assert "set the value to 'pagellm_broken_plugin.vllm_style'" in function_value["reason"]
+    assert "`@hookimpl def pagellm_register()`" in function_value["reason"]
+    vllm_group = report["vllm.general_plugins"]["vllm_group"]
+    assert (vllm_group["status"], vllm_group["reason"]) == (
+        "ignored",
+        "unknown group 'vllm.general_plugins': move it to 'pagellm.general_plugins'",
+    )
+    misspelled = report["pagellm.platform_plugin"]["misspelled_group"]
+    assert (misspelled["status"], misspelled["distribution"]) == (
+        "ignored",
+        "pagellm-broken-plugin",
+    )
+    assert misspelled["reason"].endswith("move it to 'pagellm.platform_plugins'")
+
+
+def test_misregistered_classes_are_reported_by_plugin_name():
+    attention = plugins_json()["pagellm.attention_backends"]
+    misnamed = attention["misnamed_backend"]
+    assert misnamed["status"] == "misregistered"
+    assert "'SDPA_ALIAS'" in misnamed["reason"] and "its name is 'TORCH_SDPA'" in misnamed["reason"]
+    assert attention["dummy_attn"]["status"] == "loaded"
+    platforms = plugins_json({"PAGELLM_BROKEN_PLATFORMS": "1"})["pagellm.platform_plugins"]
+    bad_path = platforms["bad_path"]
+    assert bad_path["status"] == "misregistered"
+    assert "pagellm_broken_plugin.no_such_module.Platform" in bad_path["reason"]
+    assert "does not import: ModuleNotFoundError" in bad_path["reason"]
+    assert platforms["bad_signature"]["status"] == "misregistered"
+    assert "does not fit Platform" in platforms["bad_signature"]["reason"]
+    assert platforms["dummy"]["reason"].startswith("inactive")
+
+
+def test_platform_with_a_wrong_signature_is_refused_when_chosen_naming_the_plugin(tiny_models):
+    env = {"PAGELLM_BROKEN_PLATFORMS": "1", "PAGELLM_PLATFORM": "bad_signature"}
+    proc = run(GENERATE, env, tiny_models["llama3"])
+    assert proc.returncode != 0
+    assert "PluginError: Platform 'bad_signature'" in proc.stderr
+    assert "from plugin 'bad_signature' of pagellm-broken-plugin" in proc.stderr
+    assert (
+        "available_kv_cache_memory(config, model_bytes) cannot be called as "
+        "Platform.available_kv_cache_memory(config, model_bytes, profile_run)" in proc.stderr
+    )
+    assert "synchronize is a method, Platform.synchronize is a class method" in proc.stderr
+    assert "TypeError" not in proc.stderr
 
 
 def test_broken_plugins_are_logged_and_llm_still_generates(tiny_models):
@@ -121,21 +182,25 @@ def test_broken_plugins_are_logged_and_llm_still_generates(tiny_models):
     assert "broken_import" in proc.stderr and "pagellm_missing_dependency" in proc.stderr
 
 
-def test_strict_mode_fails_start_up_naming_the_plugin(tiny_models):
+BROKEN_GENERAL = ("broken_import", "misspelled_hook", "wrong_args", "future_api", "function_value")
+
+
+def test_strict_mode_fails_start_up_naming_every_failed_plugin(tiny_models):
     proc = run(GENERATE, {"PAGELLM_PLUGINS_STRICT": "1"}, tiny_models["llama3"])
     assert proc.returncode != 0
-    assert "PluginError" in proc.stderr and "'broken_import'" in proc.stderr
-    assert "PAGELLM_PLUGINS_STRICT=1" in proc.stderr
-    cli = run(
-        "from pagellm.entrypoints.cli import main; raise SystemExit(main(['plugins']))",
-        {"PAGELLM_PLUGINS_STRICT": "1"},
-    )
-    assert cli.returncode == 2 and "broken_import" in cli.stderr
+    error = proc.stderr.splitlines()[-1]
+    assert error.startswith("pagellm.plugins.loader.PluginError: 5 plugin(s) of group")
+    assert all(f"'{name}'" in error for name in BROKEN_GENERAL)
+    assert "PAGELLM_PLUGINS_STRICT=1" in error
+    cli = run("import sys\n" + PLUGINS_CLI, {"PAGELLM_PLUGINS_STRICT": "1"}, "plugins")
+    assert cli.returncode == 2
+    error = cli.stderr[cli.stderr.index("pagellm: error:") :]
+    assert all(f"'{name}'" in error for name in (*BROKEN_GENERAL, "misnamed_backend"))
 
 
 def test_empty_allowlist_loads_nothing_and_runs_on_builtin_cpu_and_reference_backend(tiny_models):
     report = plugins_json({"VLLM_PLUGINS": ""})
-    records = [r for group in report.values() for r in group.values()]
+    records = [r for group in report.values() for r in group.values() if not _own_or_ignored(r)]
     assert records and all(r["status"] == "skipped" for r in records)
     assert all(r["reason"] == "not in the VLLM_PLUGINS allowlist" for r in records)
     proc = run(GENERATE, {"VLLM_PLUGINS": "", "PAGELLM_DUMMY_PLATFORM": "1"}, tiny_models["llama3"])
@@ -144,9 +209,33 @@ def test_empty_allowlist_loads_nothing_and_runs_on_builtin_cpu_and_reference_bac
     assert "WARNING" not in proc.stderr and "ERROR" not in proc.stderr
 
 
-def test_allowlist_loads_only_the_named_plugins():
-    report = plugins_json({"VLLM_PLUGINS": "dummy_model,dummy_attn,dummy_endpoint"})
-    statuses = {name: r["status"] for group in report.values() for name, r in group.items()}
+def _own_or_ignored(record: dict) -> bool:
+    """pagellm's own plugins load whatever the allowlist says; ignored ones never load."""
+    return record["distribution"] == "pagellm" or record["status"] == "ignored"
+
+
+def test_allowlist_loads_only_the_named_plugins_and_tells_not_installed_names_apart():
+    report = plugins_json({"VLLM_PLUGINS": "dummy_model,dummy_attn,dummy_endpoint,no_such_plugin"})
+    assert report.pop("VLLM_PLUGINS") == {
+        "no_such_plugin": {
+            "name": "no_such_plugin",
+            "distribution": None,
+            "version": None,
+            "api_version": None,
+            "status": "not installed",
+            "reason": "VLLM_PLUGINS names it, but no installed package declares a plugin of that name",
+        }
+    }
+    assert report["pagellm.general_plugins"]["broken_import"]["reason"] == (
+        "not in the VLLM_PLUGINS allowlist"
+    )
+    assert report["pagellm.scheduler_policies"]["builtin_policies"]["status"] == "loaded"
+    statuses = {
+        name: r["status"]
+        for group in report.values()
+        for name, r in group.items()
+        if not _own_or_ignored(r)
+    }
     assert (
         statuses.pop("dummy_model")
         == statuses.pop("dummy_attn")
@@ -162,7 +251,10 @@ def test_endpoint_plugins_are_deny_by_default_and_need_matching_tasks():
     logging.basicConfig(level=logging.INFO)
     from pagellm.plugins import load_endpoint_plugins
     endpoints = json.loads(sys.argv[1])
-    print(json.dumps([name for name, _ in load_endpoint_plugins(endpoints, {"generate"})]))
+    enabled = load_endpoint_plugins(endpoints, {"generate"})
+    # A plugin API 1.0 plugin: the API server attaches it as attach(app, engine_client).
+    assert all(plugin.api_version == "1.0" for _, plugin in enabled)
+    print(json.dumps([name for name, _ in enabled]))
     """
 
     def served(endpoints, env=None):
@@ -243,7 +335,7 @@ def test_general_plugin_registration_is_visible_in_a_separate_engine_core_proces
     assert child["tokens"] == [7, 7, 7]  # the plugin model's favoured token
     # The engine-core process loads its groups and not the front end's.
     groups = child["groups"]
-    assert "pagellm.general_plugins" in groups
+    assert "pagellm.general_plugins" in groups and "pagellm.scheduler_policies" in groups
     assert "pagellm.io_processor_plugins" not in groups
     assert "pagellm.stat_logger_plugins" not in groups
 
@@ -306,8 +398,14 @@ def test_attention_backend_override_and_rejections_are_explained(tiny_models):
     window = run(GENERATE, None, tiny_models["mistral"], "{'attention_backend': 'DUMMY_ATTN'}")
     assert "sliding window attention not supported" in window.stderr
     # With the dummy platform active, a sliding-window model falls back to the next ranked backend.
-    fallback = run(GENERATE, {"PAGELLM_DUMMY_PLATFORM": "1"}, tiny_models["mistral"])
+    logged = "import logging\nlogging.basicConfig(level=logging.INFO)\n" + GENERATE
+    fallback = run(logged, {"PAGELLM_DUMMY_PLATFORM": "1"}, tiny_models["mistral"])
     assert fallback.stdout.split()[0:2] == ["dummy", "TORCH_SDPA"]
+    # One start-up line says what was chosen and what was passed over, and why.
+    assert (
+        "Platform dummy: attention backend TORCH_SDPA, block size 16, dtype float32; "
+        "DUMMY_ATTN rejected: sliding window attention not supported" in fallback.stderr
+    )
     nothing_fits = run("""
     import torch
     from pagellm.attention.selector import select_attention_backend
@@ -332,18 +430,16 @@ def test_quantization_method_from_plugin_by_name(tiny_models):
     assert proc.returncode == 0, proc.stderr
     assert "['Int8WeightOnlyLinearMethod'] {'torch.int8'}" in proc.stdout
     unknown = run(GENERATE, None, tiny_models["llama3"], "{'quantization': 'awq'}")
-    assert (
-        "quantization='awq' is not an installed quantization method (dummy_int8)" in unknown.stderr
-    )
+    assert "Quantization method 'awq' is not installed; installed: dummy_int8." in unknown.stderr
 
 
 def test_front_end_groups_fill_their_registries_in_the_front_end(tiny_models):
     code = (
         GENERATE
         + """
-    from pagellm.io_processors import get_io_processor_cls
-    from pagellm.metrics.registry import get_stat_logger_cls
-    print(get_io_processor_cls("upper_text")().process_input("hi"), get_stat_logger_cls("collecting").__name__)
+    from pagellm.io_processors import io_processors
+    from pagellm.metrics.registry import stat_loggers
+    print(io_processors.get("upper_text")().process_input("hi"), stat_loggers.get("collecting").__name__)
     """.replace("\n    ", "\n")
     )
     proc = run(code, None, tiny_models["llama3"])
@@ -363,3 +459,44 @@ def test_loading_is_idempotent_and_import_loads_nothing():
     """)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["True", "True", "1"]
+
+
+POLICY_ORDER = """
+import sys
+from pagellm import LLM, SamplingParams
+for policy in ("fcfs", "shortest_prompt_first"):
+    for multiprocess in (False, True):
+        llm = LLM(sys.argv[1], max_model_len=128, kv_cache_memory=8 << 20, max_num_seqs=1,
+                  scheduling_policy=policy, multiprocess_engine=multiprocess)
+        engine = llm.llm_engine
+        # "first" is alone when the engine core first schedules; while its 48 steps run, the
+        # others wait for the policy to choose.
+        engine.add_request("first", [100], SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))
+        params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+        engine.add_request("long", list(range(10, 50)), params)
+        engine.add_request("short", list(range(10, 20)), params)
+        finished = []
+        while engine.has_unfinished_requests():
+            finished += [o.request_id for o in engine.step() if o.finished]
+        print(policy, multiprocess, *finished)
+        del llm, engine
+try:
+    LLM(sys.argv[1], max_model_len=128, kv_cache_memory=8 << 20, scheduling_policy="nope")
+except ValueError as exc:
+    print(exc)
+"""
+
+
+def test_scheduling_policy_from_a_plugin_orders_admission_in_process_and_in_the_engine_core(
+    tiny_models,
+):
+    proc = run(POLICY_ORDER, None, tiny_models["llama3"])
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [
+        "fcfs False first long short",
+        "fcfs True first long short",
+        "shortest_prompt_first False first short long",
+        "shortest_prompt_first True first short long",
+        "Scheduling policy 'nope' is not installed; installed: fcfs, priority, "
+        "shortest_prompt_first.",
+    ]

@@ -107,6 +107,7 @@ class SchedulerConfig(_Config):
     long_prefill_token_threshold: int = 0
     """A request's prefill chunk is capped at this many tokens per step (0: no cap)."""
     policy: str = "fcfs"
+    """A registered scheduling policy (`pagellm.scheduler.policy`): waiting order, preemption victim."""
 
 
 class ParallelConfig(_Config):

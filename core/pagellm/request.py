@@ -151,14 +151,6 @@ class Request:
     def get_finish_reason(self) -> FinishReason | None:
         return RequestStatus.finish_reason(self.status)
 
-    def __lt__(self, other: Request) -> bool:
-        # Priority-queue order: lower priority value first, then earlier arrival, then id.
-        return (self.priority, self.arrival_time, self.request_id) < (
-            other.priority,
-            other.arrival_time,
-            other.request_id,
-        )
-
     def __repr__(self) -> str:
         return (
             f"Request({self.request_id!r}, status={self.status.name}, "

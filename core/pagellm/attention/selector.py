@@ -3,10 +3,16 @@ what each backend declares it supports."""
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from pagellm.attention.backend import AttentionBackend
-from pagellm.attention.registry import get_backend_cls, registered_backends
+from pagellm.attention.registry import attention_backends
+from pagellm.platforms import current_platform_name
+from pagellm.plugins.loader import PluginError
+
+logger = logging.getLogger(__name__)
 
 
 class NoAttentionBackendError(ValueError):
@@ -23,16 +29,18 @@ def select_attention_backend(
     block_size: int | None,
     sliding_window: int | None,
 ) -> type[AttentionBackend]:
-    """``ranking`` is the platform's preference order; installed backends it does not name come last."""
-    candidates = [requested] if requested else [n for n in ranking if n in registered_backends()]
+    """``ranking`` is the platform's preference order; installed backends it does not name come
+    last. Logs the choice, with every backend passed over and why, at INFO."""
+    installed = attention_backends.names()
+    candidates = [requested] if requested else [n for n in ranking if n in installed]
     if not requested:
-        candidates += [n for n in registered_backends() if n not in candidates]
+        candidates += [n for n in installed if n not in candidates]
     rejected: dict[str, list[str]] = {}
     for name in candidates:
         try:
-            cls = get_backend_cls(name)
-        except (ImportError, AttributeError, TypeError) as exc:
-            rejected[name] = [f"failed to import: {exc}"]
+            cls = attention_backends.get(name)
+        except PluginError as exc:
+            rejected[name] = [str(exc)]
             continue
         reasons = cls.unsupported_reasons(
             device_type=device_type,
@@ -41,7 +49,13 @@ def select_attention_backend(
             block_size=block_size,
             sliding_window=sliding_window,
         )
-        if not reasons:
+        if not reasons:  # one start-up line: what was chosen, and what was passed over and why
+            passed_over = "".join(f"; {n} rejected: {', '.join(r)}" for n, r in rejected.items())
+            size = block_size or cls.default_block_size
+            logger.info(
+                f"Platform {current_platform_name()}: attention backend {name}, block size {size}, "
+                f"dtype {str(dtype).removeprefix('torch.')}{passed_over}"
+            )
             return cls
         rejected[name] = reasons
     details = "; ".join(f"{name}: {', '.join(r)}" for name, r in rejected.items())

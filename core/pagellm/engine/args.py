@@ -37,6 +37,7 @@ from pagellm.model_loader.source import load_hf_config, resolve_model_source
 from pagellm.models.registry import resolve_model_cls
 from pagellm.platforms import current_platform, current_platform_name
 from pagellm.quantization.registry import get_quantization_config_cls
+from pagellm.scheduler.policy import scheduling_policies
 
 _DEFAULT_MAX_NUM_SEQS = 256
 _DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
@@ -189,6 +190,7 @@ class EngineArgs:
                 raise ConfigError(
                     f"quantization={self.quantization!r} does not support dtype {model_cfg.dtype}."
                 )
+        scheduling_policies.get(self.scheduling_policy)  # an unknown name lists the installed ones
         backend = select_attention_backend(
             requested=self.attention_backend,
             ranking=platform.attention_backend_ranking(),

@@ -107,20 +107,10 @@ def _add_plugins_parser(subparsers: argparse._SubParsersAction) -> None:
 def _run_plugins(args: argparse.Namespace) -> int:
     import json
 
-    from pagellm.plugins import GROUPS, plugin_report
+    from pagellm.plugins.report import format_report, plugin_report
 
     report = plugin_report()
-    if args.json:
-        print(json.dumps(report, indent=2))
-        return 0
-    for group, records in report.items():
-        print(f"{group}  ({GROUPS[group].loaded_in})")
-        if not records:
-            print("  (none installed)")
-        for r in records:
-            dist = f"{r['distribution']} {r['version']}" if r["distribution"] else "?"
-            reason = f": {r['reason']}" if r["reason"] else ""
-            print(f"  {r['name']:<24} {dist:<36} {r['status']}{reason}")
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0
 
 

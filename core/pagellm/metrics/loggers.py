@@ -215,17 +215,17 @@ BUILTIN_STAT_LOGGERS: dict[str, type[StatLoggerBase]] = {
 def build_stat_loggers(model_name: str, names: list[str] | None = None) -> list[StatLoggerBase]:
     """The built-in loggers (always on: logging, then Prometheus) followed by the plugin stat
     loggers in ``names``, each built as ``cls(model_name=model_name)``."""
-    from pagellm.metrics.registry import get_stat_logger_cls, registered_stat_loggers
+    from pagellm.metrics.registry import stat_loggers
 
     loggers: list[StatLoggerBase] = [
         cls(model_name=model_name) for cls in BUILTIN_STAT_LOGGERS.values()
     ]
     for name in names or ():
         if name in BUILTIN_STAT_LOGGERS:
-            installed = ", ".join(registered_stat_loggers()) or "none installed"
+            installed = ", ".join(stat_loggers.names()) or "none installed"
             raise ValueError(
                 f"Stat logger {name!r} is built in and always on; name only plugin stat loggers "
                 f"({installed})."
             )
-        loggers.append(get_stat_logger_cls(name)(model_name=model_name))
+        loggers.append(stat_loggers.get(name)(model_name=model_name))
     return loggers

@@ -1,38 +1,26 @@
-"""Model classes by the HF ``architectures`` name; out-of-tree models register here too."""
+"""Model classes by the HF ``architectures`` name; out-of-tree models register here too, from a
+general plugin's ``pagellm_register`` hook."""
 
 from __future__ import annotations
 
-import importlib
-
 from torch import nn
 
-_MODELS: dict[str, str] = {
-    "LlamaForCausalLM": "pagellm.models.llama:LlamaForCausalLM",
-    "MistralForCausalLM": "pagellm.models.llama:MistralForCausalLM",
-    "Qwen2ForCausalLM": "pagellm.models.qwen:Qwen2ForCausalLM",
-    "Qwen3ForCausalLM": "pagellm.models.qwen:Qwen3ForCausalLM",
-}
+from pagellm.plugins.groups import GENERAL
+from pagellm.plugins.registry import Registry
 
-
-def register_model(architecture: str, qualname: str) -> None:
-    """Register ``"package.module:Class"`` for a HF architecture name (last registration wins)."""
-    _MODELS[architecture] = qualname
-
-
-def supported_architectures() -> list[str]:
-    return sorted(_MODELS)
-
-
-def is_supported(architecture: str) -> bool:
-    return architecture in _MODELS
+models: Registry[nn.Module] = Registry("Model architecture", nn.Module, GENERAL)
+models.register("LlamaForCausalLM", "pagellm.models.llama:LlamaForCausalLM")
+models.register("MistralForCausalLM", "pagellm.models.llama:MistralForCausalLM")
+models.register("Qwen2ForCausalLM", "pagellm.models.qwen:Qwen2ForCausalLM")
+models.register("Qwen3ForCausalLM", "pagellm.models.qwen:Qwen3ForCausalLM")
+register_model = models.register
 
 
 def resolve_model_cls(architectures: list[str]) -> tuple[str, type[nn.Module]]:
     for arch in architectures:
-        if arch in _MODELS:
-            module_name, _, cls_name = _MODELS[arch].partition(":")
-            return arch, getattr(importlib.import_module(module_name), cls_name)
+        if arch in models:
+            return arch, models.get(arch)
     raise ValueError(
         f"Model architecture(s) {architectures} are not supported; supported: "
-        f"{', '.join(supported_architectures())}."
+        f"{', '.join(sorted(models.names()))}."
     )

@@ -3,20 +3,41 @@
 A plugin is a module (named by its entry point) holding ``@hookimpl`` functions for the hooks of
 its group, and a module-level ``pagellm_plugin_api = "MAJOR.MINOR"`` naming the plugin API it was
 written for. Hook implementations may take fewer arguments than the specification, never others.
+A hook that returns class paths may write them ``"pkg.module:Class"`` or ``"pkg.module.Class"``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import pluggy
 
 PROJECT_NAME = "pagellm"
-PLUGIN_API_VERSION = "1.0"
-"""Plugins declaring the same major version and a minor version up to this one are accepted."""
+PLUGIN_API_VERSION = "1.1"
+"""Plugins declaring the same major version and a minor version up to this one are accepted.
+1.1: the ``pagellm.scheduler_policies`` group; endpoint plugins' ``attach(app, ctx)``."""
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+@dataclass
+class EndpointPlugin:
+    """What an endpoint plugin's ``pagellm_endpoint`` hook returns.
+
+    ``attach`` adds the plugin's routes to the API server's app: ``attach(app, engine_client)``
+    for a plugin declaring API 1.0, ``attach(app, ctx)`` for 1.1.
+    ``required_tasks``: the model tasks the routes need (e.g. {"generate"}); None means any.
+    """
+
+    attach: Callable[..., None]
+    required_tasks: frozenset[str] | None = None
+    description: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+    api_version: str = field(default=PLUGIN_API_VERSION, init=False)
+    """The plugin API version its module declares; set by the loader."""
 
 
 class GeneralPluginSpec:
@@ -33,8 +54,8 @@ class PlatformPluginSpec:
 
     @hookspec
     def pagellm_platform(self) -> str | None:
-        """The qualified name (``"pkg.module:Class"``) of a `Platform` subclass when this
-        platform's hardware is present, else None."""
+        """The class path of a `Platform` subclass when this platform's hardware is present,
+        else None."""
 
 
 class AttentionBackendSpec:
@@ -42,7 +63,7 @@ class AttentionBackendSpec:
 
     @hookspec
     def pagellm_attention_backends(self) -> dict[str, str]:
-        """Backend name → qualified name of its `AttentionBackend` class (imported only when chosen)."""
+        """Backend name → class path of its `AttentionBackend` (imported only when chosen)."""
 
 
 class QuantizationMethodSpec:
@@ -50,7 +71,16 @@ class QuantizationMethodSpec:
 
     @hookspec
     def pagellm_quantization_methods(self) -> dict[str, str]:
-        """Method name (what ``--quantization`` takes) → qualified name of its `QuantizationConfig`."""
+        """Method name (what ``--quantization`` takes) → class path of its `QuantizationConfig`."""
+
+
+class SchedulerPolicySpec:
+    """``pagellm.scheduler_policies``: loaded where the engine config is built and in the
+    engine-core process (API 1.1)."""
+
+    @hookspec
+    def pagellm_scheduler_policies(self) -> dict[str, str]:
+        """Policy name (what ``--scheduling-policy`` takes) → class path of its `SchedulingPolicy`."""
 
 
 class IOProcessorSpec:
@@ -58,7 +88,7 @@ class IOProcessorSpec:
 
     @hookspec
     def pagellm_io_processors(self) -> dict[str, str]:
-        """IO processor name → qualified name of its class."""
+        """IO processor name → class path of its class."""
 
 
 class StatLoggerSpec:
@@ -66,12 +96,12 @@ class StatLoggerSpec:
 
     @hookspec
     def pagellm_stat_loggers(self) -> dict[str, str]:
-        """Stat logger name → qualified name of its class."""
+        """Stat logger name → class path of its `StatLoggerBase` subclass."""
 
 
 class EndpointSpec:
     """``pagellm.endpoint_plugins``: loaded in the API-server process only, deny-by-default."""
 
     @hookspec
-    def pagellm_endpoint(self) -> Any:
-        """An `EndpointPlugin`: the routes to attach and the model tasks they need."""
+    def pagellm_endpoint(self) -> EndpointPlugin:
+        """The routes to attach and the model tasks they need."""

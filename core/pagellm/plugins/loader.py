@@ -1,8 +1,9 @@
-"""Discovering, validating and loading plugins, once per process and group.
+"""Discovering, validating and loading the plugins of a group, once per process.
 
 Each discovered entry point becomes a `PluginRecord` (loaded / skipped / failed, with the reason);
-`pagellm plugins` prints them. A plugin that fails is logged with its traceback and does not stop
-the others, unless ``PAGELLM_PLUGINS_STRICT=1``.
+`pagellm plugins` prints them. The loader fills no registry: a registry reads the records of its
+group (`pagellm.plugins.registry`). A plugin that fails is logged with its traceback and does not
+stop the others; with ``PAGELLM_PLUGINS_STRICT=1`` the group's failures, all of them, stop start-up.
 """
 
 from __future__ import annotations
@@ -11,16 +12,14 @@ import importlib.metadata
 import inspect
 import logging
 import os
-import traceback
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
 import pluggy
 
-from pagellm.plugins import groups as g
-from pagellm.plugins.hookspecs import PLUGIN_API_VERSION, PROJECT_NAME
+from pagellm.plugins.groups import ENDPOINT, GROUPS, PLATFORM, PluginGroup
+from pagellm.plugins.hookspecs import PLUGIN_API_VERSION, PROJECT_NAME, EndpointPlugin
 
 logger = logging.getLogger(__name__)
 
@@ -33,22 +32,21 @@ class PluginError(RuntimeError):
 class PluginRecord:
     group: str
     name: str
-    distribution: str | None
-    version: str | None
+    distribution: str | None = None
+    version: str | None = None
     status: str = "skipped"
-    """"loaded", "skipped" or "failed"."""
+    """"loaded", "skipped", "failed", "misregistered" (a class it registered does not import or
+    does not fit its interface), "ignored" (its entry point is in a group pagellm does not read) or
+    "not installed" (VLLM_PLUGINS names it, no installed package declares it)."""
     reason: str | None = None
+    api_version: str | None = None
+    """The plugin API version the plugin's module declares."""
     result: Any = field(default=None, repr=False)
     """What the plugin's hook returned (e.g. an endpoint plugin's `EndpointPlugin`)."""
 
     def as_dict(self) -> dict[str, str | None]:
-        return {
-            "name": self.name,
-            "distribution": self.distribution,
-            "version": self.version,
-            "status": self.status,
-            "reason": self.reason,
-        }
+        keys = ("name", "distribution", "version", "api_version", "status", "reason")
+        return {key: getattr(self, key) for key in keys}
 
 
 def allowlist() -> set[str] | None:
@@ -67,20 +65,33 @@ def discover(group: str) -> list[importlib.metadata.EntryPoint]:
     return sorted(importlib.metadata.entry_points(group=group), key=lambda ep: ep.name)
 
 
-def _spec_signatures(spec: type) -> dict[str, inspect.Signature]:
-    return {
-        name: inspect.signature(fn)
-        for name, fn in vars(spec).items()
-        if callable(fn) and name.startswith(f"{PROJECT_NAME}_")
-    }
+def not_installed() -> list[str]:
+    """The names VLLM_PLUGINS lists that no installed plugin of any group has."""
+    known = {ep.name for group in GROUPS for ep in discover(group)}
+    return sorted((allowlist() or set()) - known)
 
 
-def _describe(name: str, sig: inspect.Signature) -> str:
-    params = [p for p in sig.parameters.values() if p.name != "self"]
-    return f"{name}({', '.join(p.name for p in params)}) -> {sig.return_annotation}"
+def _spec(group: PluginGroup) -> inspect.Signature:
+    return inspect.signature(getattr(group.spec, group.hook))
 
 
-def _check_api_version(module: ModuleType) -> None:
+def expected_hook(group: PluginGroup) -> str:
+    params = ", ".join(p for p in _spec(group).parameters if p != "self")
+    return f"{group.hook}({params}) -> {_spec(group).return_annotation}"
+
+
+def _returns_its_spec(group: PluginGroup, result: Any) -> bool:
+    expected = _spec(group).return_annotation
+    if expected == "dict[str, str]":
+        return isinstance(result, dict) and all(
+            isinstance(x, str) for x in (*result, *result.values())
+        )
+    types: dict[str, Any] = {"None": type(None), "str | None": (str, type(None))}
+    types["EndpointPlugin"] = EndpointPlugin
+    return isinstance(result, types[expected])
+
+
+def _check_api_version(module: ModuleType) -> str:
     declared = getattr(module, "pagellm_plugin_api", None)
     if declared is None:
         raise PluginError(
@@ -97,132 +108,118 @@ def _check_api_version(module: ModuleType) -> None:
         raise PluginError(
             f"it targets plugin API {declared}, but this pagellm provides plugin API {PLUGIN_API_VERSION}"
         )
+    return str(declared)
 
 
-def _validate_hooks(module: ModuleType, group: g.PluginGroup) -> list[str]:
-    """Check every @hookimpl of the module against the group's specs; return the hook names."""
-    specs = _spec_signatures(group.spec)
-    expected = "; ".join(_describe(n, s) for n, s in specs.items())
-    marker = f"{PROJECT_NAME}_impl"
-    hooks = []
-    for attr, fn in vars(module).items():
-        if not callable(fn) or not hasattr(fn, marker):
-            continue
-        if attr not in specs:
-            raise PluginError(f"hook {attr!r} is not a hook of {group.name}; expected {expected}")
-        spec_args = {p for p in specs[attr].parameters if p != "self"}
-        impl_args = set(inspect.signature(fn).parameters)
-        if not impl_args <= spec_args:
-            raise PluginError(
-                f"hook {attr!r} takes ({', '.join(sorted(impl_args))}) but the specification is "
-                f"{_describe(attr, specs[attr])}"
-            )
-        hooks.append(attr)
-    if not hooks:
-        raise PluginError(f"it implements no hook of {group.name}; expected {expected}")
-    return hooks
-
-
-def _call_hook(module: ModuleType, name: str, group: g.PluginGroup, hook: str) -> Any:
-    """Register the module with a pluggy manager for its group (pluggy re-checks the contract)
-    and call the hook; returns the plugin's result."""
-    pm = pluggy.PluginManager(PROJECT_NAME)
-    pm.add_hookspecs(group.spec)
-    pm.register(module, name=name)
-    pm.check_pending()
-    results = getattr(pm.hook, hook)()
-    return results[0] if results else None
-
-
-# What to do with each group's hook result: fill the matching registry.
-Applier = Callable[[PluginRecord, Any], None]
-_APPLIERS: dict[str, Applier] = {}
-_records: dict[str, list[PluginRecord]] = {}
-
-
-def register_applier(group: str, applier: Applier) -> None:
-    _APPLIERS[group] = applier
-
-
-def _dist(ep: importlib.metadata.EntryPoint) -> tuple[str | None, str | None]:
-    dist = getattr(ep, "dist", None)
-    return (dist.metadata["Name"], dist.version) if dist is not None else (None, None)
+def _show_info_logs(module: ModuleType) -> None:
+    """A plugin's own loggers show what pagellm's show (the CLI and the server set pagellm's level;
+    a plugin package is not below the ``pagellm`` logger)."""
+    level = logging.getLogger(PROJECT_NAME).level
+    plugin_logger = logging.getLogger(module.__name__.partition(".")[0])
+    if level != logging.NOTSET and plugin_logger.level == logging.NOTSET:
+        plugin_logger.setLevel(level)
 
 
 def _load_one(
-    ep: importlib.metadata.EntryPoint, group: g.PluginGroup, record: PluginRecord
+    ep: importlib.metadata.EntryPoint,
+    group: PluginGroup,
+    pm: pluggy.PluginManager,
+    record: PluginRecord,
 ) -> None:
+    """Import the plugin's module, register it with the group's plugin manager (pluggy checks
+    hook names and arguments against the specification) and call its hook."""
+    who = f"Plugin {ep.name!r} ({record.distribution}) of group {group.name}"
+    expected = f"expected {expected_hook(group)}"
     try:
-        module = ep.load()
-        if not isinstance(module, ModuleType):
+        if ep.attr:
             raise PluginError(
-                f"entry point {ep.value!r} must name a module of hook implementations"
+                f"its entry point {ep.value!r} names an attribute (the vLLM style: a function to "
+                f"call); pagellm's entry points name a module of @hookimpl functions: set the value "
+                f"to {ep.module!r} and implement `@hookimpl def {group.hook}()` there"
             )
-        _check_api_version(module)
-        hooks = _validate_hooks(module, group)
-        record.result = _call_hook(module, ep.name, group, hooks[0])
-        applier = _APPLIERS.get(group.name)
-        if applier is not None:
-            applier(record, record.result)
-        record.status = "loaded"
+        module = ep.load()
+        record.api_version = api_version = _check_api_version(module)
+        _show_info_logs(module)
+        try:
+            pm.register(module, name=ep.name)
+            pm.check_pending()
+        except pluggy.PluginValidationError as exc:
+            pm.unregister(name=ep.name)
+            raise PluginError(f"{exc}; {expected}".replace("\n", "; ")) from None
+        if not pm.get_hookcallers(module):
+            raise PluginError(f"it implements no hook of {group.name}; {expected}")
+        others = [p for p in pm.get_plugins() if p is not module]
+        results = pm.subset_hook_caller(group.hook, remove_plugins=others)()
+        record.result = results[0] if results else None
+        if not _returns_its_spec(group, record.result):
+            raise PluginError(f"its hook returned {record.result!r}; {expected}")
+        if isinstance(record.result, EndpointPlugin):
+            record.result.api_version = api_version
     except Exception as exc:
-        record.status = "failed"
-        record.reason = f"{type(exc).__name__}: {exc}"
-        logger.error(
-            "Plugin %r (%s) of group %s failed to load: %s\n%s",
-            ep.name,
-            record.distribution,
-            group.name,
-            record.reason,
-            traceback.format_exc(),
-        )
-        if strict_mode():
-            raise PluginError(
-                f"plugin {ep.name!r} ({record.distribution}) of group {group.name} failed to load "
-                f"(PAGELLM_PLUGINS_STRICT=1): {record.reason}"
-            ) from exc
+        record.status, record.reason = "failed", f"{type(exc).__name__}: {exc}"
+        logger.error("%s failed to load: %s", who, record.reason, exc_info=True)
+        return
+    record.status = "loaded"
+    if record.result is None and group.name == PLATFORM:
+        record.reason = "inactive: its hardware is not present"
+    note = f" ({record.reason})" if record.reason else ""
+    logger.log(
+        logging.INFO if group.name in (PLATFORM, ENDPOINT) else logging.DEBUG,
+        "%s loaded%s",
+        who,
+        note,
+    )
+
+
+def _skip_reason(
+    record: PluginRecord, group: PluginGroup, names: set[str] | None, allowed: set[str] | None
+) -> str | None:
+    if record.distribution == PROJECT_NAME:
+        return None  # the core's own plugins (its scheduling policies) are not for VLLM_PLUGINS
+    if names is not None:
+        return None if record.name in names else "not in the VLLM_PLUGINS allowlist"
+    if not group.default_allow and (allowed is None or record.name not in allowed):
+        return "endpoint plugins are off unless named (VLLM_PLUGINS or the serve command's --endpoints)"
+    if allowed is not None and record.name not in allowed:
+        return "not enabled"
+    return None
+
+
+_records: dict[str, list[PluginRecord]] = {}
 
 
 def load_group(
     group_name: str, allowed: set[str] | None = None, force: bool = False
 ) -> list[PluginRecord]:
     """Load the plugins of a group once per process (``allowed`` overrides the default allowlist
-    when VLLM_PLUGINS is unset: the serve command's endpoint list)."""
+    when VLLM_PLUGINS is unset: the serve command's endpoint list). One pluggy plugin manager
+    holds the group's plugins."""
     if group_name in _records and not force:
         return _records[group_name]
-    group = g.GROUPS[group_name]
+    if not _records and not_installed():
+        logger.warning(
+            "VLLM_PLUGINS names plugins that are not installed: %s", ", ".join(not_installed())
+        )
+    group = GROUPS[group_name]
     names = allowlist()
+    pm = pluggy.PluginManager(PROJECT_NAME)
+    pm.add_hookspecs(group.spec)
     records = []
     for ep in discover(group_name):
-        dist, version = _dist(ep)
-        record = PluginRecord(group_name, ep.name, dist, version)
+        dist = getattr(ep, "dist", None)
+        record = PluginRecord(group_name, ep.name, dist and dist.name, dist and dist.version)
         records.append(record)
-        if names is not None and ep.name not in names:
-            record.reason = "not in the VLLM_PLUGINS allowlist"
-        elif (
-            names is None
-            and not group.default_allow
-            and (allowed is None or ep.name not in allowed)
-        ):
-            record.reason = "endpoint plugins are off unless named (VLLM_PLUGINS or the serve command's --endpoints)"
-        elif names is None and allowed is not None and ep.name not in allowed:
-            record.reason = "not enabled"
-        else:
-            _load_one(ep, group, record)
-            level = logging.INFO if group_name in (g.PLATFORM, g.ENDPOINT) else logging.DEBUG
-            if record.status == "loaded":
-                note = f" ({record.reason})" if record.reason else ""
-                logger.log(
-                    level, "Loaded plugin %r (%s) of group %s%s", ep.name, dist, group_name, note
-                )
-    if names:
-        known = {ep.name for grp in g.GROUPS for ep in discover(grp)}
-        unknown = names - known
-        if unknown:
-            logger.warning(
-                "VLLM_PLUGINS names plugins that are not installed: %s", ", ".join(sorted(unknown))
-            )
+        record.reason = _skip_reason(record, group, names, allowed)
+        if record.reason is None:
+            _load_one(ep, group, pm, record)
     _records[group_name] = records
+    failed = [r for r in records if r.status == "failed"]
+    if failed and strict_mode():
+        raise PluginError(
+            f"{len(failed)} plugin(s) of group {group_name} failed to load "
+            "(PAGELLM_PLUGINS_STRICT=1): "
+            + "; ".join(f"{r.name!r} ({r.distribution}): {r.reason}" for r in failed)
+        )
     return records
 
 

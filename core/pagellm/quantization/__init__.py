@@ -1,9 +1,5 @@
 from pagellm.quantization.base import LinearMethodBase, QuantizationConfig
-from pagellm.quantization.registry import (
-    get_quantization_config_cls,
-    register_quantization_method,
-    registered_quantization_methods,
-)
+from pagellm.quantization.registry import get_quantization_config_cls, quantization_methods
 from pagellm.quantization.unquantized import UnquantizedLinearMethod
 
 __all__ = [
@@ -11,6 +7,5 @@ __all__ = [
     "QuantizationConfig",
     "UnquantizedLinearMethod",
     "get_quantization_config_cls",
-    "register_quantization_method",
-    "registered_quantization_methods",
+    "quantization_methods",
 ]

@@ -29,7 +29,7 @@ from pagellm.scheduler.output import (
     NewRequestData,
     SchedulerOutput,
 )
-from pagellm.scheduler.request_queue import make_queue
+from pagellm.scheduler.policy import SchedulingPolicy, scheduling_policies
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,8 @@ class Scheduler:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
         self.requests: dict[str, Request] = {}
-        self.waiting = make_queue(config.policy)
+        # The scheduling policy holds the waiting requests and picks preemption victims.
+        self.waiting: SchedulingPolicy = scheduling_policies.get(config.policy)()
         self.running: list[Request] = []
         # Requests that ended since the last schedule(): the workers must drop their state.
         self.finished_req_ids: set[str] = set()
@@ -229,9 +230,7 @@ class Scheduler:
         candidates = self.running
         if self.probe is not None:
             candidates = [r for r in candidates if r is not self.probe] or candidates
-        if self.config.policy == "priority":
-            return max(candidates, key=lambda r: (r.priority, r.arrival_time))
-        return candidates[-1]
+        return self.waiting.pick_victim(candidates)
 
     def _preempt(self, request: Request, scheduled_this_step: bool = False) -> None:
         # Blocks it registered this step will not be computed: keep them out of the prefix cache.
