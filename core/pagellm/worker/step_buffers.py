@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagellm.attention.backend import CommonAttentionMetadata
+
 
 @dataclass
 class _Tensors:
@@ -62,6 +64,7 @@ class StepBuffers:
     ) -> None:
         self.device = device
         self.max_reqs = max_num_reqs
+        self.max_blocks_per_req = max_blocks_per_req
         on_cpu = device.type == "cpu"
         # Graph replays pad a decode batch up to a capture size, which may exceed the token budget.
         max_num_tokens = max(max_num_tokens, max_num_reqs)
@@ -93,7 +96,43 @@ class StepBuffers:
     def positions(self) -> torch.Tensor:
         return self.device_tensors.positions
 
-    def copy_to_device(self, num_tokens: int, num_reqs: int, num_block_cols: int) -> None:
+    def stage_padding(self, num_tokens: int, num_reqs: int, num_padded: int) -> None:
+        """Stage rows ``num_reqs..`` up to ``num_padded`` rows (and tokens) of a decode batch
+        padded to a captured graph's size: one token each, ``seq_len`` 0 and slot -1, which
+        kernels skip without reading the cache. (``query_start_loc[0]`` is always 0.)"""
+        h = self.host
+        h.input_ids[num_tokens:num_padded] = 0
+        h.positions[num_tokens:num_padded] = 0
+        h.slot_mapping[num_tokens:num_padded] = -1
+        h.query_start_loc[num_reqs + 1 : num_padded + 1] = np.arange(num_tokens + 1, num_padded + 1)
+        h.seq_lens[num_reqs:num_padded] = 0
+
+    def attention_metadata(
+        self,
+        num_reqs: int,
+        num_tokens: int,
+        max_query_len: int,
+        max_seq_len: int,
+        num_block_cols: int,
+    ) -> CommonAttentionMetadata:
+        """Copy the staged prefixes to the device and describe them: ``num_reqs`` rows,
+        ``num_tokens`` tokens and the first ``num_block_cols`` block-table columns."""
+        self._copy_to_device(num_tokens, num_reqs, num_block_cols)
+        d, h = self.device_tensors, self.host_tensors
+        return CommonAttentionMetadata(
+            num_reqs=num_reqs,
+            num_actual_tokens=num_tokens,
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+            query_start_loc=d.query_start_loc[: num_reqs + 1],
+            query_start_loc_cpu=h.query_start_loc[: num_reqs + 1],
+            seq_lens=d.seq_lens[:num_reqs],
+            seq_lens_cpu=h.seq_lens[:num_reqs],
+            block_table=d.block_table[:num_reqs, :num_block_cols],
+            slot_mapping=d.slot_mapping[:num_tokens],
+        )
+
+    def _copy_to_device(self, num_tokens: int, num_reqs: int, num_block_cols: int) -> None:
         """Copy the staged prefix of every buffer; the block table only in its used columns."""
         h, d = self.host_tensors, self.device_tensors
         if h is d:

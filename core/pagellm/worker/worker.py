@@ -26,9 +26,6 @@ class Worker:
     def get_kv_cache_spec(self) -> KVCacheSpec:
         return self.model_runner.kv_cache_spec
 
-    def num_attention_layers(self) -> int:
-        return self.config.model.num_layers
-
     def determine_available_memory(self) -> int:
         """Bytes this worker can give the KV cache (all layers together)."""
         return int(
@@ -36,6 +33,9 @@ class Worker:
                 self.config, self.model_runner.model_memory_bytes(), self.model_runner.profile_run
             )
         )
+
+    def decode_weight_bytes(self) -> int:
+        return self.model_runner.decode_weight_bytes()
 
     def initialize_cache(self, num_blocks: int) -> None:
         self.model_runner.initialize_kv_cache(num_blocks)
