@@ -121,10 +121,6 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
 
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
-
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)

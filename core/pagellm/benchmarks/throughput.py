@@ -18,7 +18,12 @@ from typing import Any
 
 import torch
 
-from pagellm.benchmarks.datasets import BenchRequest, add_dataset_args, requests_from_args
+from pagellm.benchmarks.datasets import (
+    BenchRequest,
+    add_dataset_args,
+    dataset_record,
+    requests_from_args,
+)
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -269,14 +274,7 @@ def main(args: argparse.Namespace) -> int:
         "workload": {
             "model": os.path.basename(args.model.rstrip("/")),
             "load_format": args.load_format,
-            "dataset": args.dataset,
-            "num_prompts": args.num_prompts,
-            "input_len": args.input_len,
-            "output_len": args.output_len,
-            "input_len_range": args.input_len_range,
-            "output_len_range": args.output_len_range,
-            "random_range_ratio": args.random_range_ratio,
-            "seed": args.seed,
+            **dataset_record(args),
             "temperature": args.temperature,
         },
         "machine": {

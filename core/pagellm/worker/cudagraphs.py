@@ -17,7 +17,7 @@ import torch
 
 from pagellm.attention.backend import AttentionBackend, AttentionMetadataBuilder
 from pagellm.forward_context import set_forward_context
-from pagellm.platforms import current_platform
+from pagellm.platforms import Platform
 from pagellm.worker.step_buffers import StepBuffers
 
 logger = logging.getLogger(__name__)
@@ -36,7 +36,8 @@ class CapturedGraph:
 
 
 class DecodeGraphs:
-    def __init__(self) -> None:
+    def __init__(self, platform: type[Platform]) -> None:
+        self.platform = platform
         self.sizes: list[int] = []
         """Captured batch sizes, ascending; empty when graphs are off."""
         self.captured: dict[int, CapturedGraph] = {}
@@ -66,7 +67,8 @@ class DecodeGraphs:
             )
         sizes = sorted(s for s in capture_sizes if s <= buffers.max_reqs)
         started = time.perf_counter()
-        pool = current_platform.graph_pool()
+        platform = self.platform
+        pool = platform.graph_pool()
         for size in reversed(sizes):
             # Every row is padding (seq_len 0, slot -1): capture reads no KV cache.
             buffers.stage_padding(0, 0, size)
@@ -77,15 +79,18 @@ class DecodeGraphs:
 
             def forward(size: int = size, meta: Any = meta) -> torch.Tensor:
                 with set_forward_context(meta):
-                    hidden: torch.Tensor = model(buffers.input_ids[:size], buffers.positions[:size])
+                    hidden: torch.Tensor = model(
+                        buffers.device_tensors.input_ids[:size],
+                        buffers.device_tensors.positions[:size],
+                    )
                 return hidden
 
             for _ in range(2):  # warm-up: kernels compiled and autotuned outside capture
                 forward()
-            current_platform.synchronize()
-            replay, hidden = current_platform.capture_graph(forward, pool)
+            platform.synchronize()
+            replay, hidden = platform.capture_graph(forward, pool)
             self.captured[size] = CapturedGraph(size, replay, hidden, meta)
-        current_platform.synchronize()
+        platform.synchronize()
         self.sizes = sizes
         logger.info(
             "Captured %d CUDA graphs (decode batch sizes %d..%d) in %.1f s",

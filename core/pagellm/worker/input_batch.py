@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pagellm.sampling_params import SamplingParams, SamplingType
+from pagellm.sampling_params import SamplingParams
 
 
 @dataclass
@@ -29,10 +29,6 @@ class CachedRequestState:
     """Tokens generated before the last preemption (while running, they live in the batch row)."""
     num_prompt_logprobs_done: int = 0
     """Prompt positions whose logprobs were already returned (kept across preemption)."""
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
 
 
 class InputBatch:
@@ -62,24 +58,11 @@ class InputBatch:
         """Bumped whenever a row changes request (add, remove, condense)."""
         self.on_move: Callable[[int, int], None] | None = None
         """Told (src, dst) when condensing moves a request to another row."""
-        self._arrays = (
-            self.num_tokens,
-            self.num_computed_tokens,
-            self.block_table,
-            self.num_blocks,
-            self.temperature,
-            self.top_p,
-            self.top_k,
-            self.min_p,
-            self.presence_penalty,
-            self.frequency_penalty,
-            self.repetition_penalty,
-            self.num_prompt_tokens,
-            self.num_logprobs,
-            self.num_prompt_logprobs,
-            self.has_sparse_params,
-            self.has_penalties,
-        )
+        # What condensing moves row by row: every per-row array (token ids apart: only a row's
+        # used prefix is copied).
+        self._arrays = [
+            v for v in vars(self).values() if isinstance(v, np.ndarray) and v is not self.token_ids
+        ]
 
     @property
     def num_reqs(self) -> int:
@@ -95,16 +78,16 @@ class InputBatch:
         self.req_ids[index] = state.req_id
         self.req_id_to_index[state.req_id] = index
         prompt_len = len(state.prompt_token_ids)
+        num_tokens = prompt_len + len(state.output_token_ids)
         self.token_ids[index, :prompt_len] = state.prompt_token_ids
-        self.token_ids[index, prompt_len : state.num_tokens] = state.output_token_ids
-        self.num_tokens[index] = state.num_tokens
+        self.token_ids[index, prompt_len:num_tokens] = state.output_token_ids
+        self.num_tokens[index] = num_tokens
         self.num_computed_tokens[index] = num_computed_tokens
         self.block_table[index, : len(block_ids)] = block_ids
         self.block_table[index, len(block_ids) :] = 0
         self.num_blocks[index] = len(block_ids)
         params = state.sampling_params
-        greedy = params.sampling_type == SamplingType.GREEDY
-        self.temperature[index] = 0.0 if greedy else params.temperature
+        self.temperature[index] = 0.0 if params.is_greedy else params.temperature
         self.top_p[index] = params.top_p
         self.top_k[index] = params.top_k
         self.min_p[index] = params.min_p

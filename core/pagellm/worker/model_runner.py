@@ -72,7 +72,6 @@ class ModelRunner:
         )
         self.sampler = Sampler()
         self.model: Any = None
-        self.kv_caches: list[torch.Tensor] = []
         self.attn_builder = self.attn_backend.get_builder_cls()(self.kv_cache_spec, device)
         self.buffers = StepBuffers(
             config.scheduler.max_num_batched_tokens,
@@ -81,7 +80,7 @@ class ModelRunner:
             device,
             pin_memory=current_platform.is_pin_memory_available(),
         )
-        self.graphs = DecodeGraphs()
+        self.graphs = DecodeGraphs(current_platform)
 
     # ---------------------------------------------------------------- setup
 
@@ -122,12 +121,9 @@ class ModelRunner:
         shape = self.attn_backend.get_kv_cache_shape(
             num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size
         )
-        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        self.kv_caches = [
-            self.attn_backend.allocate_kv_cache(shape, spec.dtype, self.device) for _ in layers
-        ]
-        for layer, cache in zip(layers, self.kv_caches, strict=True):
-            layer.kv_cache = cache
+        for layer in self.model.modules():
+            if isinstance(layer, Attention):
+                layer.kv_cache = self.attn_backend.allocate_kv_cache(shape, spec.dtype, self.device)
 
     @torch.inference_mode()
     def capture_model(self) -> None:
@@ -204,7 +200,6 @@ class ModelRunner:
         for req_id in req_ids:
             self.requests.pop(req_id, None)
             self.input_batch.remove_request(req_id)
-        self.sampling.forget()
 
     # ---------------------------------------------------------------- one step
 
@@ -239,11 +234,9 @@ class ModelRunner:
         if graph is not None:
             graph.replay()
             return graph.hidden[: plan.num_tokens]
-        buffers = self.buffers
+        inputs, n = self.buffers.device_tensors, plan.num_tokens
         with set_forward_context(self.attn_builder.build(common)):
-            hidden: torch.Tensor = self.model(
-                buffers.input_ids[: plan.num_tokens], buffers.positions[: plan.num_tokens]
-            )
+            hidden: torch.Tensor = self.model(inputs.input_ids[:n], inputs.positions[:n])
         return hidden
 
     def _sample(

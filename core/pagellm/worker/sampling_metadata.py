@@ -54,10 +54,6 @@ class SamplingMetadataBuilder:
             self._add_sparse(metadata, sparse, rows[sparse])
         return metadata
 
-    def forget(self) -> None:
-        """Drop the reused parameters (the batch changed behind the builder's back)."""
-        self._cache = None
-
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device)
 

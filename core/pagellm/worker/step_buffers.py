@@ -9,41 +9,37 @@ overlap with the host's work. On the CPU the device tensors are the host tensors
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import numpy as np
 import torch
 
 from pagellm.attention.backend import CommonAttentionMetadata
 
-
-@dataclass
-class _Tensors:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    slot_mapping: torch.Tensor
-    query_start_loc: torch.Tensor
-    seq_lens: torch.Tensor
-    block_table: torch.Tensor
+T = TypeVar("T", torch.Tensor, np.ndarray)
 
 
 @dataclass
-class _HostArrays:
-    input_ids: np.ndarray
-    positions: np.ndarray
-    slot_mapping: np.ndarray
-    query_start_loc: np.ndarray
-    seq_lens: np.ndarray
-    block_table: np.ndarray
+class StepArrays(Generic[T]):
+    """One buffer per step input: tensors (host or device), or numpy views of the host ones."""
+
+    input_ids: T
+    positions: T
+    slot_mapping: T
+    query_start_loc: T
+    seq_lens: T
+    block_table: T
 
 
 def _allocate(
     max_tokens: int, max_reqs: int, max_blocks: int, device: torch.device, pin: bool
-) -> _Tensors:
+) -> StepArrays[torch.Tensor]:
     def empty(*shape: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin)
 
-    return _Tensors(
+    return StepArrays(
         input_ids=empty(max_tokens, dtype=torch.int64),
         positions=empty(max_tokens, dtype=torch.int64),
         slot_mapping=empty(max_tokens, dtype=torch.int64),
@@ -77,24 +73,11 @@ class StepBuffers:
             if on_cpu
             else _allocate(max_num_tokens, max_num_reqs, max_blocks_per_req, device, False)
         )
-        t = self.host_tensors
-        self.host = _HostArrays(
-            input_ids=t.input_ids.numpy(),
-            positions=t.positions.numpy(),
-            slot_mapping=t.slot_mapping.numpy(),
-            query_start_loc=t.query_start_loc.numpy(),
-            seq_lens=t.seq_lens.numpy(),
-            block_table=t.block_table.numpy(),
+        tensors = self.host_tensors
+        self.host: StepArrays[np.ndarray] = StepArrays(
+            *(getattr(tensors, f.name).numpy() for f in dataclasses.fields(tensors))
         )
         self._non_blocking = pin_memory and not on_cpu
-
-    @property
-    def input_ids(self) -> torch.Tensor:
-        return self.device_tensors.input_ids
-
-    @property
-    def positions(self) -> torch.Tensor:
-        return self.device_tensors.positions
 
     def stage_padding(self, num_tokens: int, num_reqs: int, num_padded: int) -> None:
         """Stage rows ``num_reqs..`` up to ``num_padded`` rows (and tokens) of a decode batch

@@ -39,11 +39,6 @@ class StepPlan:
     def sample_rows(self) -> np.ndarray:
         return self.rows[self.sample_pos]
 
-    @property
-    def decode_only(self) -> bool:
-        """Every row computes one token."""
-        return self.num_tokens == len(self.rows)
-
 
 def plan_step(batch: InputBatch, out: SchedulerOutput) -> StepPlan:
     scheduled = out.num_scheduled_tokens
@@ -75,7 +70,7 @@ def prepare_inputs(
     rows, total = plan.rows, plan.num_tokens
     num_reqs = len(rows)
     h = buffers.host
-    if plan.decode_only:  # one token per row: no repeats needed
+    if total == num_reqs:  # decode-only: one token per row, no repeats needed
         positions = batch.num_computed_tokens[rows]
         row_of_token = rows
     else:
