@@ -162,7 +162,7 @@ print(json.dumps({
     "utilization": config.cache.gpu_memory_utilization,
     "available": available,
     "total": torch.cuda.mem_get_info()[1],
-    "weights": worker.model_runner.model_memory_bytes(),
+    "weights": worker.model_memory_bytes(),
 }))
 """
 

@@ -17,7 +17,6 @@ from pagellm.forward_context import set_forward_context
 from pagellm.kv_cache.manager import cdiv
 from pagellm.kv_cache.spec import KVCacheSpec
 from pagellm.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
-from pagellm.model_loader import load_model
 from pagellm.models.llama import uniform_sliding_window
 from pagellm.platforms import current_platform
 from pagellm.scheduler.output import (
@@ -72,6 +71,7 @@ class ModelRunner:
         )
         self.sampler = Sampler()
         self.model: Any = None
+        """Loaded by the worker (`Worker.load_model`)."""
         self.attn_builder = self.attn_backend.get_builder_cls()(self.kv_cache_spec, device)
         self.buffers = StepBuffers(
             config.scheduler.max_num_batched_tokens,
@@ -83,47 +83,6 @@ class ModelRunner:
         self.graphs = DecodeGraphs(current_platform)
 
     # ---------------------------------------------------------------- setup
-
-    def load_model(self) -> None:
-        self.model = load_model(self.config, self.attn_backend, self.device)
-
-    def model_memory_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
-
-    def decode_weight_bytes(self) -> int:
-        """Weight bytes one decode step reads: every parameter, except an untied input embedding
-        table (only a few of its rows are read)."""
-        total = self.model_memory_bytes()
-        embed = getattr(getattr(self.model, "model", None), "embed_tokens", None)
-        lm_head = getattr(self.model, "lm_head", None)
-        if embed is not None and lm_head is not embed:
-            total -= sum(p.numel() * p.element_size() for p in embed.parameters())
-        return total
-
-    @torch.inference_mode()
-    def profile_run(self) -> None:
-        """One forward pass over ``max_num_batched_tokens`` tokens and a sampling step over
-        ``max_num_seqs`` rows, before the KV cache exists, so the platform can measure peak
-        activation memory (attention itself is skipped)."""
-        sched = self.config.scheduler
-        n = sched.max_num_batched_tokens
-        ids = torch.zeros(n, dtype=torch.long, device=self.device)
-        positions = torch.arange(n, device=self.device) % self.max_model_len
-        with set_forward_context(None):
-            hidden = self.model(ids, positions)
-        logits = self.model.compute_logits(hidden[: min(sched.max_num_seqs, n)])
-        logits.float().log_softmax(dim=-1).argmax(dim=-1)
-
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        from pagellm.attention.layer import Attention
-
-        spec = self.kv_cache_spec
-        shape = self.attn_backend.get_kv_cache_shape(
-            num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size
-        )
-        for layer in self.model.modules():
-            if isinstance(layer, Attention):
-                layer.kv_cache = self.attn_backend.allocate_kv_cache(shape, spec.dtype, self.device)
 
     @torch.inference_mode()
     def capture_model(self) -> None:
