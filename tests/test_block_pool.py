@@ -215,9 +215,9 @@ def test_block_hasher_hashes_only_full_blocks_incrementally():
     assert len(request.block_hashes) == 1
     assert request.block_hashes[0] == hash_block_tokens(None, [1, 2, 3, 4])
     first = request.block_hashes[0]
-    request.append_output_token_ids([7])
+    request.append_output_token(7)
     assert request.block_hashes == [first]
-    request.append_output_token_ids([8])
+    request.append_output_token(8)
     assert len(request.block_hashes) == 2
     assert request.block_hashes[1] == hash_block_tokens(first, [5, 6, 7, 8])
 

@@ -11,6 +11,7 @@ import random
 import pytest
 
 from pagellm import LLM, SamplingParams
+from pagellm.engine.warm_up import warm_up
 from test_model_parity import hf_greedy
 
 NUM_NEW = 24
@@ -177,12 +178,13 @@ def test_frequency_and_presence_penalties_are_counted_incrementally(model_dir):
 
 
 def test_start_up_warm_up_leaves_no_trace(model_dir, reference):
-    """The warm-up a GPU engine runs at start (`EngineCore._warm_up`, off on the CPU), run here by
-    hand: the workers forget its requests, the engine's scheduler and KV cache never saw them,
-    and the outputs that follow still equal transformers'."""
+    """The warm-up a GPU engine runs at start (`pagellm.engine.warm_up`, for platforms that
+    `needs_warm_up`; not the CPU), run here by hand: the workers forget its requests, the
+    engine's scheduler and KV cache never saw them, and the outputs that follow still equal
+    transformers'."""
     llm = LLM(model_dir, max_model_len=128, kv_cache_memory=8 << 20, enable_prefix_caching=True)
     core = core_of(llm)
-    core._warm_up(core.kv_cache_manager.block_pool.num_blocks)
+    warm_up(core.config, core.executor, core.kv_cache_manager.block_pool.num_blocks)
     runner = core.executor.collective_rpc(lambda worker: worker.model_runner)[0]
     assert runner.input_batch.req_id_to_index == {} and not runner.requests
     assert not core.scheduler.requests and core.kv_cache_manager.prefix_cache_stats.queries == 0

@@ -121,25 +121,13 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
 
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
-
-    def append_output_token_ids(self, token_ids: list[int]) -> None:
-        self.output_token_ids.extend(token_ids)
-        self.all_token_ids.extend(token_ids)
-        self.update_block_hashes()
-
     def append_output_token(self, token_id: int) -> None:
-        """`append_output_token_ids` for one token (the per-step hot path)."""
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
-        if self._block_hasher is not None and len(self.all_token_ids) >= self._hash_block_size * (
-            len(self.block_hashes) + 1
-        ):
-            self.block_hashes.extend(self._block_hasher(self))
+        self.update_block_hashes()
 
     def update_block_hashes(self) -> None:
+        """Hash the blocks that became full since the last call."""
         if self._block_hasher is not None and len(self.all_token_ids) >= self._hash_block_size * (
             len(self.block_hashes) + 1
         ):

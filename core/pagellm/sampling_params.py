@@ -21,12 +21,6 @@ class SamplingParamsError(ValueError):
         self.param = param
 
 
-class SamplingType(IntEnum):
-    GREEDY = 0
-    RANDOM = 1
-    RANDOM_SEED = 2
-
-
 class RequestOutputKind(IntEnum):
     CUMULATIVE = 0
     """Each output carries everything generated so far."""
@@ -136,21 +130,13 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                 _integer(name, token, 0)
         if self.top_k == -1:
             self.top_k = 0
-        if self.temperature < _GREEDY_EPS:
+        if self.is_greedy:
             # Greedy: the other knobs do not matter; normalise them so the sampler can skip work.
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
 
     @property
-    def sampling_type(self) -> SamplingType:
-        if self.temperature < _GREEDY_EPS:
-            return SamplingType.GREEDY
-        if self.seed is not None:
-            return SamplingType.RANDOM_SEED
-        return SamplingType.RANDOM
-
-    @property
-    def all_stop_token_ids(self) -> list[int]:
-        return list(self.stop_token_ids or ())
+    def is_greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
 
     def clone(self) -> SamplingParams:
         return msgspec.structs.replace(self)

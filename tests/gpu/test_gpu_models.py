@@ -193,17 +193,17 @@ def test_cuda_graphs_are_captured_and_replayed(gpu_models) -> None:
     config = llm.llm_engine.config
     assert config.compilation.cudagraph_mode == "decode"
     runner = llm.llm_engine.engine_core.executor.worker.model_runner
-    assert runner.cudagraph_sizes and runner.cudagraph_sizes[-1] == 16
+    assert runner.graphs.sizes and runner.graphs.sizes[-1] == 16
     replays = 0
-    for graph in runner.cudagraphs.values():
-        original = graph.graph.replay
+    for graph in runner.graphs.captured.values():
+        original = graph.replay
 
         def counting(original=original):
             nonlocal replays
             replays += 1
             original()
 
-        graph.graph.replay = counting
+        graph.replay = counting
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}] * 3, params, use_tqdm=False)
     assert replays >= 7  # every decode step after the prefill

@@ -18,18 +18,25 @@ from pagellm.kv_cache.spec import KVCacheSpec
 
 @dataclass
 class CommonAttentionMetadata:
-    """The batch as the model runner laid it out; requests are rows, tokens are flattened."""
+    """The batch as the model runner laid it out; requests are rows, tokens are flattened. Names
+    as in vLLM. In a graph replay's padded batch, the padding rows count in ``num_reqs`` and
+    ``num_actual_tokens`` (see `AttentionMetadataBuilder.build_for_cudagraph`)."""
 
     num_reqs: int
     num_actual_tokens: int
+    """Tokens computed this step: the length of ``slot_mapping`` and of the model's inputs."""
     max_query_len: int
+    """The most tokens one request computes this step (1: a decode-only step)."""
     max_seq_len: int
+    """The longest ``seq_lens`` entry."""
     query_start_loc: torch.Tensor
     """[num_reqs + 1] int32 on the device: request i's tokens are [qsl[i], qsl[i+1])."""
     query_start_loc_cpu: torch.Tensor
+    """The same on the host (read it for decisions: no device sync)."""
     seq_lens: torch.Tensor
     """[num_reqs] int32 on the device: context length after this step (cached + new tokens)."""
     seq_lens_cpu: torch.Tensor
+    """The same on the host."""
     block_table: torch.Tensor
     """[num_reqs, max_blocks] int32 on the device, padded with the null block (0)."""
     slot_mapping: torch.Tensor

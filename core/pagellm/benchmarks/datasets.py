@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -99,3 +100,9 @@ def requests_from_args(
         tuple(args.input_len_range) if args.input_len_range else None,
         tuple(args.output_len_range) if args.output_len_range else None,
     )
+
+
+def dataset_record(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags `requests_from_args` reads, as the result JSON's workload records them."""
+    names = "dataset num_prompts input_len output_len input_len_range output_len_range"
+    return {name: getattr(args, name) for name in (*names.split(), "random_range_ratio", "seed")}

@@ -25,7 +25,12 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-from pagellm.benchmarks.datasets import BenchRequest, add_dataset_args, requests_from_args
+from pagellm.benchmarks.datasets import (
+    BenchRequest,
+    add_dataset_args,
+    dataset_record,
+    requests_from_args,
+)
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 
@@ -299,14 +304,7 @@ def main(args: argparse.Namespace) -> int:
             "base_url": base_url,
             "endpoint": args.endpoint,
             "model": model,
-            "dataset": args.dataset,
-            "num_prompts": args.num_prompts,
-            "input_len": args.input_len,
-            "output_len": args.output_len,
-            "input_len_range": args.input_len_range,
-            "output_len_range": args.output_len_range,
-            "random_range_ratio": args.random_range_ratio,
-            "seed": args.seed,
+            **dataset_record(args),
             "temperature": args.temperature,
             "request_rate": args.request_rate if args.request_rate != float("inf") else "inf",
             "max_concurrency": args.max_concurrency,

@@ -18,7 +18,12 @@ from typing import Any
 
 import torch
 
-from pagellm.benchmarks.datasets import BenchRequest, add_dataset_args, requests_from_args
+from pagellm.benchmarks.datasets import (
+    BenchRequest,
+    add_dataset_args,
+    dataset_record,
+    requests_from_args,
+)
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -70,24 +75,11 @@ def _summary(name: str, requests: list[BenchRequest], elapsed: float) -> dict[st
 def measure_copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
     """Device memory bandwidth in bytes/s, counting bytes read plus bytes written, from the median
     of timed copies of a ``nbytes`` buffer (after warm-up)."""
+    from pagellm.platforms import current_platform
+
     src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    times = []
-    for i in range(13):
-        if device.type == "cuda":
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            dst.copy_(src)
-            end.record()
-            end.synchronize()
-            elapsed = begin.elapsed_time(end) / 1e3
-        else:
-            t0 = time.perf_counter()
-            dst.copy_(src)
-            elapsed = time.perf_counter() - t0
-        if i >= 3:
-            times.append(elapsed)
-    del src, dst
+    times = [current_platform.device_seconds(lambda: dst.copy_(src)) for _ in range(13)][3:]
     return 2 * nbytes / sorted(times)[len(times) // 2]
 
 
@@ -123,7 +115,7 @@ def run_pagellm(
     copy_bw = measure_copy_bandwidth(device)
     spec = core.executor.get_kv_cache_spec()
     kv_bytes_per_token = spec.page_size_bytes // spec.block_size * config.model.num_layers
-    weight_bytes = core.executor.collective_rpc(lambda w: w.model_runner.decode_weight_bytes())[0]
+    weight_bytes = core.decode_weight_bytes()
 
     clock = time.perf_counter
     steady_time = 0.0
@@ -140,11 +132,12 @@ def run_pagellm(
         elapsed = clock() - t0
         num_steps += 1
         produced += sum(len(o.outputs[0].token_ids) for o in outputs if o.finished)
-        stats = core.last_step_stats
+        stats = core.make_scheduler_stats()
         # Steady-state decode: every request has arrived and every running one decodes.
-        if stats.decode_only and stats.num_waiting == 0 and stats.num_scheduled_reqs > 1:
+        decode_only = stats.num_scheduled_tokens == stats.num_scheduled_reqs > 1
+        if decode_only and stats.num_waiting_reqs == 0:
             steady_time += elapsed
-            steady_bytes += weight_bytes + stats.context_tokens * kv_bytes_per_token
+            steady_bytes += weight_bytes + stats.num_context_tokens * kv_bytes_per_token
             steady_steps += 1
     total_elapsed = clock() - start
     expected = sum(r.output_len for r in requests)
@@ -173,9 +166,7 @@ def run_pagellm(
     }
     core.shutdown()
     del llm, engine, core
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    gc.collect()  # the peer's allocations reuse what the engine held
     return result, peer
 
 
@@ -263,6 +254,7 @@ def run_hf(
 
 def main(args: argparse.Namespace) -> int:
     from pagellm.model_loader import default_model_path
+    from pagellm.platforms import current_platform
 
     if args.model is None:
         args.model = default_model_path()
@@ -282,14 +274,7 @@ def main(args: argparse.Namespace) -> int:
         "workload": {
             "model": os.path.basename(args.model.rstrip("/")),
             "load_format": args.load_format,
-            "dataset": args.dataset,
-            "num_prompts": args.num_prompts,
-            "input_len": args.input_len,
-            "output_len": args.output_len,
-            "input_len_range": args.input_len_range,
-            "output_len_range": args.output_len_range,
-            "random_range_ratio": args.random_range_ratio,
-            "seed": args.seed,
+            **dataset_record(args),
             "temperature": args.temperature,
         },
         "machine": {
@@ -297,7 +282,7 @@ def main(args: argparse.Namespace) -> int:
             "cpu_count": os.cpu_count(),
             "torch": torch.__version__,
             "torch_threads": torch.get_num_threads(),
-            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "device": current_platform.device_name(),
         },
     }
     # Build the engine first: its tokenizer and config define the workload's vocabulary.

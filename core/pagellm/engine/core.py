@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import gc
 import logging
-import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+
+import msgspec
 
 from pagellm.config import EngineConfig
+from pagellm.engine.warm_up import warm_up
 from pagellm.executor import Executor, UniProcExecutor
 from pagellm.kv_cache import KVCacheManager, make_block_hasher
 from pagellm.kv_cache.manager import cdiv
 from pagellm.metrics.stats import SchedulerStats
+from pagellm.platforms import current_platform
 from pagellm.request import EngineCoreRequest, Request, RequestStatus
-from pagellm.sampling_params import SamplingParams
 from pagellm.scheduler import Scheduler
 from pagellm.scheduler.output import EngineCoreOutputs, SchedulerOutput
 
@@ -24,23 +25,6 @@ logger = logging.getLogger(__name__)
 MAX_FAILED_STEPS_IN_A_ROW = 32
 
 
-@dataclass
-class StepStats:
-    """What the last `EngineCore.step()` did (for metrics and benchmarks)."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    num_scheduled_reqs: int = 0
-    num_scheduled_tokens: int = 0
-    decode_only: bool = False
-    """Every scheduled request computed exactly one token."""
-    context_tokens: int = 0
-    """Sum over scheduled requests of their context length after the step (KV tokens attended)."""
-    kv_cache_usage: float = 0.0
-    num_preemptions: int = 0
-    """Total preemptions so far."""
-
-
 class EngineCore:
     def __init__(
         self, config: EngineConfig, executor_cls: type[Executor] = UniProcExecutor
@@ -48,10 +32,11 @@ class EngineCore:
         self.config = config
         self.executor = executor_cls(config)
         num_blocks = self._initialize_kv_cache()
-        if config.device.device != "cpu":
-            self._warm_up(num_blocks)
-        self.last_step_stats = StepStats()
+        if current_platform.needs_warm_up:
+            warm_up(config, self.executor, num_blocks)
         self.num_steps = 0
+        self._last_step = SchedulerStats()
+        """What the last step scheduled (the rest of the stats are read when they are sent)."""
         self.num_failed_steps_in_a_row = 0
         # Everything built so far (block pool, model, graphs) lives as long as the engine: keep it
         # out of the garbage collector's scans, which would otherwise stall steps at random.
@@ -91,53 +76,6 @@ class EngineCore:
         )
         return num_blocks
 
-    def _warm_up(self, num_blocks: int) -> None:
-        """Short greedy requests through a throwaway scheduler and KV cache, before the engine
-        takes any: kernels compiled on first use (Triton specializes on batch shapes, e.g. tile
-        sizes picked from the longest query) are compiled now, not inside the first users' time
-        to first token. Covers prefills of every power-of-two length up to 1024 (capped by the
-        model length and the token budget), alone and mixed with a batch of decodes, and decode
-        batches (CUDA graph replay)."""
-        cfg = self.config
-        scheduler = Scheduler(
-            cfg.scheduler, KVCacheManager(cfg.cache.block_size, num_blocks, False)
-        )
-        vocab = cfg.model.vocab_size
-        cap = max(1, min(1024, cfg.model.max_model_len - 3, cfg.scheduler.max_num_batched_tokens))
-        lengths = [1 << k for k in range(11) if 1 << k <= cap]
-        num_decodes = max(0, min(16, cfg.scheduler.max_num_seqs - 1))
-        index = 0
-
-        def add(prompt_len: int, max_tokens: int) -> None:
-            nonlocal index
-            params = SamplingParams(
-                temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False
-            )
-            ids = [(7 * i + index) % vocab for i in range(prompt_len)]
-            scheduler.add_request(Request(f"_warmup-{index}", ids, params, None))
-            index += 1
-
-        def step() -> None:
-            out = scheduler.schedule()
-            scheduler.update_from_output(out, self.executor.execute_model(out))
-
-        started = time.perf_counter()
-        for length in lengths:  # prefills alone, one length per step
-            add(length, 1)
-            while scheduler.has_unfinished_requests():
-                step()
-        for _ in range(num_decodes):  # requests that decode while the prefills come in
-            add(min(8, cap), len(lengths) + 3)
-        step()
-        for length in lengths:
-            add(length, 1)
-            step()
-        while scheduler.has_unfinished_requests():
-            step()
-        out = scheduler.schedule()  # nothing left to run: tells the workers to drop the requests
-        self.executor.execute_model(out)
-        logger.info("Warmed up in %.2f s (%d requests)", time.perf_counter() - started, index)
-
     def add_request(self, request: EngineCoreRequest) -> None:
         self.scheduler.add_request(Request.from_engine_core_request(request, self.block_hasher))
 
@@ -152,7 +90,13 @@ class EngineCore:
             return EngineCoreOutputs()
         scheduler_output = self.scheduler.schedule()
         self.num_steps += 1
-        self._record_stats(scheduler_output)
+        scheduled, requests = scheduler_output.num_scheduled_tokens, self.scheduler.requests
+        self._last_step = SchedulerStats(
+            num_scheduled_reqs=len(scheduled),
+            num_scheduled_tokens=scheduler_output.total_num_scheduled_tokens,
+            # The scheduler has already advanced num_computed_tokens past this step's tokens.
+            num_context_tokens=sum(requests[r].num_computed_tokens for r in scheduled),
+        )
         try:
             runner_output = self.executor.execute_model(scheduler_output)
         except Exception:
@@ -179,28 +123,14 @@ class EngineCore:
             logger.error("Request %s failed: it makes the engine step raise", failed.request_id)
         return outputs
 
-    def _record_stats(self, out: SchedulerOutput) -> None:
-        sched = self.scheduler
-        num_tokens = out.num_scheduled_tokens
-        requests = sched.requests
-        self.last_step_stats = StepStats(
-            num_running=len(sched.running),
-            num_waiting=len(sched.waiting),
-            num_scheduled_reqs=len(num_tokens),
-            num_scheduled_tokens=out.total_num_scheduled_tokens,
-            decode_only=out.total_num_scheduled_tokens == len(num_tokens),
-            # The scheduler has already advanced num_computed_tokens past this step's tokens.
-            context_tokens=sum(requests[r].num_computed_tokens for r in num_tokens),
-            kv_cache_usage=self.kv_cache_manager.usage,
-            num_preemptions=sched.num_preemptions,
-        )
-
     def make_scheduler_stats(self) -> SchedulerStats:
-        """The scheduler and KV cache as they stand now (sent with each step's outputs)."""
+        """The scheduler and KV cache as they stand now, and what the last step scheduled (sent
+        with each step's outputs)."""
         sched = self.scheduler
         kv = self.kv_cache_manager
         prefix = kv.prefix_cache_stats
-        return SchedulerStats(
+        return msgspec.structs.replace(
+            self._last_step,
             num_running_reqs=len(sched.running),
             num_waiting_reqs=len(sched.waiting),
             kv_cache_usage=kv.usage,
@@ -224,6 +154,11 @@ class EngineCore:
             "kv_cache_usage": stats.kv_cache_usage,
             "prefix_cache_hit_rate": self.kv_cache_manager.prefix_cache_stats.hit_rate,
         }
+
+    def decode_weight_bytes(self) -> int:
+        """Weight bytes one decode step reads (benchmarks' roofline: `ModelRunner`'s count)."""
+        result: int = self.executor.collective_rpc("decode_weight_bytes")[0]
+        return result
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()

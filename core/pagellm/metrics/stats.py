@@ -1,7 +1,8 @@
 """The statistics the engine reports, and the interface of a stat logger.
 
 `SchedulerStats` is made by the engine core after each step and travels to the front end with the
-step's outputs (a msgspec struct: it crosses the process boundary). `IterationStats` is made by the
+step's outputs (a msgspec struct: it crosses the process boundary); the admin endpoint's engine
+state and the benchmarks read it too. `IterationStats` is made by the
 front end from the outputs it processed in one batch: token counts, time to first token and
 inter-token latencies, and one `FinishedRequestStats` per request that ended. Stat loggers (the
 built-in logging and Prometheus ones, and those of ``pagellm.stat_logger_plugins``) receive both.
@@ -29,6 +30,12 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     """Preemptions so far (cumulative)."""
     num_steps: int = 0
     """Engine steps so far (cumulative)."""
+    num_scheduled_reqs: int = 0
+    """Requests the last step ran."""
+    num_scheduled_tokens: int = 0
+    """Tokens the last step computed (equal to ``num_scheduled_reqs`` for a decode-only step)."""
+    num_context_tokens: int = 0
+    """Sum over the last step's requests of their context length after it (KV tokens attended)."""
 
 
 @dataclass

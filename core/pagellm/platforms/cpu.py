@@ -20,7 +20,6 @@ _DEFAULT_KV_CACHE_CAP = 4 << 30
 class CpuPlatform(Platform):
     name = "cpu"
     device_type = "cpu"
-    dist_backend = "gloo"
     # float32 first: the default for "auto" (reduced precision matmuls are slow on most CPUs).
     supported_dtypes = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -33,14 +32,11 @@ class CpuPlatform(Platform):
         return ["TORCH_SDPA"]
 
     @classmethod
-    def total_memory(cls) -> int:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-    @classmethod
     def available_kv_cache_memory(
         cls, config: EngineConfig, model_bytes: int, profile_run: Callable[[], None]
     ) -> int:
         """``kv_cache_memory`` bytes, else a quarter of RAM capped at 4 GiB."""
         if config.cache.kv_cache_memory is not None:
             return config.cache.kv_cache_memory
-        return min(int(cls.total_memory() * _DEFAULT_KV_CACHE_FRACTION), _DEFAULT_KV_CACHE_CAP)
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return min(int(ram * _DEFAULT_KV_CACHE_FRACTION), _DEFAULT_KV_CACHE_CAP)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -15,12 +16,21 @@ class Platform:
     name: ClassVar[str]
     device_type: ClassVar[str]
     """torch device type: "cpu", "cuda", ..."""
-    dist_backend: ClassVar[str] = "gloo"
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32,)
+    needs_warm_up: ClassVar[bool] = False
+    """True when kernels are compiled or tuned on first use (Triton, CUDA graphs): the engine
+    core then runs short throwaway requests at start (`pagellm.engine.warm_up`), so that the
+    first users do not wait for the compiler."""
 
     @classmethod
     def device(cls, local_rank: int = 0) -> torch.device:
         return torch.device(cls.device_type)
+
+    @classmethod
+    def device_name(cls, device_id: int | None = None) -> str:
+        """What the device is, for benchmark records (e.g. ``"NVIDIA H200"``); ``device_id`` is
+        a logical id, None for the current device."""
+        return cls.device_type
 
     @classmethod
     def default_dtype(cls, model_dtype: torch.dtype | None) -> torch.dtype:
@@ -37,10 +47,6 @@ class Platform:
     @classmethod
     def check_and_update_config(cls, config: EngineConfig) -> None:
         """Last look at the finished config (e.g. pick defaults the hardware needs)."""
-
-    @classmethod
-    def total_memory(cls) -> int:
-        raise NotImplementedError
 
     @classmethod
     def available_kv_cache_memory(
@@ -70,4 +76,32 @@ class Platform:
 
     @classmethod
     def synchronize(cls) -> None:
-        pass
+        """Wait until the device has finished the work queued so far."""
+
+    @classmethod
+    def device_seconds(cls, work: Callable[[], object]) -> float:
+        """Seconds the device takes to run what ``work`` queues (benchmarks time copies with it;
+        a platform with device-side timers measures there, without the launch)."""
+        start = time.perf_counter()
+        work()
+        cls.synchronize()
+        return time.perf_counter() - start
+
+    @classmethod
+    def graph_pool(cls) -> object:
+        """A memory pool for the graphs one model runner captures (`capture_graph`): they share
+        it, as only one of them runs at a time. None where graphs need none."""
+        return None
+
+    @classmethod
+    def capture_graph(
+        cls, forward: Callable[[], torch.Tensor], pool: object
+    ) -> tuple[Callable[[], None], torch.Tensor]:
+        """Record one call of ``forward`` as a device graph in ``pool``; return its replay, which
+        re-runs the recorded kernels on whatever their input buffers then hold, and the output
+        tensor every replay writes. Asked only when ``compilation.cudagraph_mode`` is
+        ``"decode"`` (`pagellm.worker.cudagraphs`)."""
+        raise NotImplementedError(
+            f"Platform {cls.name} cannot capture graphs: its check_and_update_config must leave "
+            "compilation.cudagraph_mode at 'none'."
+        )

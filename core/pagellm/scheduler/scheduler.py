@@ -249,7 +249,6 @@ class Scheduler:
     ) -> EngineCoreOutputs:
         outputs: list[EngineCoreOutput] = []
         requests, running = self.requests, RequestStatus.RUNNING
-        max_model_len = self.config.max_model_len
         all_prompt_logprobs = runner_output.prompt_logprobs
         all_logprobs = runner_output.logprobs
         for index, (req_id, new_token_ids) in enumerate(
@@ -265,32 +264,15 @@ class Scheduler:
                         EngineCoreOutput(req_id, [], new_prompt_logprobs=prompt_logprobs)
                     )
                 continue
-            if len(new_token_ids) == 1:  # the usual case: one token per step
-                kept = new_token_ids
-                token = kept[0]
-                request.append_output_token(token)
-                params = request.sampling_params
-                # Only a token that could end the request needs the full check.
-                if (
-                    len(request.output_token_ids) >= (request.max_tokens or 0)
-                    or len(request.all_token_ids) >= max_model_len
-                    or (token == request.eos_token_id and not params.ignore_eos)
-                    or (params.stop_token_ids and token in params.stop_token_ids)
-                ):
-                    self._check_stop(request)
-            else:
-                kept = []
-                for token_id in new_token_ids:
-                    request.append_output_token_ids([token_id])
-                    kept.append(token_id)
-                    if self._check_stop(request):
-                        break
+            token = new_token_ids[0]  # the runner samples one token per request and step
+            request.append_output_token(token)
+            self._check_stop(request, token)
             sample_logprobs = all_logprobs[index] if all_logprobs else None
             finish = request.get_finish_reason() if request.status != running else None
             outputs.append(
                 EngineCoreOutput(
                     req_id,
-                    kept,
+                    new_token_ids,
                     [sample_logprobs] if sample_logprobs is not None else None,
                     int(finish) if finish is not None else None,
                     request.stop_reason,
@@ -339,26 +321,22 @@ class Scheduler:
             self.resend.add(request.request_id)
         return EngineCoreOutputs(outputs=outputs)
 
-    def _check_stop(self, request: Request) -> bool:
-        token_id = request.output_token_ids[-1]
+    def _check_stop(self, request: Request, token_id: int) -> None:
+        """Finish the request if ``token_id``, just appended, ends it: a stop token once
+        ``min_tokens`` are out (the sampler keeps them out until then), else its length."""
         params = request.sampling_params
-        if request.num_output_tokens <= params.min_tokens and request.num_output_tokens < (
-            request.max_tokens or 0
-        ):
-            return False  # the sampler keeps stop tokens out until min_tokens are generated
-        if not params.ignore_eos and token_id == request.eos_token_id:
-            request.status = RequestStatus.FINISHED_STOPPED
-        elif params.stop_token_ids and token_id in params.stop_token_ids:
-            request.status = RequestStatus.FINISHED_STOPPED
-            request.stop_reason = token_id
-        elif (
-            request.num_output_tokens >= (request.max_tokens or 0)
-            or request.num_tokens >= self.config.max_model_len
-        ):
+        num_output = len(request.output_token_ids)
+        max_tokens = request.max_tokens or 0
+        if num_output > params.min_tokens or num_output >= max_tokens:
+            if token_id == request.eos_token_id and not params.ignore_eos:
+                request.status = RequestStatus.FINISHED_STOPPED
+                return
+            if params.stop_token_ids and token_id in params.stop_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = token_id
+                return
+        if num_output >= max_tokens or len(request.all_token_ids) >= self.config.max_model_len:
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-        else:
-            return False
-        return True
 
 
 __all__ = ["FinishReason", "Scheduler"]

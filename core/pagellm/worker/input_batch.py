@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pagellm.sampling_params import SamplingParams, SamplingType
+from pagellm.sampling_params import SamplingParams
 
 
 @dataclass
@@ -24,23 +24,15 @@ class CachedRequestState:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     generator: torch.Generator | None
-    block_ids: list[int]
-    num_computed_tokens: int
     eos_token_id: int | None = None
     output_token_ids: list[int] = field(default_factory=list)
     """Tokens generated before the last preemption (while running, they live in the batch row)."""
     num_prompt_logprobs_done: int = 0
     """Prompt positions whose logprobs were already returned (kept across preemption)."""
 
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
 
 class InputBatch:
     def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int) -> None:
-        self.max_num_reqs = max_num_reqs
-        self.max_model_len = max_model_len
         self.req_ids: list[str | None] = [None] * max_num_reqs
         self.req_id_to_index: dict[str, int] = {}
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
@@ -55,7 +47,6 @@ class InputBatch:
         self.presence_penalty = np.zeros(max_num_reqs, dtype=np.float32)
         self.frequency_penalty = np.zeros(max_num_reqs, dtype=np.float32)
         self.repetition_penalty = np.ones(max_num_reqs, dtype=np.float32)
-        self.min_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)
         self.num_prompt_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)
@@ -67,52 +58,42 @@ class InputBatch:
         """Bumped whenever a row changes request (add, remove, condense)."""
         self.on_move: Callable[[int, int], None] | None = None
         """Told (src, dst) when condensing moves a request to another row."""
-        self._arrays = (
-            self.num_tokens,
-            self.num_computed_tokens,
-            self.block_table,
-            self.num_blocks,
-            self.temperature,
-            self.top_p,
-            self.top_k,
-            self.min_p,
-            self.presence_penalty,
-            self.frequency_penalty,
-            self.repetition_penalty,
-            self.min_tokens,
-            self.num_prompt_tokens,
-            self.num_logprobs,
-            self.num_prompt_logprobs,
-            self.has_sparse_params,
-            self.has_penalties,
-        )
+        # What condensing moves row by row: every per-row array (token ids apart: only a row's
+        # used prefix is copied).
+        self._arrays = [
+            v for v in vars(self).values() if isinstance(v, np.ndarray) and v is not self.token_ids
+        ]
 
     @property
     def num_reqs(self) -> int:
         return len(self.req_id_to_index)
 
-    def add_request(self, state: CachedRequestState) -> int:
-        """Put the request in the first free row; returns the row."""
+    def add_request(
+        self, state: CachedRequestState, block_ids: list[int], num_computed_tokens: int
+    ) -> int:
+        """Put the request (new, or resumed after preemption) in the first free row; returns
+        the row."""
         self.version += 1
         index = self.num_reqs  # rows are contiguous, so the first free one is at the end
         self.req_ids[index] = state.req_id
         self.req_id_to_index[state.req_id] = index
         prompt_len = len(state.prompt_token_ids)
+        num_tokens = prompt_len + len(state.output_token_ids)
         self.token_ids[index, :prompt_len] = state.prompt_token_ids
-        self.token_ids[index, prompt_len : state.num_tokens] = state.output_token_ids
-        self.num_tokens[index] = state.num_tokens
-        self.num_computed_tokens[index] = state.num_computed_tokens
-        self.set_block_ids(index, state.block_ids)
+        self.token_ids[index, prompt_len:num_tokens] = state.output_token_ids
+        self.num_tokens[index] = num_tokens
+        self.num_computed_tokens[index] = num_computed_tokens
+        self.block_table[index, : len(block_ids)] = block_ids
+        self.block_table[index, len(block_ids) :] = 0
+        self.num_blocks[index] = len(block_ids)
         params = state.sampling_params
-        greedy = params.sampling_type == SamplingType.GREEDY
-        self.temperature[index] = 0.0 if greedy else params.temperature
+        self.temperature[index] = 0.0 if params.is_greedy else params.temperature
         self.top_p[index] = params.top_p
         self.top_k[index] = params.top_k
         self.min_p[index] = params.min_p
         self.presence_penalty[index] = params.presence_penalty
         self.frequency_penalty[index] = params.frequency_penalty
         self.repetition_penalty[index] = params.repetition_penalty
-        self.min_tokens[index] = params.min_tokens
         self.num_prompt_tokens[index] = prompt_len
         self.num_logprobs[index] = -1 if params.logprobs is None else params.logprobs
         self.num_prompt_logprobs[index] = (
@@ -132,11 +113,6 @@ class InputBatch:
         if state.generator is not None:
             self.generators[index] = state.generator
         return index
-
-    def set_block_ids(self, index: int, block_ids: list[int]) -> None:
-        self.block_table[index, : len(block_ids)] = block_ids
-        self.block_table[index, len(block_ids) :] = 0
-        self.num_blocks[index] = len(block_ids)
 
     def append_block_ids(self, index: int, block_ids: list[int]) -> None:
         start = int(self.num_blocks[index])

@@ -9,39 +9,37 @@ overlap with the host's work. On the CPU the device tensors are the host tensors
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import numpy as np
 import torch
 
+from pagellm.attention.backend import CommonAttentionMetadata
 
-@dataclass
-class _Tensors:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    slot_mapping: torch.Tensor
-    query_start_loc: torch.Tensor
-    seq_lens: torch.Tensor
-    block_table: torch.Tensor
+T = TypeVar("T", torch.Tensor, np.ndarray)
 
 
 @dataclass
-class _HostArrays:
-    input_ids: np.ndarray
-    positions: np.ndarray
-    slot_mapping: np.ndarray
-    query_start_loc: np.ndarray
-    seq_lens: np.ndarray
-    block_table: np.ndarray
+class StepArrays(Generic[T]):
+    """One buffer per step input: tensors (host or device), or numpy views of the host ones."""
+
+    input_ids: T
+    positions: T
+    slot_mapping: T
+    query_start_loc: T
+    seq_lens: T
+    block_table: T
 
 
 def _allocate(
     max_tokens: int, max_reqs: int, max_blocks: int, device: torch.device, pin: bool
-) -> _Tensors:
+) -> StepArrays[torch.Tensor]:
     def empty(*shape: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin)
 
-    return _Tensors(
+    return StepArrays(
         input_ids=empty(max_tokens, dtype=torch.int64),
         positions=empty(max_tokens, dtype=torch.int64),
         slot_mapping=empty(max_tokens, dtype=torch.int64),
@@ -62,6 +60,7 @@ class StepBuffers:
     ) -> None:
         self.device = device
         self.max_reqs = max_num_reqs
+        self.max_blocks_per_req = max_blocks_per_req
         on_cpu = device.type == "cpu"
         # Graph replays pad a decode batch up to a capture size, which may exceed the token budget.
         max_num_tokens = max(max_num_tokens, max_num_reqs)
@@ -74,26 +73,49 @@ class StepBuffers:
             if on_cpu
             else _allocate(max_num_tokens, max_num_reqs, max_blocks_per_req, device, False)
         )
-        t = self.host_tensors
-        self.host = _HostArrays(
-            input_ids=t.input_ids.numpy(),
-            positions=t.positions.numpy(),
-            slot_mapping=t.slot_mapping.numpy(),
-            query_start_loc=t.query_start_loc.numpy(),
-            seq_lens=t.seq_lens.numpy(),
-            block_table=t.block_table.numpy(),
+        tensors = self.host_tensors
+        self.host: StepArrays[np.ndarray] = StepArrays(
+            *(getattr(tensors, f.name).numpy() for f in dataclasses.fields(tensors))
         )
         self._non_blocking = pin_memory and not on_cpu
 
-    @property
-    def input_ids(self) -> torch.Tensor:
-        return self.device_tensors.input_ids
+    def stage_padding(self, num_tokens: int, num_reqs: int, num_padded: int) -> None:
+        """Stage rows ``num_reqs..`` up to ``num_padded`` rows (and tokens) of a decode batch
+        padded to a captured graph's size: one token each, ``seq_len`` 0 and slot -1, which
+        kernels skip without reading the cache. (``query_start_loc[0]`` is always 0.)"""
+        h = self.host
+        h.input_ids[num_tokens:num_padded] = 0
+        h.positions[num_tokens:num_padded] = 0
+        h.slot_mapping[num_tokens:num_padded] = -1
+        h.query_start_loc[num_reqs + 1 : num_padded + 1] = np.arange(num_tokens + 1, num_padded + 1)
+        h.seq_lens[num_reqs:num_padded] = 0
 
-    @property
-    def positions(self) -> torch.Tensor:
-        return self.device_tensors.positions
+    def attention_metadata(
+        self,
+        num_reqs: int,
+        num_tokens: int,
+        max_query_len: int,
+        max_seq_len: int,
+        num_block_cols: int,
+    ) -> CommonAttentionMetadata:
+        """Copy the staged prefixes to the device and describe them: ``num_reqs`` rows,
+        ``num_tokens`` tokens and the first ``num_block_cols`` block-table columns."""
+        self._copy_to_device(num_tokens, num_reqs, num_block_cols)
+        d, h = self.device_tensors, self.host_tensors
+        return CommonAttentionMetadata(
+            num_reqs=num_reqs,
+            num_actual_tokens=num_tokens,
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+            query_start_loc=d.query_start_loc[: num_reqs + 1],
+            query_start_loc_cpu=h.query_start_loc[: num_reqs + 1],
+            seq_lens=d.seq_lens[:num_reqs],
+            seq_lens_cpu=h.seq_lens[:num_reqs],
+            block_table=d.block_table[:num_reqs, :num_block_cols],
+            slot_mapping=d.slot_mapping[:num_tokens],
+        )
 
-    def copy_to_device(self, num_tokens: int, num_reqs: int, num_block_cols: int) -> None:
+    def _copy_to_device(self, num_tokens: int, num_reqs: int, num_block_cols: int) -> None:
         """Copy the staged prefix of every buffer; the block table only in its used columns."""
         h, d = self.host_tensors, self.device_tensors
         if h is d:

@@ -1,13 +1,23 @@
-"""A worker owns one device: it loads the model there, holds the KV cache and runs each step."""
+"""A worker owns one device: it loads the model there, sizes and holds the KV cache, and runs
+each step through its model runner."""
 
 from __future__ import annotations
 
+import torch
+
+from pagellm.attention.layer import Attention
 from pagellm.config import EngineConfig
+from pagellm.forward_context import set_forward_context
 from pagellm.kv_cache.spec import KVCacheSpec
+from pagellm.model_loader import load_model
 from pagellm.platforms import current_platform
 from pagellm.plugins import load_general_plugins
 from pagellm.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from pagellm.worker.model_runner import ModelRunner
+
+
+def _bytes(module: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
 class Worker:
@@ -21,25 +31,57 @@ class Worker:
         self.model_runner = ModelRunner(config, self.device)
 
     def load_model(self) -> None:
-        self.model_runner.load_model()
+        runner = self.model_runner
+        runner.model = load_model(self.config, runner.attn_backend, self.device)
 
     def get_kv_cache_spec(self) -> KVCacheSpec:
         return self.model_runner.kv_cache_spec
 
-    def num_attention_layers(self) -> int:
-        return self.config.model.num_layers
+    def model_memory_bytes(self) -> int:
+        return _bytes(self.model_runner.model)
+
+    def decode_weight_bytes(self) -> int:
+        """Weight bytes one decode step reads: every parameter, except an untied input embedding
+        table (only a few of its rows are read)."""
+        model = self.model_runner.model
+        embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+        if embed is not None and getattr(model, "lm_head", None) is not embed:
+            return _bytes(model) - _bytes(embed)
+        return _bytes(model)
 
     def determine_available_memory(self) -> int:
         """Bytes this worker can give the KV cache (all layers together)."""
         return int(
             current_platform.available_kv_cache_memory(
-                self.config, self.model_runner.model_memory_bytes(), self.model_runner.profile_run
+                self.config, self.model_memory_bytes(), self.profile_run
             )
         )
 
+    @torch.inference_mode()
+    def profile_run(self) -> None:
+        """One forward pass over ``max_num_batched_tokens`` tokens and a sampling step over
+        ``max_num_seqs`` rows, before the KV cache exists, so the platform can measure peak
+        activation memory (attention itself is skipped)."""
+        sched, model = self.config.scheduler, self.model_runner.model
+        n = sched.max_num_batched_tokens
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        positions = torch.arange(n, device=self.device) % self.config.model.max_model_len
+        with set_forward_context(None):
+            hidden = model(ids, positions)
+        logits = model.compute_logits(hidden[: min(sched.max_num_seqs, n)])
+        logits.float().log_softmax(dim=-1).argmax(dim=-1)
+
     def initialize_cache(self, num_blocks: int) -> None:
-        self.model_runner.initialize_kv_cache(num_blocks)
-        self.model_runner.capture_model()
+        """Give every attention layer its KV cache, then capture the decode graphs (if on)."""
+        runner, spec = self.model_runner, self.model_runner.kv_cache_spec
+        backend = runner.attn_backend
+        shape = backend.get_kv_cache_shape(
+            num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size
+        )
+        for layer in runner.model.modules():
+            if isinstance(layer, Attention):
+                layer.kv_cache = backend.allocate_kv_cache(shape, spec.dtype, self.device)
+        runner.capture_model()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)

@@ -1,7 +1,7 @@
 """`CudaPlatform`: pagellm on NVIDIA GPUs through PyTorch's CUDA build.
 
 Methods that call into ``torch.cuda`` (device facts, `CudaPlatform.device`, profiling,
-synchronisation) run only on a GPU. The rules they apply are plain functions tested everywhere:
+synchronisation, timing, graph capture) run only on a GPU. The rules they apply are plain functions tested everywhere:
 `auto_dtype`, `pagellm_cuda.devices`, `pagellm_cuda.memory`, `pagellm_cuda.cudagraphs`, and
 `CudaPlatform.check_and_update_config`, which needs no GPU.
 """
@@ -62,8 +62,8 @@ def _load_custom_ops() -> dict[str, Callable[..., Any]]:
 class CudaPlatform(Platform):
     name = "cuda"
     device_type = "cuda"
-    dist_backend = "nccl"
     supported_dtypes = (torch.bfloat16, torch.float16, torch.float32)
+    needs_warm_up = True  # Triton compiles its kernels on first use; graphs are replayed
 
     # ------------------------------------------------------------------ devices (GPU only)
 
@@ -211,3 +211,28 @@ class CudaPlatform(Platform):
     @classmethod
     def synchronize(cls) -> None:
         torch.cuda.synchronize()
+
+    @classmethod
+    def device_seconds(cls, work: Callable[[], object]) -> float:
+        """Timed by CUDA events around the work: the device's time, not the host's."""
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        work()
+        end.record()
+        end.synchronize()
+        return begin.elapsed_time(end) / 1e3
+
+    # ------------------------------------------------------------------ CUDA graphs
+
+    @classmethod
+    def graph_pool(cls) -> object:
+        return torch.cuda.graph_pool_handle()
+
+    @classmethod
+    def capture_graph(
+        cls, forward: Callable[[], torch.Tensor], pool: object
+    ) -> tuple[Callable[[], None], torch.Tensor]:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            output = forward()
+        return graph.replay, output

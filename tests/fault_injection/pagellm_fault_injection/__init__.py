@@ -34,16 +34,16 @@ def install(
     if getattr(original, "_fault_injection", False):
         original = original.__wrapped__  # type: ignore[attr-defined]
 
-    def prepare_inputs(self: Any, rows: Any, *args: Any, **kwargs: Any) -> Any:
+    def prepare_inputs(self: Any, plan: Any, *args: Any, **kwargs: Any) -> Any:
         batch = self.input_batch
-        for row in rows.tolist():
+        for row in plan.rows.tolist():
             state = self.requests[batch.req_ids[row]]
             generated = int(batch.num_tokens[row] - batch.num_prompt_tokens[row])
             if token in state.prompt_token_ids and generated >= after:
                 raise InjectedFault(f"injected fault for request {state.req_id}")
             if slow_token in state.prompt_token_ids and generated == 0:
                 time.sleep(slow_s)
-        return original(self, rows, *args, **kwargs)
+        return original(self, plan, *args, **kwargs)
 
     prepare_inputs._fault_injection = True  # type: ignore[attr-defined]
     prepare_inputs.__wrapped__ = original  # type: ignore[attr-defined]
