@@ -14,7 +14,6 @@ from pagellm.entrypoints.http_errors import APIError, bad_request, internal_erro
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_BODY_TIMEOUT_S = 30.0
 OPEN_PATHS = frozenset({"/health"})
 
 
@@ -30,7 +29,7 @@ class RequestGuard:
         app: ASGIApp,
         api_key: str | None,
         max_body_bytes: int,
-        body_timeout: float = DEFAULT_BODY_TIMEOUT_S,
+        body_timeout: float,
     ) -> None:
         self.app = app
         self.api_key = api_key.encode() if api_key else None

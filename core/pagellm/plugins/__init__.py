@@ -32,6 +32,7 @@ class EndpointPlugin:
     required_tasks: frozenset[str] | None = None
     description: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    api_version: str = "1.1"
 
 
 def _string_map(record: PluginRecord, result: Any) -> dict[str, str]:

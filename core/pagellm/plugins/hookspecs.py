@@ -12,7 +12,7 @@ from typing import Any
 import pluggy
 
 PROJECT_NAME = "pagellm"
-PLUGIN_API_VERSION = "1.0"
+PLUGIN_API_VERSION = "1.1"
 """Plugins declaring the same major version and a minor version up to this one are accepted."""
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
