@@ -53,7 +53,7 @@ def engine(model, stat_logger):
     llm = AsyncLLM.from_engine_args(EngineArgs(model, **ENGINE_KWARGS), [stat_logger])
     yield llm
     llm.shutdown()
-    assert not os.path.exists(llm.engine_core.ipc_dir)
+    assert not os.path.exists(llm.core_client.ipc_dir)
 
 
 @pytest.fixture(scope="module")
@@ -306,7 +306,7 @@ def test_killed_engine_fails_in_flight_requests_and_health(model):
         first = asyncio.Event()
         tasks = [asyncio.create_task(consume(f"k{i}", first)) for i in range(4)]
         await first.wait()
-        os.kill(llm.engine_core.proc.pid, signal.SIGKILL)
+        os.kill(llm.core_client.proc.pid, signal.SIGKILL)
         results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), timeout=5)
         assert all(isinstance(r, EngineDeadError) for r in results), results
         assert llm.errored
@@ -321,7 +321,7 @@ def test_killed_engine_fails_in_flight_requests_and_health(model):
         asyncio.run(main())
     finally:
         llm.shutdown()
-    assert not os.path.exists(llm.engine_core.ipc_dir)
+    assert not os.path.exists(llm.core_client.ipc_dir)
 
 
 def test_a_failing_stat_logger_is_logged_and_requests_go_on(engine, caplog):

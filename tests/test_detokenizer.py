@@ -61,4 +61,4 @@ def test_a_streamed_n2_choice_ends_once_while_its_sibling_goes_on(tokenizer):
                 if completion.finish_reason is not None:
                     finishes[completion.index] = finishes.get(completion.index, 0) + 1
     assert finishes == {0: 1, 1: 1}
-    assert not processor.has_unfinished_requests()
+    assert not processor.requests

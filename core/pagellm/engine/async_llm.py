@@ -78,7 +78,7 @@ class AsyncLLM(RequestFrontend):
         Raises `EngineDeadError` if the engine process dies.
         """
         self.core_client.raise_if_dead()
-        processed = self.process(prompt, params)
+        processed = self.processor.process(prompt, params)
         self._start_background_tasks()
         engine_ids = self._add_request(request_id, processed, priority)
         queue = self._streams[request_id] = RequestOutputCollector(processed.params.output_kind)
@@ -207,9 +207,8 @@ class AsyncLLM(RequestFrontend):
     async def shutdown_async(self, timeout: float) -> None:
         """`shutdown` without blocking the event loop: the engine gets ``timeout`` seconds to stop
         before it is killed."""
-        self._stop_log_task()
         await self.core_client.shutdown_async(timeout)
-        self._on_dead(EngineDeadError("The engine was shut down."))
+        self.shutdown()  # the engine is stopped: what is left is ending the streams
 
     def _stop_log_task(self) -> None:
         task = self._log_task

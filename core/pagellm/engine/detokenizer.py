@@ -57,8 +57,6 @@ class IncrementalDetokenizer:
 
     def update(self, new_token_ids: list[int]) -> str:
         """Add tokens; return the text they completed (possibly empty)."""
-        if len(new_token_ids) == 1:
-            return self._step(new_token_ids[0])
         return "".join(self._step(t) for t in new_token_ids)
 
 

@@ -55,10 +55,11 @@ class LLMEngine(RequestFrontend):
         params: SamplingParams | None = None,
         priority: int = 0,
     ) -> None:
-        """Queue a request. A prompt that `process` returned is not tokenized again and runs
-        with its own parameters; any other runs with ``params`` (default `SamplingParams()`)."""
+        """Queue a request. A prompt that ``processor.process`` returned is not tokenized again
+        and runs with its own parameters; any other runs with ``params`` (default
+        `SamplingParams()`)."""
         if not isinstance(prompt, ProcessedPrompt):
-            prompt = self.process(prompt, SamplingParams() if params is None else params)
+            prompt = self.processor.process(prompt, SamplingParams() if params is None else params)
         self._add_request(request_id, prompt, priority)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
@@ -66,10 +67,10 @@ class LLMEngine(RequestFrontend):
         return self._abort_requests(ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.output_processor.has_unfinished_requests()
+        return bool(self.output_processor.requests)
 
     def step(self) -> list[RequestOutput]:
-        if not self.output_processor.has_unfinished_requests():
+        if not self.has_unfinished_requests():
             return []  # a separate engine process would have no step to send: do not wait for one
         return self._process_outputs(self.core_client.step())
 

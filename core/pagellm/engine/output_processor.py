@@ -118,9 +118,6 @@ class OutputProcessor:
         for completion in completions:
             self.engine_to_request[completion.engine_id] = (state, completion)
 
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
-
     def engine_ids(self, request_id: str) -> list[str]:
         state = self.requests.get(request_id)
         return [c.engine_id for c in state.completions] if state else []

@@ -85,10 +85,9 @@ class InputProcessor:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
+            if "prompt" not in prompt:
                 raise ValueError("prompt dict needs a 'prompt' or 'prompt_token_ids' key.")
+            prompt = prompt["prompt"]
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty.")
@@ -108,24 +107,21 @@ class InputProcessor:
     def _check_ids(self, ids: list[Any]) -> list[int]:
         if not ids:
             raise ValueError("prompt_token_ids is empty.")
+        self._check_vocab("prompt_token_ids", ids)
+        return ids
+
+    def _check_vocab(self, name: str, ids: list[Any]) -> None:
+        vocab_size = self.vocab_size
         bad = [
             t
             for t in ids
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size
         ]
-        if bad:
-            raise ValueError(
-                f"prompt_token_ids contains {len(bad)} id(s) outside the vocabulary [0, {self.vocab_size}): "
-                f"{bad[:5]}."
-            )
-        return ids
-
-    def _check_vocab(self, name: str, ids: list[int]) -> None:
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise SamplingParamsError(
                 name,
-                f"{name} has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}.",
+                f"{name} has {len(bad)} token id(s) outside the vocabulary [0, {vocab_size}): "
+                f"{bad[:5]}.",
             )
 
     def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:

@@ -1,11 +1,6 @@
-"""`RequestFrontend`: the request path `LLMEngine` and `AsyncLLM` share.
-
-A user request is tokenized and validated once (`InputProcessor.process`), fanned out into one
-engine request per completion (`processor.fan_out`), sent to the engine core, and followed by the
-`OutputProcessor` (detokenization, stop strings, output kinds) until its last completion ends or
-it is aborted. The subclasses add how the core is driven: steps pulled by `LLMEngine.step`, or
-outputs pushed to `AsyncLLM`'s per-request collectors.
-"""
+"""`RequestFrontend`: the request path `LLMEngine` and `AsyncLLM` share. A request is tokenized
+and validated once (`InputProcessor`), fanned out into one engine request per completion, sent to
+the engine core, and followed by the `OutputProcessor` until it ends or is aborted."""
 
 from __future__ import annotations
 
@@ -15,11 +10,10 @@ from typing import Protocol
 from pagellm.config import EngineConfig
 from pagellm.engine.errors import EngineOverloadedError
 from pagellm.engine.output_processor import OutputProcessor
-from pagellm.engine.processor import InputProcessor, ProcessedPrompt, PromptType, fan_out
+from pagellm.engine.processor import InputProcessor, ProcessedPrompt, fan_out
 from pagellm.outputs import RequestOutput
 from pagellm.plugins import load_frontend_plugins, load_general_plugins
 from pagellm.request import EngineCoreRequest
-from pagellm.sampling_params import SamplingParams
 from pagellm.scheduler.output import EngineCoreOutputs
 from pagellm.tokenizer import get_tokenizer
 
@@ -48,10 +42,6 @@ class RequestFrontend:
         self.processor = InputProcessor(config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.max_waiting_requests = max_waiting_requests
-
-    def process(self, prompt: PromptType, params: SamplingParams) -> ProcessedPrompt:
-        """Tokenize and validate a prompt, changing nothing (``ValueError`` for bad input)."""
-        return self.processor.process(prompt, params)
 
     def _add_request(self, request_id: str, prompt: ProcessedPrompt, priority: int) -> list[str]:
         """Send the request's engine requests and follow them; returns their ids."""

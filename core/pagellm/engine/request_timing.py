@@ -20,17 +20,20 @@ class CompletionTiming:
     first_token: float | None = None
     last_token: float = 0.0
     num_generation_tokens: int = 0
-    itl_sum: float = 0.0
     num_itls: int = 0
 
-    def finished(self, reason: str | None, now: float) -> FinishedRequestStats:
+    def finished(self, reason: str, now: float) -> FinishedRequestStats:
+        first = self.first_token
         return FinishedRequestStats(
-            finish_reason=reason or "abort",
+            finish_reason=reason,
             e2e_latency_s=now - self.arrival,
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
-            ttft_s=None if self.first_token is None else self.first_token - self.arrival,
-            mean_itl_s=self.itl_sum / self.num_itls if self.num_itls else None,
+            ttft_s=None if first is None else first - self.arrival,
+            # The inter-token latencies add up to the time from the first token to the last.
+            mean_itl_s=(self.last_token - first) / self.num_itls
+            if self.num_itls and first is not None
+            else None,
         )
 
 
@@ -50,8 +53,7 @@ class RequestTimings:
     def step(
         self, engine_outputs: EngineCoreOutputs, results: list[RequestOutput]
     ) -> IterationStats:
-        """The stats of one engine step: its new tokens, and the completions that ``results``
-        (the user-visible outputs made of it) report ended."""
+        """One engine step's stats: its new tokens, and the completions its ``results`` end."""
         now = time.monotonic()
         stats = IterationStats()
         completions = self._completions
@@ -66,9 +68,7 @@ class RequestTimings:
                 stats.ttfts_s.append(now - timing.arrival)
                 stats.num_prompt_tokens += timing.num_prompt_tokens
             else:
-                itl = now - timing.last_token
-                stats.itls_s.append(itl)
-                timing.itl_sum += itl
+                stats.itls_s.append(now - timing.last_token)
                 timing.num_itls += 1
             timing.last_token = now
             timing.num_generation_tokens += num_new

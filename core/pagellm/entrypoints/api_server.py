@@ -2,13 +2,9 @@
 
 The core serves only ``/health``, ``/version`` and ``/metrics``; every other route comes from the
 endpoint plugins the server is allowed to load (deny by default: VLLM_PLUGINS when it is set, else
-``--endpoints``), whose ``required_tasks`` the served model must meet. Each plugin's ``attach``
-gets the app and a `ServerContext` (plugin API 1.0: the engine client alone). One ASGI middleware
-in front of every route (plugin routes included, `request_guard.RequestGuard`) gives each request
-an id (``X-Request-Id``, echoed or made; ``request.state.request_id`` in a handler), checks the API
-key, bounds the body and answers what no handler took with a generic 500; errors are mapped to
-OpenAI-style bodies by `http_errors`; uvicorn's side (header timeout, shutdown deadline) is
-`http_server`.
+``--endpoints``), whose ``required_tasks`` the served model must meet; each plugin's ``attach``
+gets the app and a `ServerContext`. In front of every route: `request_guard`; error bodies:
+`http_errors`; uvicorn's side (header timeout, shutdown deadline): `http_server`.
 """
 
 from __future__ import annotations
@@ -16,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
-import os
 import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -27,7 +22,7 @@ from fastapi.responses import JSONResponse, Response
 
 from pagellm.entrypoints.http_errors import SERVER_ERROR, APIError, install_error_handlers
 from pagellm.entrypoints.request_guard import RequestGuard
-from pagellm.entrypoints.server_args import API_KEY_ENV, ServerArgs
+from pagellm.entrypoints.server_args import ServerArgs
 from pagellm.entrypoints.server_context import ServerContext
 from pagellm.plugins import EndpointPlugin, allowlist, groups, load_endpoint_plugins
 from pagellm.plugins.loader import PluginError, discover, strict_mode
@@ -45,7 +40,7 @@ SERVED_TASKS = frozenset({"generate"})
 
 
 def _endpoint_names(args: ServerArgs) -> list[str]:
-    names = args.endpoint_names
+    names = list(args.endpoints)
     if allowlist() is not None:
         if names:
             logger.info(
@@ -91,14 +86,9 @@ def _attach_endpoint_plugins(app: FastAPI, ctx: ServerContext) -> None:
 
 
 def build_app(engine: AsyncLLM, args: ServerArgs, stat_loggers: list[StatLoggerBase]) -> FastAPI:
-    """The app serving ``engine``: core routes, then the allowed endpoint plugins' routes;
-    ``/metrics`` serves the Prometheus logger among ``stat_loggers`` (those ``engine`` reports to).
-
-    The app owns the engine for its lifetime: when the app shuts down (after uvicorn's graceful
-    shutdown has let in-flight requests finish or cancelled them), it shuts the engine down,
-    giving it what is left until ``app.state.shutdown_deadline`` (a loop time, set when the
-    shutdown began).
-    """
+    """The app serving ``engine`` (which reports to ``stat_loggers``): core routes, then the
+    allowed endpoint plugins' routes. The app owns the engine: when it shuts down (after uvicorn's
+    graceful shutdown), it gives the engine what is left until ``app.state.shutdown_deadline``."""
     from pagellm.metrics.loggers import PrometheusStatLogger, metrics_response
     from pagellm.platforms import current_platform_name
 
@@ -151,22 +141,17 @@ def build_app(engine: AsyncLLM, args: ServerArgs, stat_loggers: list[StatLoggerB
         args=args,
     )
     _attach_endpoint_plugins(app, ctx)
-    app.add_middleware(
-        RequestGuard,
-        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
-        max_body_bytes=args.max_request_body_bytes,
-        body_timeout=args.body_timeout,
-    )
+    app.add_middleware(RequestGuard, args=args)
     return app
 
 
 async def _serve(args: ServerArgs, engine_args: EngineArgs) -> None:
     from pagellm.engine.async_llm import AsyncLLM
     from pagellm.engine.errors import EngineShuttingDownError
-    from pagellm.entrypoints.http_server import make_server, shutdown_margin
+    from pagellm.entrypoints.http_server import make_server, shutdown_margin, shutdown_timeout
     from pagellm.metrics.loggers import build_stat_loggers
 
-    stat_loggers = build_stat_loggers(args.served_model_names[0], args.stat_logger_names)
+    stat_loggers = build_stat_loggers(args.served_model_names[0], list(args.stat_loggers))
     engine = AsyncLLM.from_engine_args(
         engine_args,
         stat_loggers=stat_loggers,
@@ -179,7 +164,7 @@ async def _serve(args: ServerArgs, engine_args: EngineArgs) -> None:
     except BaseException:
         engine.shutdown()
         raise
-    timeout = max(0.0, args.shutdown_timeout)
+    timeout = shutdown_timeout(args)
 
     def on_shutdown() -> None:
         loop = asyncio.get_running_loop()
@@ -187,14 +172,7 @@ async def _serve(args: ServerArgs, engine_args: EngineArgs) -> None:
         error = EngineShuttingDownError("The server is shutting down; retry on another server.")
         loop.call_later(timeout - shutdown_margin(timeout), engine.fail_all, error)
 
-    server = make_server(
-        app,
-        host=args.host,
-        port=args.port,
-        header_timeout=args.header_timeout,
-        shutdown_timeout=timeout,
-        on_shutdown=on_shutdown,
-    )
+    server = make_server(app, args, on_shutdown)
     # From here the app's lifespan owns the engine: uvicorn runs it even when it fails to bind.
     await server.serve()
 

@@ -80,16 +80,11 @@ def _request_id(request: Request) -> str:
     return str(getattr(request.state, "request_id", "") or "unknown")
 
 
-def internal_error(request_id: str, status: int = 500, code: str | None = None) -> APIError:
+def internal_error(request_id: str) -> APIError:
     """What a client learns of a failure inside the server: that it happened, and the id to
     find it in the server's log (where its details are)."""
-    return APIError(
-        status,
-        f"The server failed to handle the request (request id {request_id}); "
-        "its log has the details.",
-        type=SERVER_ERROR,
-        code=code,
-    )
+    message = f"The server failed to handle the request (request id {request_id}); its log has"
+    return APIError(500, message + " the details.", type=SERVER_ERROR)
 
 
 def error_for(exc: Exception, request_id: str) -> APIError:

@@ -67,7 +67,7 @@ class LLM:
         # Every prompt is processed (tokenized and validated) before any is queued. Only finished
         # outputs are returned: no need to build intermediate ones.
         processed = [
-            engine.process(
+            engine.processor.process(
                 prompt, msgspec.structs.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
             )
             for prompt, p in zip(prompt_list, params_list, strict=True)

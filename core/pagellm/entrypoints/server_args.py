@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,10 +30,11 @@ class ServerArgs:
         "Require 'Authorization: Bearer KEY' on every route but /health "
         f"(default: ${API_KEY_ENV}).",
     )
-    endpoints: str = _option(
-        "openai",
+    endpoints: Sequence[str] = _option(
+        ("openai",),
         "Comma-separated endpoint plugins to serve when VLLM_PLUGINS is unset (when it is set, "
         "it alone decides).",
+        type=_names,
     )
     served_model_name: list[str] | None = _option(
         None, "Model name(s) clients use in requests (default: the model argument).", nargs="+"
@@ -40,10 +42,11 @@ class ServerArgs:
     max_request_body_bytes: int = _option(
         1 << 20, "Larger request bodies are refused with HTTP 400."
     )
-    stat_loggers: str = _option(
-        "",
+    stat_loggers: Sequence[str] = _option(
+        (),
         "Comma-separated stat loggers of pagellm.stat_logger_plugins to add to the built-in ones "
         "(the periodic log line and Prometheus /metrics, always on).",
+        type=_names,
     )
     shutdown_timeout: float = _option(
         5.0,
@@ -78,7 +81,7 @@ class ServerArgs:
                 parser.add_argument("model", **kwargs)
                 continue
             if "action" not in kwargs:
-                kwargs["type"] = str if f.default is None else type(f.default)
+                kwargs.setdefault("type", str if f.default is None else type(f.default))
             parser.add_argument("--" + f.name.replace("_", "-"), default=f.default, **kwargs)
 
     @classmethod
@@ -89,11 +92,3 @@ class ServerArgs:
     def served_model_names(self) -> list[str]:
         """The names clients may ask for; the first is the one reported."""
         return list(self.served_model_name or [self.model])
-
-    @property
-    def endpoint_names(self) -> list[str]:
-        return _names(self.endpoints)
-
-    @property
-    def stat_logger_names(self) -> list[str]:
-        return _names(self.stat_loggers)

@@ -1,8 +1,5 @@
-"""What the API server hands its endpoint plugins (plugin API 1.1): ``attach(app, ctx)`` gets a
-`ServerContext`, whose engine client is anything with the `EngineClient` methods (`AsyncLLM`).
-
-A plugin of plugin API 1.0 is still called as ``attach(app, engine_client)``.
-"""
+"""What the API server hands its endpoint plugins: ``attach(app, ctx)`` gets a `ServerContext`
+(plugin API 1.1; a 1.0 plugin gets ``attach(app, engine_client)``)."""
 
 from __future__ import annotations
 
