@@ -66,8 +66,8 @@ def with_kind(params: SamplingParams, kind: RequestOutputKind) -> SamplingParams
     return msgspec.structs.replace(params, output_kind=kind)
 
 
-async def collect(engine, prompt, params, request_id):
-    return [out async for out in engine.generate(prompt, params, request_id)]
+async def collect(engine, prompt, params, request_id, priority=0):
+    return [out async for out in engine.generate(prompt, params, request_id, priority)]
 
 
 async def assert_all_blocks_free(engine) -> None:
@@ -287,6 +287,50 @@ def test_health_prefix_cache_reset_and_state(engine):
 
     asyncio.run(main())
     assert engine.config.model.model and engine.tokenizer is not None
+
+
+def test_a_cache_salt_in_the_prompt_keeps_prefix_cache_blocks_apart(engine):
+    prompt = " ".join([PROMPTS[2]] * 8)
+
+    async def main():
+        outputs = [
+            await collect(engine, {"prompt": prompt, "cache_salt": salt}, GREEDY, f"salt-{i}")
+            for i, salt in enumerate("aba")
+        ]
+        return [o[-1].num_cached_tokens for o in outputs]
+
+    first, other_salt, same_salt = asyncio.run(main())
+    assert first == other_salt == 0 < same_salt
+
+
+def test_priority_decides_which_waiting_request_runs_first(model):
+    llm = AsyncLLM.from_engine_args(
+        EngineArgs(model, max_num_seqs=1, scheduling_policy="priority", **ENGINE_KWARGS)
+    )
+    finished: list[str] = []
+
+    async def run(request_id: str, priority: int) -> None:
+        await collect(llm, PROMPTS[0], GREEDY, request_id, priority)
+        finished.append(request_id)
+
+    async def main():
+        blocker = llm.generate(PROMPTS[1], with_kind(LONG, RequestOutputKind.DELTA), "blocker")
+        await blocker.__anext__()  # it runs, and the engine runs one sequence at a time
+        tasks = [asyncio.create_task(run("low", 5)), asyncio.create_task(run("high", -1))]
+        for _ in range(1000):
+            if (await llm.get_engine_state())["num_waiting"] == 2:
+                break
+            await asyncio.sleep(0.005)
+        else:
+            pytest.fail("the two requests never waited together")
+        await blocker.aclose()  # aborted: the waiting requests run, one after the other
+        await asyncio.gather(*tasks)
+
+    try:
+        asyncio.run(main())
+    finally:
+        llm.shutdown()
+    assert finished == ["high", "low"]
 
 
 def test_killed_engine_fails_in_flight_requests_and_health(model):
