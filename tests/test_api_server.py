@@ -9,7 +9,7 @@ allowlists and the scheduling policies:
 - ``main``: ``VLLM_PLUGINS=openai,admin,dummy_endpoint,embed_endpoint`` and an API key: most tests;
 - ``openai_only``: ``VLLM_PLUGINS=openai``; its engine process is killed at the end;
 - ``default``: VLLM_PLUGINS unset, ``--endpoints openai``; stopped with SIGTERM at the end;
-- ``one_at_a_time``: ``--scheduling-policy priority --max-num-seqs 1``, with the admin routes.
+- ``one_at_a_time``: ``--scheduling-policy priority --max-num-seqs 1``.
 """
 
 from __future__ import annotations
@@ -237,7 +237,7 @@ def servers(
         "openai_only": ({"VLLM_PLUGINS": "openai"}, ()),
         "default": ({}, ("--endpoints", "openai")),
         "one_at_a_time": (
-            {"VLLM_PLUGINS": "openai,admin"},
+            {"VLLM_PLUGINS": "openai"},
             ("--scheduling-policy", "priority", "--max-num-seqs", "1"),
         ),
     }
@@ -581,28 +581,29 @@ def test_cache_salt_keeps_prefix_cache_hits_apart(main: Server):
 
 
 def test_priority_decides_which_waiting_request_runs_first(servers: dict[str, Server]):
+    """The engine process is stopped while three requests reach it: when it goes on, the first
+    (of the highest priority) runs, and the other two wait for it, one sequence at a time."""
     server = servers["one_at_a_time"]
+    engine_pid = server.engine_pid()
     finished: list[str] = []
 
-    def run(name: str, priority: int) -> None:
-        body = {"prompt": "Hi", "max_tokens": 32, "ignore_eos": True, "priority": priority}
+    def run(name: str, priority: int, max_tokens: int) -> None:
+        body = {"prompt": "Hi", "max_tokens": max_tokens, "ignore_eos": True, "priority": priority}
         if server.post(COMPLETIONS, json=body).status_code == 200:
             finished.append(name)
 
-    blocker = {"prompt": "Wait", "max_tokens": 480, "ignore_eos": True, "stream": True}
-    threads = [threading.Thread(target=run, args=a) for a in (("low", 5), ("high", -1))]
-    with httpx.stream("POST", f"{server.url}{COMPLETIONS}", json=blocker, timeout=60) as stream:
-        next(stream.iter_lines())  # it runs, and the engine runs one sequence at a time
+    requests = [("first", -10, 480), ("low", 5, 16), ("high", -1, 16)]
+    threads = [threading.Thread(target=run, args=request) for request in requests]
+    os.kill(engine_pid, signal.SIGSTOP)
+    try:
         for thread in threads:
             thread.start()
-        deadline = time.monotonic() + 30
-        while server.state()["num_waiting"] < 2:
-            assert time.monotonic() < deadline, "the two requests never waited together"
-            time.sleep(0.02)
-    # Leaving the stream aborts the blocker: the waiting requests run, one after the other.
+            time.sleep(0.3)  # each reaches the engine's queue in turn
+    finally:
+        os.kill(engine_pid, signal.SIGCONT)
     for thread in threads:
         thread.join(60)
-    assert finished == ["high", "low"]
+    assert finished == ["first", "high", "low"]
 
 
 # ---------------------------------------------------------------- bad requests

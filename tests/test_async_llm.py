@@ -304,33 +304,33 @@ def test_a_cache_salt_in_the_prompt_keeps_prefix_cache_blocks_apart(engine):
 
 
 def test_priority_decides_which_waiting_request_runs_first(model):
+    """The engine process is stopped while three requests reach it: when it goes on, the first
+    (of the highest priority) runs, and the other two wait for it, one sequence at a time."""
     llm = AsyncLLM.from_engine_args(
         EngineArgs(model, max_num_seqs=1, scheduling_policy="priority", **ENGINE_KWARGS)
     )
     finished: list[str] = []
 
-    async def run(request_id: str, priority: int) -> None:
-        await collect(llm, PROMPTS[0], GREEDY, request_id, priority)
+    async def run(request_id: str, priority: int, params: SamplingParams) -> None:
+        await collect(llm, PROMPTS[0], params, request_id, priority)
         finished.append(request_id)
 
     async def main():
-        blocker = llm.generate(PROMPTS[1], with_kind(LONG, RequestOutputKind.DELTA), "blocker")
-        await blocker.__anext__()  # it runs, and the engine runs one sequence at a time
-        tasks = [asyncio.create_task(run("low", 5)), asyncio.create_task(run("high", -1))]
-        for _ in range(1000):
-            if (await llm.get_engine_state())["num_waiting"] == 2:
-                break
-            await asyncio.sleep(0.005)
-        else:
-            pytest.fail("the two requests never waited together")
-        await blocker.aclose()  # aborted: the waiting requests run, one after the other
+        tasks = []
+        os.kill(llm.core_client.proc.pid, signal.SIGSTOP)
+        try:
+            for request in [("first", -10, LONG), ("low", 5, GREEDY), ("high", -1, GREEDY)]:
+                tasks.append(asyncio.create_task(run(*request)))
+                await asyncio.sleep(0.05)  # each reaches the engine's queue in turn
+        finally:
+            os.kill(llm.core_client.proc.pid, signal.SIGCONT)
         await asyncio.gather(*tasks)
 
     try:
         asyncio.run(main())
     finally:
         llm.shutdown()
-    assert finished == ["high", "low"]
+    assert finished == ["first", "high", "low"]
 
 
 def test_killed_engine_fails_in_flight_requests_and_health(model):
