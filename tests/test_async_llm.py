@@ -384,3 +384,37 @@ def test_a_failing_stat_logger_is_logged_and_requests_go_on(engine, caplog):
     assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 8
     assert not engine.errored
     assert "Stat logger Broken failed" in caplog.text
+
+
+@pytest.mark.parametrize("kind", [RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE])
+def test_a_completion_ending_before_its_sibling_is_reported_once_when_it_ends(kind):
+    """The stats the front end hands its stat loggers, from a real `OutputProcessor` fed the
+    engine outputs of an n=2 request whose completions end two steps apart."""
+    from pagellm.engine.output_processor import OutputProcessor
+    from pagellm.engine.processor import ProcessedPrompt, fan_out
+    from pagellm.engine.request_timing import RequestTimings
+    from pagellm.request import FinishReason
+    from pagellm.scheduler.output import EngineCoreOutput, EngineCoreOutputs
+
+    params = SamplingParams(n=2, max_tokens=4, output_kind=kind)
+    processor, timings = OutputProcessor(None), RequestTimings()
+    engine_requests = fan_out("r", params)
+    processor.add_request("r", ProcessedPrompt(None, [5, 6, 7], params), engine_requests)
+    timings.start("r", [engine_id for engine_id, _ in engine_requests], num_prompt_tokens=3)
+    length = int(FinishReason.LENGTH)
+    steps = [
+        [EngineCoreOutput("0_r", [11]), EngineCoreOutput("1_r", [12])],
+        [EngineCoreOutput("0_r", [13], finish_reason=length), EngineCoreOutput("1_r", [14])],
+        [EngineCoreOutput("1_r", [15])],
+        [EngineCoreOutput("1_r", [16], finish_reason=length)],
+    ]
+    finished_per_step = []
+    for step in steps:
+        outputs = EngineCoreOutputs(outputs=step)
+        results, _ = processor.process_outputs(outputs)
+        stats = timings.step(outputs, results)
+        finished_per_step.append(
+            [(f.finish_reason, f.num_generation_tokens) for f in stats.finished]
+        )
+    assert finished_per_step == [[], [("length", 2)], [], [("length", 4)]]
+    assert timings.abort("r") is None  # nothing left behind

@@ -81,15 +81,6 @@ class _Choice:
         self.logprobs = _Logprobs(tokenizer) if logprobs else None
         self.echo_pending = echo
 
-    def make(
-        self,
-        index: int,
-        output: RequestOutput,
-        completion: CompletionOutput,
-        prompt_logprobs: list[PositionLogprobs | None] | None,
-    ) -> CompletionChoice:
-        return CompletionChoice(**self.fields(index, output, completion, prompt_logprobs))
-
     def fields(
         self,
         index: int,
@@ -154,7 +145,7 @@ async def create_completion(
 
     def final_choice(i: int, output: RequestOutput, c: CompletionOutput) -> CompletionChoice:
         index = i * n + c.index
-        return choices[index].make(index, output, c, output.prompt_logprobs)
+        return CompletionChoice(**choices[index].fields(index, output, c, output.prompt_logprobs))
 
     def final_body(result: list[CompletionChoice], usage: UsageInfo) -> CompletionResponse:
         return CompletionResponse(id=request_id, model=model, choices=result, usage=usage)
