@@ -3,18 +3,21 @@ Llama with SmolLM2's tokenizer, driven by the official ``openai`` client and htt
 
 The endpoint packages (``plugins/endpoints/openai``, ``plugins/endpoints/admin``, and the test
 package ``tests/plugins/dummy_endpoint``) are ``pip install -e``'d for this module when they are not
-installed already, and uninstalled afterwards. Three servers, started together, cover the plugin
-allowlists:
+installed already, and uninstalled afterwards. Four servers, started together, cover the plugin
+allowlists and the scheduling policies:
 
 - ``main``: ``VLLM_PLUGINS=openai,admin,dummy_endpoint,embed_endpoint`` and an API key: most tests;
 - ``openai_only``: ``VLLM_PLUGINS=openai``; its engine process is killed at the end;
-- ``default``: VLLM_PLUGINS unset, ``--endpoints openai``; stopped with SIGTERM at the end.
+- ``default``: VLLM_PLUGINS unset, ``--endpoints openai``; stopped with SIGTERM at the end;
+- ``one_at_a_time``: ``--scheduling-policy priority --max-num-seqs 1``.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
+import dataclasses
 import importlib.metadata
 import json
 import os
@@ -233,6 +236,10 @@ def servers(
         ),
         "openai_only": ({"VLLM_PLUGINS": "openai"}, ()),
         "default": ({}, ("--endpoints", "openai")),
+        "one_at_a_time": (
+            {"VLLM_PLUGINS": "openai"},
+            ("--scheduling-policy", "priority", "--max-num-seqs", "1"),
+        ),
     }
     with started_servers(model_dir, logs, specs) as running:
         yield running
@@ -555,6 +562,50 @@ def test_client_leaving_before_a_non_streamed_answer_aborts_its_request(main: Se
     assert _abort_count(main) == before + 1
 
 
+def _prefix_cache_hits(server: Server) -> float:
+    metrics = server.get("/metrics").text
+    match = re.search(r"^pagellm:prefix_cache_hits_total\{[^}]*\} (\S+)$", metrics, re.MULTILINE)
+    assert match, metrics
+    return float(match.group(1))
+
+
+def test_cache_salt_keeps_prefix_cache_hits_apart(main: Server):
+    """The engine's stats of a request's step reach /metrics before its answer does."""
+    hits = []
+    for salt in ("alice", "bob", "alice"):
+        before = _prefix_cache_hits(main)
+        body = {"model": MODEL_NAME, "prompt": "salted " * 60, "max_tokens": 1, "cache_salt": salt}
+        assert main.post(COMPLETIONS, json=body).status_code == 200
+        hits.append(_prefix_cache_hits(main) - before)
+    assert hits[0] == hits[1] == 0 < hits[2]
+
+
+def test_priority_decides_which_waiting_request_runs_first(servers: dict[str, Server]):
+    """The engine process is stopped while three requests reach it: when it goes on, the first
+    (of the highest priority) runs, and the other two wait for it, one sequence at a time."""
+    server = servers["one_at_a_time"]
+    engine_pid = server.engine_pid()
+    finished: list[str] = []
+
+    def run(name: str, priority: int, max_tokens: int) -> None:
+        body = {"prompt": "Hi", "max_tokens": max_tokens, "ignore_eos": True, "priority": priority}
+        if server.post(COMPLETIONS, json=body).status_code == 200:
+            finished.append(name)
+
+    requests = [("first", -10, 480), ("low", 5, 16), ("high", -1, 16)]
+    threads = [threading.Thread(target=run, args=request) for request in requests]
+    os.kill(engine_pid, signal.SIGSTOP)
+    try:
+        for thread in threads:
+            thread.start()
+            time.sleep(0.3)  # each reaches the engine's queue in turn
+    finally:
+        os.kill(engine_pid, signal.SIGCONT)
+    for thread in threads:
+        thread.join(60)
+    assert finished == ["first", "high", "low"]
+
+
 # ---------------------------------------------------------------- bad requests
 
 
@@ -723,6 +774,46 @@ def test_without_vllm_plugins_only_the_endpoints_option_is_served(servers: dict[
     assert server.get("/v1/admin/state").status_code == 404
     assert server.get("/v1/dummy/ping").status_code == 404
     assert "Endpoint plugin 'admin' skipped: endpoint plugins are off unless named" in server.log()
+
+
+def test_plugins_of_api_1_0_get_the_engine_client_and_later_ones_the_server_context():
+    """The engine client is a stand-in: attaching only hands it on."""
+    from fastapi import FastAPI
+
+    from pagellm.entrypoints.api_server import attach_endpoint_plugin
+    from pagellm.entrypoints.server_args import ServerArgs
+    from pagellm.entrypoints.server_context import ServerContext
+    from pagellm.plugins import EndpointPlugin
+
+    engine_client = object()
+    ctx = ServerContext(
+        engine_client=engine_client,  # type: ignore[arg-type]
+        served_model_names=[MODEL_NAME],
+        model_path="/models/tiny",
+        platform_name="cpu",
+        stat_loggers=[],
+        args=ServerArgs(model="/models/tiny"),
+    )
+    received = {}
+    for version in ("1.0", "1.1"):
+        plugin = EndpointPlugin(
+            attach=lambda app, arg, v=version: received.setdefault(v, arg), api_version=version
+        )
+        attach_endpoint_plugin(FastAPI(), plugin, ctx)
+    assert received == {"1.0": engine_client, "1.1": ctx}
+
+
+def test_server_args_are_typed_from_the_command_line():
+    from pagellm.entrypoints.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    argv = ["m", "--port", "9", "--endpoints", "openai, admin", "--shutdown-timeout", "2.5"]
+    args = ServerArgs.from_cli_args(parser.parse_args([*argv, "--disable-fastapi-docs"]))
+    expected = ServerArgs(model="m", port=9, endpoints=["openai", "admin"], shutdown_timeout=2.5)
+    assert args == dataclasses.replace(expected, disable_fastapi_docs=True)
+    assert args.served_model_names == ["m"]
+    assert ServerArgs.from_cli_args(parser.parse_args(["m"])).endpoints == ("openai",)
 
 
 # ---------------------------------------------------------------- failures and shutdown

@@ -53,7 +53,7 @@ def engine(model, stat_logger):
     llm = AsyncLLM.from_engine_args(EngineArgs(model, **ENGINE_KWARGS), [stat_logger])
     yield llm
     llm.shutdown()
-    assert not os.path.exists(llm.engine_core.ipc_dir)
+    assert not os.path.exists(llm.core_client.ipc_dir)
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +66,8 @@ def with_kind(params: SamplingParams, kind: RequestOutputKind) -> SamplingParams
     return msgspec.structs.replace(params, output_kind=kind)
 
 
-async def collect(engine, prompt, params, request_id):
-    return [out async for out in engine.generate(prompt, params, request_id)]
+async def collect(engine, prompt, params, request_id, priority=0):
+    return [out async for out in engine.generate(prompt, params, request_id, priority)]
 
 
 async def assert_all_blocks_free(engine) -> None:
@@ -289,6 +289,50 @@ def test_health_prefix_cache_reset_and_state(engine):
     assert engine.config.model.model and engine.tokenizer is not None
 
 
+def test_a_cache_salt_in_the_prompt_keeps_prefix_cache_blocks_apart(engine):
+    prompt = " ".join([PROMPTS[2]] * 8)
+
+    async def main():
+        outputs = [
+            await collect(engine, {"prompt": prompt, "cache_salt": salt}, GREEDY, f"salt-{i}")
+            for i, salt in enumerate("aba")
+        ]
+        return [o[-1].num_cached_tokens for o in outputs]
+
+    first, other_salt, same_salt = asyncio.run(main())
+    assert first == other_salt == 0 < same_salt
+
+
+def test_priority_decides_which_waiting_request_runs_first(model):
+    """The engine process is stopped while three requests reach it: when it goes on, the first
+    (of the highest priority) runs, and the other two wait for it, one sequence at a time."""
+    llm = AsyncLLM.from_engine_args(
+        EngineArgs(model, max_num_seqs=1, scheduling_policy="priority", **ENGINE_KWARGS)
+    )
+    finished: list[str] = []
+
+    async def run(request_id: str, priority: int, params: SamplingParams) -> None:
+        await collect(llm, PROMPTS[0], params, request_id, priority)
+        finished.append(request_id)
+
+    async def main():
+        tasks = []
+        os.kill(llm.core_client.proc.pid, signal.SIGSTOP)
+        try:
+            for request in [("first", -10, LONG), ("low", 5, GREEDY), ("high", -1, GREEDY)]:
+                tasks.append(asyncio.create_task(run(*request)))
+                await asyncio.sleep(0.05)  # each reaches the engine's queue in turn
+        finally:
+            os.kill(llm.core_client.proc.pid, signal.SIGCONT)
+        await asyncio.gather(*tasks)
+
+    try:
+        asyncio.run(main())
+    finally:
+        llm.shutdown()
+    assert finished == ["first", "high", "low"]
+
+
 def test_killed_engine_fails_in_flight_requests_and_health(model):
     llm = AsyncLLM.from_engine_args(EngineArgs(model, max_model_len=512, kv_cache_memory=8 << 20))
     params = with_kind(
@@ -306,7 +350,7 @@ def test_killed_engine_fails_in_flight_requests_and_health(model):
         first = asyncio.Event()
         tasks = [asyncio.create_task(consume(f"k{i}", first)) for i in range(4)]
         await first.wait()
-        os.kill(llm.engine_core.proc.pid, signal.SIGKILL)
+        os.kill(llm.core_client.proc.pid, signal.SIGKILL)
         results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), timeout=5)
         assert all(isinstance(r, EngineDeadError) for r in results), results
         assert llm.errored
@@ -321,7 +365,7 @@ def test_killed_engine_fails_in_flight_requests_and_health(model):
         asyncio.run(main())
     finally:
         llm.shutdown()
-    assert not os.path.exists(llm.engine_core.ipc_dir)
+    assert not os.path.exists(llm.core_client.ipc_dir)
 
 
 def test_a_failing_stat_logger_is_logged_and_requests_go_on(engine, caplog):
@@ -340,3 +384,37 @@ def test_a_failing_stat_logger_is_logged_and_requests_go_on(engine, caplog):
     assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 8
     assert not engine.errored
     assert "Stat logger Broken failed" in caplog.text
+
+
+@pytest.mark.parametrize("kind", [RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE])
+def test_a_completion_ending_before_its_sibling_is_reported_once_when_it_ends(kind):
+    """The stats the front end hands its stat loggers, from a real `OutputProcessor` fed the
+    engine outputs of an n=2 request whose completions end two steps apart."""
+    from pagellm.engine.output_processor import OutputProcessor
+    from pagellm.engine.processor import ProcessedPrompt, fan_out
+    from pagellm.engine.request_timing import RequestTimings
+    from pagellm.request import FinishReason
+    from pagellm.scheduler.output import EngineCoreOutput, EngineCoreOutputs
+
+    params = SamplingParams(n=2, max_tokens=4, output_kind=kind)
+    processor, timings = OutputProcessor(None), RequestTimings()
+    engine_requests = fan_out("r", params)
+    processor.add_request("r", ProcessedPrompt(None, [5, 6, 7], params), engine_requests)
+    timings.start("r", [engine_id for engine_id, _ in engine_requests], num_prompt_tokens=3)
+    length = int(FinishReason.LENGTH)
+    steps = [
+        [EngineCoreOutput("0_r", [11]), EngineCoreOutput("1_r", [12])],
+        [EngineCoreOutput("0_r", [13], finish_reason=length), EngineCoreOutput("1_r", [14])],
+        [EngineCoreOutput("1_r", [15])],
+        [EngineCoreOutput("1_r", [16], finish_reason=length)],
+    ]
+    finished_per_step = []
+    for step in steps:
+        outputs = EngineCoreOutputs(outputs=step)
+        results, _ = processor.process_outputs(outputs)
+        stats = timings.step(outputs, results)
+        finished_per_step.append(
+            [(f.finish_reason, f.num_generation_tokens) for f in stats.finished]
+        )
+    assert finished_per_step == [[], [("length", 2)], [], [("length", 4)]]
+    assert timings.abort("r") is None  # nothing left behind

@@ -37,16 +37,15 @@ def test_streamed_text_equals_the_decoded_output(tokenizer, cls):
 
 def test_a_streamed_n2_choice_ends_once_while_its_sibling_goes_on(tokenizer):
     """Used to repeat a finished choice (with its finish reason) in every later delta."""
-    from pagellm.engine.llm_engine import child_params
     from pagellm.engine.output_processor import OutputProcessor
+    from pagellm.engine.processor import ProcessedPrompt, fan_out
     from pagellm.request import FinishReason
     from pagellm.sampling_params import RequestOutputKind
     from pagellm.scheduler.output import EngineCoreOutput, EngineCoreOutputs
 
     processor = OutputProcessor(tokenizer)
     params = SamplingParams(n=2, max_tokens=4, output_kind=RequestOutputKind.DELTA)
-    children = child_params(params)
-    processor.add_request("r", None, [HELLO], params, ["0_r", "1_r"], children)
+    processor.add_request("r", ProcessedPrompt(None, [HELLO], params), fan_out("r", params))
     length = int(FinishReason.LENGTH)
     steps = [
         [EngineCoreOutput("0_r", [11]), EngineCoreOutput("1_r", [12])],
@@ -62,4 +61,4 @@ def test_a_streamed_n2_choice_ends_once_while_its_sibling_goes_on(tokenizer):
                 if completion.finish_reason is not None:
                     finishes[completion.index] = finishes.get(completion.index, 0) + 1
     assert finishes == {0: 1, 1: 1}
-    assert not processor.has_unfinished_requests()
+    assert not processor.requests

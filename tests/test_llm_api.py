@@ -162,15 +162,20 @@ def test_logprobs_match_log_softmax_of_hf_logits(llm, tiny_models):
     assert math.isclose(out.cumulative_logprob, total, abs_tol=1e-3)
 
 
-def test_priority_policy_runs_high_priority_first(tiny_models):
-    llm = LLM(
+@pytest.fixture(scope="module")
+def one_at_a_time(tiny_models):
+    """An engine that runs one sequence at a time, by priority."""
+    return LLM(
         tiny_models["llama3"],
         max_model_len=128,
         kv_cache_memory=16 << 20,
         max_num_seqs=1,
         scheduling_policy="priority",
     )
-    engine = llm.llm_engine
+
+
+def test_priority_policy_runs_high_priority_first(one_at_a_time):
+    engine = one_at_a_time.llm_engine
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     engine.add_request("low", [5, 6], params, priority=5)
     engine.add_request("high", [5, 6], params, priority=-1)
@@ -207,3 +212,35 @@ def test_skip_tokenizer_init_takes_token_ids_and_returns_no_text(tiny_models, ll
         no_tok.generate("Hello", params, use_tqdm=False)
     with pytest.raises(ValueError, match="need a tokenizer"):
         no_tok.generate(prompt, SamplingParams(stop=["x"]), use_tqdm=False)
+
+
+def test_generate_hands_priority_and_cache_salt_to_the_engine(one_at_a_time):
+    """The request that runs second finds the first one's prompt in the prefix cache, unless
+    their salts differ."""
+    prompt = list(range(5, 69))
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    low, high = one_at_a_time.generate([prompt, prompt], params, priority=[5, -1], use_tqdm=False)
+    assert high.num_cached_tokens == 0 < low.num_cached_tokens  # high ran first
+    salted = [{"prompt_token_ids": list(range(100, 164)), "cache_salt": s} for s in "aba"]
+    outputs = one_at_a_time.generate(salted, params, use_tqdm=False)
+    assert [o.num_cached_tokens > 0 for o in outputs] == [False, False, True]
+    with pytest.raises(ValueError, match="cache_salt"):
+        one_at_a_time.generate({"prompt_token_ids": prompt, "cache_salt": 7}, use_tqdm=False)
+
+
+def test_each_prompt_is_tokenized_once(llm, monkeypatch):
+    tokenizer = llm.get_tokenizer()
+    encode, encoded = tokenizer.encode, []
+
+    def counting_encode(text, *args, **kwargs):
+        encoded.append(text)
+        return encode(text, *args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "encode", counting_encode)
+    llm.generate(["in the of", "and to"], GREEDY, use_tqdm=False)
+    assert encoded == ["in the of", "and to"]
+
+
+def test_an_unknown_engine_argument_is_a_type_error_naming_it(tiny_models):
+    with pytest.raises(TypeError, match="max_model_length.*max_model_len"):
+        LLM(tiny_models["llama3"], max_model_length=128)

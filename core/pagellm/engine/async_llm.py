@@ -1,48 +1,32 @@
 """`AsyncLLM`: the asyncio front end (the API server's engine client).
 
-The engine core runs in its own process (`AsyncMPClient`); this process keeps tokenization,
-validation, the ``n > 1`` fan-out, detokenization, stop strings and output kinds (the same
-`InputProcessor` and `OutputProcessor` as `LLMEngine`), one asyncio queue per request fed by the
-client's output task, and the stats handed to the stat loggers.
-
-A request's outputs wait in a `RequestOutputCollector`, one slot rather than a queue: when its
-consumer (an HTTP stream) falls behind the engine, the deltas that pile up are merged into one
-output, so a busy front end sends fewer, larger chunks instead of falling further behind.
+The engine core runs in its own process (`AsyncMPClient`); this process runs the request path it
+shares with `LLMEngine` (`RequestFrontend`: tokenization, validation, the ``n > 1`` fan-out,
+detokenization, stop strings, output kinds), one `RequestOutputCollector` per request fed by the
+client's output task, and the stats handed to the stat loggers (`RequestTimings`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from pagellm.config import EngineConfig
 from pagellm.engine.args import EngineArgs
 from pagellm.engine.async_core_client import AsyncMPClient
-from pagellm.engine.errors import (
-    EngineDeadError,
-    EngineOverloadedError,
-    RequestFailedError,
-)
-from pagellm.engine.llm_engine import child_params, engine_request_ids
+from pagellm.engine.errors import EngineDeadError, RequestFailedError
 from pagellm.engine.messages import EngineStepOutputs
 from pagellm.engine.output_collector import RequestOutputCollector
-from pagellm.engine.output_processor import OutputProcessor
-from pagellm.engine.processor import InputProcessor, PromptType
-from pagellm.metrics.stats import (
-    FinishedRequestStats,
-    IterationStats,
-    SchedulerStats,
-    StatLoggerBase,
-)
+from pagellm.engine.processor import PromptType
+from pagellm.engine.request_frontend import RequestFrontend
+from pagellm.engine.request_timing import RequestTimings
+from pagellm.metrics.stats import IterationStats, SchedulerStats, StatLoggerBase
 from pagellm.outputs import RequestOutput
-from pagellm.plugins import load_frontend_plugins, load_general_plugins
+from pagellm.plugins import load_general_plugins
 from pagellm.request import FinishReason
 from pagellm.sampling_params import SamplingParams
-from pagellm.tokenizer import get_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -50,54 +34,21 @@ _LOG_INTERVAL_S = 5.0
 _ERROR = str(FinishReason.ERROR)
 
 
-@dataclass(slots=True)
-class _Timing:
-    """Front-end timestamps of one engine request (`time.monotonic()`), for the stat loggers."""
+class AsyncLLM(RequestFrontend):
+    core_client: AsyncMPClient
 
-    arrival: float
-    num_prompt_tokens: int
-    first_token: float | None = None
-    last_token: float = 0.0
-    num_generation_tokens: int = 0
-    itl_sum: float = 0.0
-    num_itls: int = 0
-
-    def finished(self, reason: str | None, now: float) -> FinishedRequestStats:
-        return FinishedRequestStats(
-            finish_reason=reason or "abort",
-            e2e_latency_s=now - self.arrival,
-            num_prompt_tokens=self.num_prompt_tokens,
-            num_generation_tokens=self.num_generation_tokens,
-            ttft_s=None if self.first_token is None else self.first_token - self.arrival,
-            mean_itl_s=self.itl_sum / self.num_itls if self.num_itls else None,
-        )
-
-
-class AsyncLLM:
     def __init__(
         self,
         config: EngineConfig,
         stat_loggers: list[StatLoggerBase] | None = None,
         max_waiting_requests: int | None = None,
     ) -> None:
-        """``max_waiting_requests``: engine requests (one per completion) allowed to wait for the
-        engine beyond those it runs; more raise `EngineOverloadedError` (None: no limit)."""
-        load_general_plugins()
-        load_frontend_plugins()
-        self.config = config
-        self.tokenizer: Any | None = (
-            None if config.model.skip_tokenizer_init else get_tokenizer(config.model.tokenizer)
-        )
-        self.processor = InputProcessor(config, self.tokenizer)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        super().__init__(config, max_waiting_requests)
         self.stat_loggers = list(stat_loggers or [])
         self._streams: dict[str, RequestOutputCollector] = {}
-        self._engine_ids: dict[str, list[str]] = {}
-        self._timings: dict[str, _Timing] = {}
+        self._timings = RequestTimings()
         self._log_task: asyncio.Task[None] | None = None
-        self.max_waiting_requests = max_waiting_requests
-        self._num_engine_requests = 0  # submitted and not finished
-        self.engine_core = AsyncMPClient(config, self._on_outputs, self._on_dead)
+        self.core_client = AsyncMPClient(config, self._on_outputs, self._on_dead)
 
     @classmethod
     def from_engine_args(
@@ -117,40 +68,23 @@ class AsyncLLM:
         params: SamplingParams,
         request_id: str,
         priority: int = 0,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Stream the request's outputs (in ``params.output_kind``), the last one finished.
 
-        Bad input raises ``ValueError`` before anything is queued. If the consumer stops
+        Bad input raises ``ValueError`` before anything is queued; more requests than
+        ``max_waiting_requests`` allows raise `EngineOverloadedError`. If the consumer stops
         iterating or is cancelled, the request is aborted in the engine (its KV blocks freed).
         Raises `EngineDeadError` if the engine process dies.
         """
-        self.engine_core.raise_if_dead()
-        if request_id in self._engine_ids:
-            raise ValueError(f"A request with id {request_id!r} is already running.")
+        self.core_client.raise_if_dead()
         processed = self.processor.process(prompt, params)
-        children = child_params(processed.params)
-        engine_ids = engine_request_ids(request_id, len(children))
-        requests = [
-            self.processor.make_request(engine_id, processed, cparams, priority)
-            for engine_id, cparams in zip(engine_ids, children, strict=True)
-        ]
-        self._check_capacity(len(requests))
         self._start_background_tasks()
-        queue = RequestOutputCollector(processed.params.output_kind)
-        self.output_processor.add_request(
-            request_id, processed.text, processed.token_ids, processed.params, engine_ids, children
-        )
-        self._streams[request_id] = queue
-        self._engine_ids[request_id] = engine_ids
-        self._num_engine_requests += len(engine_ids)
+        engine_ids = self._add_request(request_id, processed, priority)
+        queue = self._streams[request_id] = RequestOutputCollector(processed.params.output_kind)
         if self.stat_loggers:
-            now = time.monotonic()
-            for engine_id in engine_ids:
-                self._timings[engine_id] = _Timing(now, len(processed.token_ids))
+            self._timings.start(request_id, engine_ids, len(processed.token_ids))
         finished = False
         try:
-            for request in requests:
-                self.engine_core.add_request(request)
             while not finished:
                 item = await queue.get()
                 if isinstance(item, Exception):
@@ -160,20 +94,6 @@ class AsyncLLM:
         finally:
             if not finished:
                 self._abort(request_id)
-
-    def _check_capacity(self, num_new: int) -> None:
-        limit = self.max_waiting_requests
-        if limit is None:
-            return
-        # Submitted and unfinished beyond what the engine can run at once (up to max_num_seqs):
-        # they wait. (When the KV cache, not max_num_seqs, limits the running requests, the
-        # queue is longer by that difference: still bounded.)
-        waiting = max(0, self._num_engine_requests - self.config.scheduler.max_num_seqs)
-        if waiting + num_new > limit:
-            raise EngineOverloadedError(
-                f"The server is overloaded: {waiting} requests are waiting for the engine "
-                f"(--max-waiting-requests {limit}); retry later."
-            )
 
     def fail_all(self, error: Exception) -> None:
         """End every running request with ``error`` (raised from its `generate`), and abort it
@@ -191,37 +111,29 @@ class AsyncLLM:
 
     def _abort(self, request_id: str) -> RequestOutput | None:
         """Forget the request here and free it in the engine (no await: callable from any finally)."""
-        engine_ids = self._engine_ids.pop(request_id, None)
         self._streams.pop(request_id, None)
-        if engine_ids is None:
-            return None
-        self._num_engine_requests -= len(engine_ids)
-        outputs = self.output_processor.abort_requests([request_id])
-        self.engine_core.abort_requests(engine_ids)
-        if self.stat_loggers:  # reported now: no engine step may follow
-            now = time.monotonic()
-            timings = (self._timings.pop(engine_id, None) for engine_id in engine_ids)
-            finished = [t.finished("abort", now) for t in timings if t is not None]
-            if finished:
-                self._record(None, IterationStats(finished=finished))
+        outputs = self._abort_requests([request_id])
+        stats = self._timings.abort(request_id)
+        if stats is not None:  # reported now: no engine step may follow
+            self._record(None, stats)
         return outputs[0] if outputs else None
 
     def _record(self, scheduler_stats: SchedulerStats | None, iteration: IterationStats) -> None:
-        """Hand stats to every stat logger; a failing one is logged, never the request's error."""
+        self._each_stat_logger(lambda s: s.record(scheduler_stats, iteration))
+
+    def _each_stat_logger(self, call: Callable[[StatLoggerBase], None]) -> None:
+        """A failing stat logger is logged, never the request's error."""
         for stat_logger in self.stat_loggers:
             try:
-                stat_logger.record(scheduler_stats, iteration)
+                call(stat_logger)
             except Exception:
                 logger.exception("Stat logger %s failed", type(stat_logger).__name__)
 
     # ---------------------------------------------------------------- outputs (the client's task)
 
     def _on_outputs(self, msg: EngineStepOutputs) -> None:
-        engine_outputs = msg.outputs
-        results, to_abort = self.output_processor.process_outputs(engine_outputs)
-        if to_abort:  # ended by a stop string, which only the front end sees
-            self.engine_core.abort_requests(to_abort)
-        iteration = self._iteration_stats(msg, results) if self.stat_loggers else None
+        results = self._process_outputs(msg.outputs)
+        iteration = self._timings.step(msg.outputs, results) if self.stat_loggers else None
         streams = self._streams
         for output in results:
             queue = streams.get(output.request_id)
@@ -230,6 +142,7 @@ class AsyncLLM:
             if not output.finished:
                 queue.put(output)
                 continue
+            del streams[output.request_id]
             if any(c.finish_reason == _ERROR for c in output.outputs):
                 logger.error("Request %s failed in the engine", output.request_id)
                 queue.put_error(
@@ -240,54 +153,17 @@ class AsyncLLM:
                 )
             else:
                 queue.put(output)
-            del streams[output.request_id]
-            self._num_engine_requests -= len(self._engine_ids.pop(output.request_id))
         if iteration is not None:
             self._record(msg.scheduler_stats, iteration)
 
-    def _iteration_stats(
-        self, msg: EngineStepOutputs, results: list[RequestOutput]
-    ) -> IterationStats:
-        now = time.monotonic()
-        stats = IterationStats()
-        timings = self._timings
-        for out in msg.outputs.outputs:
-            timing = timings.get(out.request_id)
-            num_new = len(out.new_token_ids)
-            if timing is None or not num_new:
-                continue
-            stats.num_generation_tokens += num_new
-            if timing.first_token is None:
-                timing.first_token = now
-                stats.ttfts_s.append(now - timing.arrival)
-                stats.num_prompt_tokens += timing.num_prompt_tokens
-            else:
-                itl = now - timing.last_token
-                stats.itls_s.append(itl)
-                timing.itl_sum += itl
-                timing.num_itls += 1
-            timing.last_token = now
-            timing.num_generation_tokens += num_new
-        for output in results:
-            if not output.finished:
-                continue
-            engine_ids = self._engine_ids.get(output.request_id, ())
-            for completion in output.outputs:
-                if completion.index < len(engine_ids):
-                    timing = timings.pop(engine_ids[completion.index], None)
-                    if timing is not None:
-                        stats.finished.append(timing.finished(completion.finish_reason, now))
-        return stats
-
     def _on_dead(self, error: EngineDeadError) -> None:
         streams, self._streams = self._streams, {}
-        self._engine_ids.clear()
-        self._num_engine_requests = 0
+        self.output_processor.abort_requests(list(self.output_processor.requests))
         for queue in streams.values():
             queue.put_error(error)
 
     def _start_background_tasks(self) -> None:
-        self.engine_core.start_output_task()
+        self.core_client.start_output_task()
         if not self.stat_loggers:
             return
         loop = asyncio.get_running_loop()
@@ -298,45 +174,40 @@ class AsyncLLM:
     async def _log_periodically(self) -> None:
         while True:
             await asyncio.sleep(_LOG_INTERVAL_S)
-            for stat_logger in self.stat_loggers:
-                try:
-                    stat_logger.log()
-                except Exception:
-                    logger.exception("Stat logger %s failed", type(stat_logger).__name__)
+            self._each_stat_logger(lambda s: s.log())
 
     # ---------------------------------------------------------------- engine utilities
 
     @property
     def errored(self) -> bool:
-        return self.engine_core.errored
+        return self.core_client.errored
 
     def check_health(self) -> None:
         """Raise `EngineDeadError` if the engine process has exited or this front end lost track
         of it. Answered here, from the process's state: an engine busy with one long step is
         alive, and no probe has to wait for that step to end."""
-        self.engine_core.raise_if_dead()
+        self.core_client.raise_if_dead()
 
     async def reset_prefix_cache(self) -> bool:
-        return bool(await self.engine_core.call_utility("reset_prefix_cache"))
+        return bool(await self.core_client.call_utility("reset_prefix_cache"))
 
     async def get_engine_state(self) -> dict[str, Any]:
         """num_running, num_waiting, num_free_blocks, num_total_blocks (the null block excluded:
         all free when no request holds a block), kv_cache_usage, prefix_cache_hit_rate."""
-        state: dict[str, Any] = await self.engine_core.call_utility("get_state")
+        state: dict[str, Any] = await self.core_client.call_utility("get_state")
         return state
 
     def shutdown(self) -> None:
         """Stop the engine process; requests still streaming raise `EngineDeadError`."""
         self._stop_log_task()
-        self.engine_core.shutdown()
+        self.core_client.shutdown()
         self._on_dead(EngineDeadError("The engine was shut down."))
 
     async def shutdown_async(self, timeout: float) -> None:
         """`shutdown` without blocking the event loop: the engine gets ``timeout`` seconds to stop
         before it is killed."""
-        self._stop_log_task()
-        await self.engine_core.shutdown_async(timeout)
-        self._on_dead(EngineDeadError("The engine was shut down."))
+        await self.core_client.shutdown_async(timeout)
+        self.shutdown()  # the engine is stopped: what is left is ending the streams
 
     def _stop_log_task(self) -> None:
         task = self._log_task

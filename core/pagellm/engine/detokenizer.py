@@ -57,34 +57,35 @@ class IncrementalDetokenizer:
 
     def update(self, new_token_ids: list[int]) -> str:
         """Add tokens; return the text they completed (possibly empty)."""
-        if len(new_token_ids) == 1:
-            return self._step(new_token_ids[0])
         return "".join(self._step(t) for t in new_token_ids)
 
 
-class FastIncrementalDetokenizer(IncrementalDetokenizer):
+class FastIncrementalDetokenizer:
+    """The tokenizers library's ``DecodeStream`` (fast tokenizers)."""
+
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams) -> None:
         from tokenizers.decoders import DecodeStream
 
-        super().__init__(tokenizer, prompt_token_ids, params)
         self._backend = tokenizer.backend_tokenizer
         whole, tail = prompt_context(tokenizer, prompt_token_ids)
         self._stream = DecodeStream(ids=whole, skip_special_tokens=params.skip_special_tokens)
         for token_id in tail:  # an unfinished character: no text until the output completes it
             self._stream.step(self._backend, token_id)
 
-    def _step(self, token_id: int) -> str:
-        return self._stream.step(self._backend, token_id) or ""
-
     def update(self, new_token_ids: list[int]) -> str:
+        """Add tokens; return the text they completed (possibly empty)."""
+        step, backend = self._stream.step, self._backend
         if len(new_token_ids) == 1:  # one call less on the per-token path
-            return self._stream.step(self._backend, new_token_ids[0]) or ""
-        return "".join(self._step(t) for t in new_token_ids)
+            return step(backend, new_token_ids[0]) or ""
+        return "".join(step(backend, t) or "" for t in new_token_ids)
+
+
+Detokenizer = IncrementalDetokenizer | FastIncrementalDetokenizer
 
 
 def make_detokenizer(
     tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams
-) -> IncrementalDetokenizer:
+) -> Detokenizer:
     fast = getattr(tokenizer, "is_fast", False) and params.spaces_between_special_tokens
     if fast:
         try:

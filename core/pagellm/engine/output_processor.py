@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagellm.engine.detokenizer import IncrementalDetokenizer, make_detokenizer
+from pagellm.engine.detokenizer import Detokenizer, make_detokenizer
+from pagellm.engine.processor import ProcessedPrompt
 from pagellm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from pagellm.request import FinishReason
 from pagellm.sampling_params import RequestOutputKind, SamplingParams
@@ -42,7 +43,7 @@ class CompletionState:
     engine_id: str
     index: int
     params: SamplingParams
-    detokenizer: IncrementalDetokenizer | None
+    detokenizer: Detokenizer | None
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list[PositionLogprobs] | None = None
@@ -94,16 +95,14 @@ class OutputProcessor:
     def add_request(
         self,
         request_id: str,
-        prompt: str | None,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        engine_ids: list[str],
-        child_params: list[SamplingParams],
+        prompt: ProcessedPrompt,
+        engine_requests: list[tuple[str, SamplingParams]],
     ) -> None:
+        """Follow a user request that runs as ``engine_requests`` (`processor.fan_out`)."""
         completions = []
-        for index, (engine_id, cparams) in enumerate(zip(engine_ids, child_params, strict=True)):
+        for index, (engine_id, cparams) in enumerate(engine_requests):
             detok = (
-                make_detokenizer(self.tokenizer, prompt_token_ids, cparams)
+                make_detokenizer(self.tokenizer, prompt.token_ids, cparams)
                 if cparams.detokenize and self.tokenizer is not None
                 else None
             )
@@ -111,15 +110,13 @@ class OutputProcessor:
             if cparams.logprobs is not None:
                 completion.logprobs, completion.cumulative_logprob = [], 0.0
             completions.append(completion)
-        state = RequestState(request_id, prompt, prompt_token_ids, params, completions)
+        params = prompt.params
+        state = RequestState(request_id, prompt.text, prompt.token_ids, params, completions)
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = [None]
         self.requests[request_id] = state
         for completion in completions:
             self.engine_to_request[completion.engine_id] = (state, completion)
-
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
 
     def engine_ids(self, request_id: str) -> list[str]:
         state = self.requests.get(request_id)

@@ -1,4 +1,5 @@
-"""Front-end input processing: tokenize, validate, and build the `EngineCoreRequest`."""
+"""Front-end input processing: tokenize and validate a prompt once, and build its engine requests
+(one per completion)."""
 
 from __future__ import annotations
 
@@ -7,18 +8,43 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from pagellm.config import EngineConfig
 from pagellm.request import EngineCoreRequest
 from pagellm.sampling_params import INT64_MAX, INT64_MIN, SamplingParams, SamplingParamsError
 
 PromptType = str | list[int] | dict[str, Any]
+"""Text, token ids, or a dict with ``prompt`` and/or ``prompt_token_ids`` (used when given) and
+optionally ``cache_salt``."""
 
 
 @dataclass
 class ProcessedPrompt:
+    """A prompt as the engine core gets it, with its parameters."""
+
     text: str | None
     token_ids: list[int]
     params: SamplingParams
+    cache_salt: str | None = None
+    """Prompts of different salts share no prefix-cache blocks (vLLM's ``cache_salt``)."""
+
+
+def fan_out(request_id: str, params: SamplingParams) -> list[tuple[str, SamplingParams]]:
+    """The engine requests (id, parameters) a user request runs as: itself, or one per completion
+    for n > 1, ``"{i}_{request_id}"``; with a seed, completion i uses seed + i, so each is
+    reproducible on its own and independent of the batch."""
+    if params.n == 1:
+        return [(request_id, params)]
+    return [
+        (
+            f"{i}_{request_id}",
+            msgspec.structs.replace(
+                params, n=1, seed=None if params.seed is None else params.seed + i
+            ),
+        )
+        for i in range(params.n)
+    ]
 
 
 def _config_eos_id(config: EngineConfig) -> int | None:
@@ -59,10 +85,9 @@ class InputProcessor:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
+            if "prompt" not in prompt:
                 raise ValueError("prompt dict needs a 'prompt' or 'prompt_token_ids' key.")
+            prompt = prompt["prompt"]
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty.")
@@ -82,24 +107,21 @@ class InputProcessor:
     def _check_ids(self, ids: list[Any]) -> list[int]:
         if not ids:
             raise ValueError("prompt_token_ids is empty.")
+        self._check_vocab("prompt_token_ids", ids)
+        return ids
+
+    def _check_vocab(self, name: str, ids: list[Any]) -> None:
+        vocab_size = self.vocab_size
         bad = [
             t
             for t in ids
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size
         ]
-        if bad:
-            raise ValueError(
-                f"prompt_token_ids contains {len(bad)} id(s) outside the vocabulary [0, {self.vocab_size}): "
-                f"{bad[:5]}."
-            )
-        return ids
-
-    def _check_vocab(self, name: str, ids: list[int]) -> None:
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise SamplingParamsError(
                 name,
-                f"{name} has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}.",
+                f"{name} has {len(bad)} token id(s) outside the vocabulary [0, {vocab_size}): "
+                f"{bad[:5]}.",
             )
 
     def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
@@ -113,10 +135,11 @@ class InputProcessor:
         return sequences
 
     def process(self, prompt: PromptType, params: SamplingParams) -> ProcessedPrompt:
-        """Tokenize and validate; returns the prompt and the parameters as the engine core gets them."""
+        """Tokenize and validate (``ValueError`` naming what is wrong)."""
         text, ids = self.tokenize(prompt)
-        if not ids:
-            raise ValueError("prompt is empty after tokenization.")
+        cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}.")
         max_len = self.config.model.max_model_len
         if len(ids) >= max_len:
             raise ValueError(
@@ -145,26 +168,29 @@ class InputProcessor:
             )
         if params.bad_words:
             params.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
-        return ProcessedPrompt(text, ids, params)
+        return ProcessedPrompt(text, ids, params, cache_salt)
 
-    def make_request(
+    def make_requests(
         self,
-        request_id: str,
         prompt: ProcessedPrompt,
-        params: SamplingParams,
+        engine_requests: list[tuple[str, SamplingParams]],
         priority: int = 0,
-        cache_salt: str | None = None,
-    ) -> EngineCoreRequest:
+    ) -> list[EngineCoreRequest]:
+        """The `EngineCoreRequest` of each (id, parameters) of `fan_out`."""
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}.")
         if not INT64_MIN <= priority <= INT64_MAX:
             raise ValueError(f"priority must be in [{INT64_MIN}, {INT64_MAX}], got {priority}.")
-        return EngineCoreRequest(
-            request_id=request_id,
-            prompt_token_ids=prompt.token_ids,
-            sampling_params=params,
-            eos_token_id=self.eos_token_id,
-            arrival_time=time.time(),
-            priority=priority,
-            cache_salt=cache_salt,
-        )
+        arrival_time = time.time()
+        return [
+            EngineCoreRequest(
+                request_id=engine_id,
+                prompt_token_ids=prompt.token_ids,
+                sampling_params=params,
+                eos_token_id=self.eos_token_id,
+                arrival_time=arrival_time,
+                priority=priority,
+                cache_salt=prompt.cache_salt,
+            )
+            for engine_id, params in engine_requests
+        ]

@@ -60,9 +60,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         seed=args.seed if args.temperature > 0 else None,
     )
-    engine_args = EngineArgs.from_cli_args(args)
-    kwargs = {k: v for k, v in vars(engine_args).items() if k != "model"}
-    llm = LLM(engine_args.model, **kwargs)
+    llm = LLM(**vars(EngineArgs.from_cli_args(args)))
     prompts = args.prompts or DEFAULT_PROMPTS
     if args.chat:
         outputs = llm.chat(
@@ -77,22 +75,23 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     from pagellm.engine.args import EngineArgs
-    from pagellm.entrypoints.api_server import add_server_args
+    from pagellm.entrypoints.server_args import ServerArgs
 
     parser = subparsers.add_parser(
         "serve",
         help="Serve a model over HTTP; its routes come from endpoint plugins (default: openai).",
     )
-    parser.add_argument("model", help="A HF model directory or a GGUF file.")
-    add_server_args(parser)
+    ServerArgs.add_cli_args(parser)
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(func=_run_serve)
 
 
 def _run_serve(args: argparse.Namespace) -> int:
+    from pagellm.engine.args import EngineArgs
     from pagellm.entrypoints.api_server import run_server
+    from pagellm.entrypoints.server_args import ServerArgs
 
-    run_server(args)
+    run_server(ServerArgs.from_cli_args(args), EngineArgs.from_cli_args(args))
     return 0
 
 

@@ -13,6 +13,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
+from pagellm.engine.errors import EngineDeadError, EngineOverloadedError, EngineShuttingDownError
+
 INVALID_REQUEST = "invalid_request_error"
 SERVER_ERROR = "server_error"
 RETRY_AFTER_S = 1
@@ -78,25 +80,31 @@ def _request_id(request: Request) -> str:
     return str(getattr(request.state, "request_id", "") or "unknown")
 
 
-def internal_error(request_id: str, status: int = 500, code: str | None = None) -> APIError:
+def internal_error(request_id: str) -> APIError:
     """What a client learns of a failure inside the server: that it happened, and the id to
     find it in the server's log (where its details are)."""
-    return APIError(
-        status,
-        f"The server failed to handle the request (request id {request_id}); "
-        "its log has the details.",
-        type=SERVER_ERROR,
-        code=code,
-    )
+    message = f"The server failed to handle the request (request id {request_id}); its log has"
+    return APIError(500, message + " the details.", type=SERVER_ERROR)
+
+
+def error_for(exc: Exception, request_id: str) -> APIError:
+    """What a client learns of ``exc``: the engine's state (503: overloaded, shutting down, or
+    stopped), else that the server failed (`internal_error`)."""
+    if isinstance(exc, EngineOverloadedError):
+        return APIError(503, str(exc), type=SERVER_ERROR, code="server_overloaded")
+    if isinstance(exc, EngineShuttingDownError):
+        return APIError(503, str(exc), type=SERVER_ERROR, code="server_shutting_down")
+    if isinstance(exc, EngineDeadError):
+        return APIError(
+            503,
+            f"The engine has stopped (request id {request_id}); the server must be restarted.",
+            type=SERVER_ERROR,
+            code="engine_dead",
+        )
+    return internal_error(request_id)
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    from pagellm.engine.errors import (
-        EngineDeadError,
-        EngineOverloadedError,
-        EngineShuttingDownError,
-    )
-
     async def api_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, APIError)
         return exc.response()
@@ -110,28 +118,13 @@ def install_error_handlers(app: FastAPI) -> None:
         error = APIError(exc.status_code, str(exc.detail))
         return error.response(headers=dict(exc.headers or {}))
 
-    async def engine_dead(request: Request, exc: Exception) -> Response:
-        return APIError(
-            503,
-            "The engine has stopped (request id "
-            f"{_request_id(request)}); the server must be restarted.",
-            type=SERVER_ERROR,
-            code="engine_dead",
-        ).response()
-
-    async def unavailable(request: Request, exc: Exception) -> Response:
-        overloaded = isinstance(exc, EngineOverloadedError)
-        error = APIError(
-            503,
-            str(exc),
-            type=SERVER_ERROR,
-            code="server_overloaded" if overloaded else "server_shutting_down",
-        )
-        return error.response(headers={"Retry-After": str(RETRY_AFTER_S)} if overloaded else None)
+    async def engine_error(request: Request, exc: Exception) -> Response:
+        error = error_for(exc, _request_id(request))
+        retry = error.code == "server_overloaded"
+        return error.response(headers={"Retry-After": str(RETRY_AFTER_S)} if retry else None)
 
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(HTTPException, http_error)
-    app.add_exception_handler(EngineDeadError, engine_dead)
-    app.add_exception_handler(EngineOverloadedError, unavailable)
-    app.add_exception_handler(EngineShuttingDownError, unavailable)
+    for engine_exc in (EngineDeadError, EngineOverloadedError, EngineShuttingDownError):
+        app.add_exception_handler(engine_exc, engine_error)

@@ -22,7 +22,13 @@ from typing import Any
 
 import uvicorn
 
+from pagellm.entrypoints.server_args import ServerArgs
+
 logger = logging.getLogger(__name__)
+
+
+def shutdown_timeout(args: ServerArgs) -> float:
+    return max(0.0, args.shutdown_timeout)
 
 
 def shutdown_margin(timeout: float) -> float:
@@ -88,22 +94,15 @@ class Server(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-def make_server(
-    app: Any,
-    *,
-    host: str,
-    port: int,
-    header_timeout: float,
-    shutdown_timeout: float,
-    on_shutdown: Callable[[], None],
-) -> Server:
-    protocol = timed_protocol_class(header_timeout)
+def make_server(app: Any, args: ServerArgs, on_shutdown: Callable[[], None]) -> Server:
+    protocol = timed_protocol_class(args.header_timeout)
+    timeout = shutdown_timeout(args)
     # uvicorn waits with asyncio.wait_for, which takes fractions of a second too.
-    graceful: Any = max(0.0, shutdown_timeout - shutdown_margin(shutdown_timeout) / 2)
+    graceful: Any = max(0.0, timeout - shutdown_margin(timeout) / 2)
     config = uvicorn.Config(
         app,
-        host=host,
-        port=port,
+        host=args.host,
+        port=args.port,
         log_config=None,
         access_log=False,
         http=protocol if protocol is not None else "auto",

@@ -2,56 +2,44 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 from tqdm.auto import tqdm
 
-from pagellm.config import LoadFormat
-from pagellm.engine.args import DTypeArg, EngineArgs
+from pagellm.engine.args import EngineArgs
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.engine.processor import PromptType
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import RequestOutputKind, SamplingParams
 
 ChatMessage = dict[str, Any]
+T = TypeVar("T")
+
+
+def _one_each(name: str, value: T | Sequence[T], count: int) -> list[T]:
+    """``value`` for each of ``count`` prompts, or a sequence of one value per prompt."""
+    if not isinstance(value, Sequence):
+        return [value] * count
+    if len(value) != count:
+        raise ValueError(f"{name} has {len(value)} entries for {count} prompts.")
+    return list(value)
 
 
 class LLM:
-    def __init__(
-        self,
-        model: str,
-        tokenizer: str | None = None,
-        dtype: DTypeArg = "auto",
-        seed: int = 0,
-        max_model_len: int | None = None,
-        block_size: int | None = None,
-        max_num_seqs: int | None = None,
-        max_num_batched_tokens: int | None = None,
-        enable_prefix_caching: bool = True,
-        enable_chunked_prefill: bool = True,
-        load_format: LoadFormat = "auto",
-        kv_cache_memory: int | None = None,
-        **kwargs: Any,
-    ) -> None:
-        args = EngineArgs(
-            model=model,
-            tokenizer=tokenizer,
-            dtype=dtype,
-            seed=seed,
-            max_model_len=max_model_len,
-            block_size=block_size,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            enable_prefix_caching=enable_prefix_caching,
-            enable_chunked_prefill=enable_chunked_prefill,
-            load_format=load_format,
-            kv_cache_memory=kv_cache_memory,
-            **kwargs,
-        )
-        self.llm_engine = LLMEngine.from_engine_args(args)
+    def __init__(self, model: str, **engine_kwargs: Any) -> None:
+        """``engine_kwargs``: fields of `EngineArgs` (``max_model_len=2048``, ``dtype="float32"``)."""
+        fields = {f.name for f in dataclasses.fields(EngineArgs)} - {"model"}
+        unknown = sorted(set(engine_kwargs) - fields)
+        if unknown:
+            raise TypeError(
+                f"LLM() got unknown engine argument(s) {', '.join(unknown)}; it takes the fields "
+                f"of EngineArgs: {', '.join(sorted(fields))}."
+            )
+        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model, **engine_kwargs))
         self._request_counter = itertools.count()
 
     def get_tokenizer(self) -> Any:
@@ -67,38 +55,26 @@ class LLM:
         """Generate for every prompt; outputs come back in the order of the prompts.
 
         Every prompt is validated before any is queued, so one bad prompt raises ``ValueError``
-        and leaves the engine as it was.
+        and leaves the engine as it was. ``priority``: one per prompt (lower runs first with
+        ``scheduling_policy="priority"``); a prompt dict may carry a ``cache_salt``.
         """
         prompt_list = self._as_prompt_list(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params] * len(prompt_list)
-        else:
-            params_list = list(sampling_params)
-            if len(params_list) != len(prompt_list):
-                raise ValueError(
-                    f"sampling_params has {len(params_list)} entries for {len(prompt_list)} prompts."
-                )
-        priorities = priority or [0] * len(prompt_list)
-        if len(priorities) != len(prompt_list):
-            raise ValueError(
-                f"priority has {len(priorities)} entries for {len(prompt_list)} prompts."
-            )
+        count = len(prompt_list)
+        default = SamplingParams() if sampling_params is None else sampling_params
+        params_list = _one_each("sampling_params", default, count)
+        priorities = _one_each("priority", 0 if priority is None else priority, count)
         engine = self.llm_engine
-        for prompt, params in zip(prompt_list, params_list, strict=True):
-            engine.validate_request(prompt, params)
-
-        # Only finished outputs are returned: no need to build intermediate ones.
-        params_list = [
-            msgspec.structs.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
-            for p in params_list
+        # Every prompt is processed (tokenized and validated) before any is queued. Only finished
+        # outputs are returned: no need to build intermediate ones.
+        processed = [
+            engine.processor.process(
+                prompt, msgspec.structs.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
+            )
+            for prompt, p in zip(prompt_list, params_list, strict=True)
         ]
         request_ids = [str(next(self._request_counter)) for _ in prompt_list]
-        for req_id, prompt, params, prio in zip(
-            request_ids, prompt_list, params_list, priorities, strict=True
-        ):
-            engine.add_request(req_id, prompt, params, priority=prio)
+        for req_id, prompt, prio in zip(request_ids, processed, priorities, strict=True):
+            engine.add_request(req_id, prompt, priority=prio)
         return self._run_engine(request_ids, use_tqdm)
 
     def chat(

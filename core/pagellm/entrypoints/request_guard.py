@@ -5,16 +5,17 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import os
 import uuid
 
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagellm.entrypoints.http_errors import APIError, bad_request, internal_error
+from pagellm.entrypoints.server_args import API_KEY_ENV, ServerArgs
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_BODY_TIMEOUT_S = 30.0
 OPEN_PATHS = frozenset({"/health"})
 
 
@@ -25,17 +26,12 @@ class RequestGuard:
     refused before any handler sees it, whether or not the client sent a Content-Length.
     """
 
-    def __init__(
-        self,
-        app: ASGIApp,
-        api_key: str | None,
-        max_body_bytes: int,
-        body_timeout: float = DEFAULT_BODY_TIMEOUT_S,
-    ) -> None:
+    def __init__(self, app: ASGIApp, args: ServerArgs) -> None:
         self.app = app
+        api_key = args.api_key or os.environ.get(API_KEY_ENV)
         self.api_key = api_key.encode() if api_key else None
-        self.max_body_bytes = max_body_bytes
-        self.body_timeout = body_timeout
+        self.max_body_bytes = args.max_request_body_bytes
+        self.body_timeout = args.body_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

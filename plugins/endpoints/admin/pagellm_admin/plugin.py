@@ -9,9 +9,10 @@ from typing import Any
 from fastapi import FastAPI
 from pydantic import BaseModel
 
+from pagellm.entrypoints.server_context import ServerContext
 from pagellm.plugins import EndpointPlugin, hookimpl
 
-pagellm_plugin_api = "1.0"
+pagellm_plugin_api = "1.1"
 
 
 class EngineState(BaseModel):
@@ -30,7 +31,9 @@ class ResetResult(BaseModel):
     """False when blocks were in use by running requests, so the cache was left as it was."""
 
 
-def attach(app: FastAPI, engine_client: Any) -> None:
+def attach(app: FastAPI, server: ServerContext) -> None:
+    engine_client = server.engine_client
+
     @app.get("/v1/admin/state")
     async def state() -> dict[str, Any]:
         # Validated for the documented fields; anything more the engine reports passes through.

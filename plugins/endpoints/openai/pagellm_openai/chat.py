@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from pagellm.entrypoints.http_errors import bad_request
 from pagellm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from pagellm_openai import streams
+from pagellm_openai.generation import respond
 from pagellm_openai.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -74,88 +73,50 @@ async def create_chat_completion(
     top_n = request.top_logprobs or 0
     params = ctx.sampling_params(request, max_tokens, top_n if request.logprobs else None)
     request_id = f"chatcmpl-{raw.state.request_id}"
-    generators = [ctx.engine.generate(prompt.engine_input(), params, request_id)]
     tokenizer = ctx.engine.tokenizer
-    num_prompt_tokens = len(prompt.token_ids)
 
     def choice_logprobs(completion: CompletionOutput) -> ChoiceLogprobs | None:
         return _logprobs(tokenizer, completion, top_n) if request.logprobs else None
 
-    if request.stream:
-        merged = streams.merge(await streams.start(generators))
-        include_usage = request.stream_options is not None and request.stream_options.include_usage
+    def stream_choice(
+        index: int, delta: dict[str, str | None], c: CompletionOutput | None = None
+    ) -> dict[str, Any]:
+        """`ChatStreamChoice`'s fields, as a dict: a role, or completion ``c``'s new text."""
+        return {
+            "index": index,
+            "delta": delta,
+            "logprobs": None if c is None else choice_logprobs(c),
+            "finish_reason": None if c is None else c.finish_reason,
+            "stop_reason": None if c is None else c.stop_reason,
+        }
 
-        chunk = streams.chunk_writer(request_id, "chat.completion.chunk", model)
+    def delta_choice(_: int, output: RequestOutput, c: CompletionOutput) -> dict[str, Any]:
+        return stream_choice(c.index, {"role": None, "content": c.text}, c)
 
-        def stream_choice(
-            index: int,
-            delta: dict[str, str | None],
-            logprobs: ChoiceLogprobs | None = None,
-            finish_reason: str | None = None,
-            stop_reason: int | str | None = None,
-        ) -> dict[str, Any]:
-            # `ChatStreamChoice`'s fields, as a dict.
-            return {
-                "index": index,
-                "delta": delta,
-                "logprobs": logprobs,
-                "finish_reason": finish_reason,
-                "stop_reason": stop_reason,
-            }
-
-        async def events() -> AsyncGenerator[bytes, None]:
-            generated = 0
-            try:
-                for index in range(request.n):
-                    role = {"role": "assistant", "content": ""}
-                    yield chunk([stream_choice(index, role)])
-                async for _, output in merged:
-                    for c in output.outputs:
-                        generated += len(c.token_ids)
-                        delta = {"role": None, "content": c.text}
-                        yield chunk(
-                            [
-                                stream_choice(
-                                    c.index,
-                                    delta,
-                                    choice_logprobs(c),
-                                    c.finish_reason,
-                                    c.stop_reason,
-                                )
-                            ]
-                        )
-                if include_usage:
-                    yield chunk([], streams.usage(num_prompt_tokens, generated))
-            except Exception as exc:
-                yield streams.error_event(exc, raw.state.request_id)
-            finally:
-                await merged.aclose()
-            yield streams.DONE
-
-        return StreamingResponse(events(), media_type="text/event-stream")
-
-    async def final_output() -> list[RequestOutput]:
-        return await streams.collect_last(streams.merge(await streams.start(generators)), 1)
-
-    completed, outputs = await streams.unless_disconnected(raw, final_output())
-    if not completed or outputs is None:
-        return Response(status_code=499)  # the client left; nobody reads this
-    output = outputs[0]
-    choices = [
-        ChatChoice(
+    def final_choice(_: int, output: RequestOutput, c: CompletionOutput) -> ChatChoice:
+        return ChatChoice(
             index=c.index,
             message=AssistantMessage(content=c.text),
             logprobs=choice_logprobs(c),
             finish_reason=c.finish_reason,
             stop_reason=c.stop_reason,
         )
-        for c in sorted(output.outputs, key=lambda c: c.index)
-    ]
-    generated = sum(len(c.token_ids) for c in output.outputs)
-    usage = UsageInfo(
-        prompt_tokens=num_prompt_tokens,
-        completion_tokens=generated,
-        total_tokens=num_prompt_tokens + generated,
+
+    def final_body(choices: list[ChatChoice], usage: UsageInfo) -> ChatCompletionResponse:
+        return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
+
+    return await respond(
+        raw,
+        request,
+        [ctx.generate(prompt, params, request_id, request)],
+        request_id=request_id,
+        object_name="chat.completion.chunk",
+        model=model,
+        num_prompt_tokens=len(prompt.token_ids),
+        stream_choice=delta_choice,
+        final_choice=final_choice,
+        final_body=final_body,
+        opening=[
+            stream_choice(index, {"role": "assistant", "content": ""}) for index in range(request.n)
+        ],
     )
-    body = ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
-    return Response(body.model_dump_json(), media_type="application/json")

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from pagellm.entrypoints.http_errors import bad_request
 from pagellm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from pagellm_openai import streams
+from pagellm_openai.generation import respond
 from pagellm_openai.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -82,15 +81,6 @@ class _Choice:
         self.logprobs = _Logprobs(tokenizer) if logprobs else None
         self.echo_pending = echo
 
-    def make(
-        self,
-        index: int,
-        output: RequestOutput,
-        completion: CompletionOutput,
-        prompt_logprobs: list[PositionLogprobs | None] | None,
-    ) -> CompletionChoice:
-        return CompletionChoice(**self.fields(index, output, completion, prompt_logprobs))
-
     def fields(
         self,
         index: int,
@@ -139,9 +129,7 @@ async def create_completion(
         raise bad_request("echo needs a tokenizer, and this server runs without one.", param="echo")
     request_id = f"cmpl-{raw.state.request_id}"
     generators = [
-        ctx.engine.generate(
-            p.engine_input(), sp, request_id if len(prompts) == 1 else f"{request_id}-{i}"
-        )
+        ctx.generate(p, sp, request_id if len(prompts) == 1 else f"{request_id}-{i}", request)
         for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
     ]
     n = request.n
@@ -149,52 +137,28 @@ async def create_completion(
     choices = [_Choice(tokenizer, request.echo, with_logprobs) for _ in range(len(prompts) * n)]
     # Streamed, prompt logprobs come with a prompt's first output only; every choice echoes them.
     prompt_logprobs: dict[int, list[PositionLogprobs | None] | None] = {}
-    num_prompt_tokens = sum(len(p.token_ids) for p in prompts)
 
-    if request.stream:
-        merged = streams.merge(await streams.start(generators))
-        include_usage = request.stream_options is not None and request.stream_options.include_usage
+    def stream_choice(i: int, output: RequestOutput, c: CompletionOutput) -> dict[str, Any]:
+        prompt_logprobs.setdefault(i, output.prompt_logprobs)
+        index = i * n + c.index
+        return choices[index].fields(index, output, c, prompt_logprobs[i])
 
-        chunk = streams.chunk_writer(request_id, "text_completion", model)
+    def final_choice(i: int, output: RequestOutput, c: CompletionOutput) -> CompletionChoice:
+        index = i * n + c.index
+        return CompletionChoice(**choices[index].fields(index, output, c, output.prompt_logprobs))
 
-        async def events() -> AsyncGenerator[bytes, None]:
-            generated = 0
-            try:
-                async for i, output in merged:
-                    prompt_logprobs.setdefault(i, output.prompt_logprobs)
-                    for c in output.outputs:
-                        generated += len(c.token_ids)
-                        index = i * n + c.index
-                        yield chunk([choices[index].fields(index, output, c, prompt_logprobs[i])])
-                if include_usage:
-                    yield chunk([], streams.usage(num_prompt_tokens, generated))
-            except Exception as exc:
-                yield streams.error_event(exc, raw.state.request_id)
-            finally:
-                await merged.aclose()
-            yield streams.DONE
+    def final_body(result: list[CompletionChoice], usage: UsageInfo) -> CompletionResponse:
+        return CompletionResponse(id=request_id, model=model, choices=result, usage=usage)
 
-        return StreamingResponse(events(), media_type="text/event-stream")
-
-    async def final_outputs() -> list[RequestOutput]:
-        merged = streams.merge(await streams.start(generators))
-        return await streams.collect_last(merged, len(prompts))
-
-    completed, outputs = await streams.unless_disconnected(raw, final_outputs())
-    if not completed or outputs is None:
-        return Response(status_code=499)  # the client left; nobody reads this
-    result: list[CompletionChoice] = []
-    generated = 0
-    for i, output in enumerate(outputs):
-        for c in output.outputs:
-            generated += len(c.token_ids)
-            index = i * n + c.index
-            result.append(choices[index].make(index, output, c, output.prompt_logprobs))
-    result.sort(key=lambda choice: choice.index)
-    usage = UsageInfo(
-        prompt_tokens=num_prompt_tokens,
-        completion_tokens=generated,
-        total_tokens=num_prompt_tokens + generated,
+    return await respond(
+        raw,
+        request,
+        generators,
+        request_id=request_id,
+        object_name="text_completion",
+        model=model,
+        num_prompt_tokens=sum(len(p.token_ids) for p in prompts),
+        stream_choice=stream_choice,
+        final_choice=final_choice,
+        final_body=final_body,
     )
-    body = CompletionResponse(id=request_id, model=model, choices=result, usage=usage)
-    return Response(body.model_dump_json(), media_type="application/json")

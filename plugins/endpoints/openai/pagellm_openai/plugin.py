@@ -9,6 +9,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response
 
 from pagellm.entrypoints.http_errors import bad_request
+from pagellm.entrypoints.server_context import ServerContext
 from pagellm.plugins import EndpointPlugin, hookimpl
 from pagellm_openai.chat import create_chat_completion
 from pagellm_openai.completions import create_completion
@@ -24,15 +25,15 @@ from pagellm_openai.protocol import (
 )
 from pagellm_openai.serving import ServingContext
 
-pagellm_plugin_api = "1.0"
+pagellm_plugin_api = "1.1"
 
 
 def _json(body: Any) -> Response:
     return Response(body.model_dump_json(), media_type="application/json")
 
 
-def attach(app: FastAPI, engine_client: Any) -> None:
-    ctx = ServingContext.from_app(app, engine_client)
+def attach(app: FastAPI, server: ServerContext) -> None:
+    ctx = ServingContext.from_server(server)
     router = APIRouter()
 
     @router.get("/v1/models")

@@ -81,6 +81,10 @@ class SamplingRequest(_Request):
     stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    priority: Int64 = 0
+    """Lower runs first when the server schedules by priority (``--scheduling-policy priority``)."""
+    cache_salt: Text | None = None
+    """Requests of different salts share no prefix-cache blocks."""
 
 
 class CompletionRequest(SamplingRequest):

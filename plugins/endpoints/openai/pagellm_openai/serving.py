@@ -3,10 +3,13 @@ must pass before it reaches the engine (each refusal is an HTTP 400 naming the p
 
 from __future__ import annotations
 
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
 from pagellm.entrypoints.http_errors import bad_request
+from pagellm.entrypoints.server_context import EngineClient, ServerContext
+from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
 from pagellm_openai.protocol import ChatMessage, SamplingRequest
 
@@ -18,16 +21,19 @@ class Prompt:
     text: str | None
     token_ids: list[int]
 
-    def engine_input(self) -> dict[str, Any]:
-        if self.text is None:
-            return {"prompt_token_ids": self.token_ids}
-        return {"prompt": self.text, "prompt_token_ids": self.token_ids}
+    def engine_input(self, cache_salt: str | None) -> dict[str, Any]:
+        """The prompt as the engine takes it: its token ids (its text too, when known)."""
+        prompt: dict[str, Any] = {"prompt_token_ids": self.token_ids}
+        if self.text is not None:
+            prompt["prompt"] = self.text
+        if cache_salt is not None:
+            prompt["cache_salt"] = cache_salt
+        return prompt
 
 
 @dataclass
 class ServingContext:
-    engine: Any
-    """The `AsyncLLM`."""
+    engine: EngineClient
     model_names: list[str]
     model_path: str
     max_model_len: int
@@ -37,17 +43,25 @@ class ServingContext:
     """Prompts × n one HTTP request may ask for (``--max-sequences-per-request``)."""
 
     @classmethod
-    def from_app(cls, app: Any, engine: Any) -> ServingContext:
+    def from_server(cls, server: ServerContext) -> ServingContext:
+        engine = server.engine_client
         config = engine.config
         return cls(
             engine=engine,
-            model_names=list(app.state.served_model_names),
-            model_path=app.state.model_path,
+            model_names=list(server.served_model_names),
+            model_path=server.model_path,
             max_model_len=config.model.max_model_len,
             max_num_seqs=config.scheduler.max_num_seqs,
             vocab_size=config.model.vocab_size,
-            max_sequences_per_request=getattr(app.state, "max_sequences_per_request", 256),
+            max_sequences_per_request=server.args.max_sequences_per_request,
         )
+
+    def generate(
+        self, prompt: Prompt, params: SamplingParams, request_id: str, request: SamplingRequest
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """The engine's outputs for ``prompt``, with the request's priority and cache salt."""
+        engine_input = prompt.engine_input(request.cache_salt)
+        return self.engine.generate(engine_input, params, request_id, request.priority)
 
     def check_num_sequences(self, num_prompts: int, n: int) -> None:
         """One request may not ask for more sequences than ``--max-sequences-per-request``."""

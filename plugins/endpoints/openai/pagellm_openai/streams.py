@@ -18,7 +18,7 @@ import msgspec
 from fastapi import Request
 from pydantic import BaseModel
 
-from pagellm.entrypoints.http_errors import SERVER_ERROR, APIError, bad_request, internal_error
+from pagellm.entrypoints.http_errors import bad_request, error_for
 
 logger = logging.getLogger(__name__)
 
@@ -165,15 +165,9 @@ def error_event(exc: Exception, request_id: str) -> bytes:
     """The event that ends a stream whose request failed after the response began (its status,
     200, is already sent): an OpenAI-style error, which OpenAI clients raise. What went wrong
     inside is logged with the request id; the client gets the id, not the details."""
-    from pagellm.engine.errors import EngineDeadError, EngineShuttingDownError
-
-    if isinstance(exc, EngineShuttingDownError):
-        error = APIError(503, str(exc), type=SERVER_ERROR, code="server_shutting_down")
-    elif isinstance(exc, EngineDeadError):
-        error = internal_error(request_id, 503, code="engine_dead")
-    else:
+    error = error_for(exc, request_id)
+    if error.status == 500:  # not the engine's state: a failure to look into
         logger.error("Streamed request %s failed", request_id, exc_info=exc)
-        error = internal_error(request_id)
     return sse(error.body())
 
 

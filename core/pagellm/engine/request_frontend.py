@@ -1,0 +1,89 @@
+"""`RequestFrontend`: the request path `LLMEngine` and `AsyncLLM` share. A request is tokenized
+and validated once (`InputProcessor`), fanned out into one engine request per completion, sent to
+the engine core, and followed by the `OutputProcessor` until it ends or is aborted."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol
+
+from pagellm.config import EngineConfig
+from pagellm.engine.errors import EngineOverloadedError
+from pagellm.engine.output_processor import OutputProcessor
+from pagellm.engine.processor import InputProcessor, ProcessedPrompt, fan_out
+from pagellm.outputs import RequestOutput
+from pagellm.plugins import load_frontend_plugins, load_general_plugins
+from pagellm.request import EngineCoreRequest
+from pagellm.scheduler.output import EngineCoreOutputs
+from pagellm.tokenizer import get_tokenizer
+
+
+class RequestSink(Protocol):
+    """The part of an engine-core client the request path uses."""
+
+    def add_request(self, request: EngineCoreRequest) -> None: ...
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None: ...
+
+
+class RequestFrontend:
+    core_client: RequestSink
+    """Set by the subclass: the engine core (in process) or its client."""
+
+    def __init__(self, config: EngineConfig, max_waiting_requests: int | None = None) -> None:
+        """``max_waiting_requests``: engine requests (one per completion) allowed to wait for the
+        engine beyond those it runs; more raise `EngineOverloadedError` (None: no limit)."""
+        load_general_plugins()
+        load_frontend_plugins()
+        self.config = config
+        self.tokenizer = (
+            None if config.model.skip_tokenizer_init else get_tokenizer(config.model.tokenizer)
+        )
+        self.processor = InputProcessor(config, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.max_waiting_requests = max_waiting_requests
+
+    def _add_request(self, request_id: str, prompt: ProcessedPrompt, priority: int) -> list[str]:
+        """Send the request's engine requests and follow them; returns their ids."""
+        if request_id in self.output_processor.requests:
+            raise ValueError(f"A request with id {request_id!r} is already running.")
+        engine_requests = fan_out(request_id, prompt.params)
+        requests = self.processor.make_requests(prompt, engine_requests, priority)
+        self._check_capacity(len(requests))
+        self.output_processor.add_request(request_id, prompt, engine_requests)
+        try:
+            for request in requests:
+                self.core_client.add_request(request)
+        except BaseException:
+            self._abort_requests([request_id])
+            raise
+        return [engine_id for engine_id, _ in engine_requests]
+
+    def _check_capacity(self, num_new: int) -> None:
+        limit = self.max_waiting_requests
+        if limit is None:
+            return
+        # Submitted and unfinished beyond what the engine can run at once (up to max_num_seqs):
+        # they wait. (When the KV cache, not max_num_seqs, limits the running requests, the
+        # queue is longer by that difference: still bounded.)
+        submitted = len(self.output_processor.engine_to_request)
+        waiting = max(0, submitted - self.config.scheduler.max_num_seqs)
+        if waiting + num_new > limit:
+            raise EngineOverloadedError(
+                f"The server is overloaded: {waiting} requests are waiting for the engine "
+                f"(--max-waiting-requests {limit}); retry later."
+            )
+
+    def _abort_requests(self, request_ids: list[str]) -> list[RequestOutput]:
+        """Free the requests in the engine and stop following them; their final outputs (none
+        for a request that is not running)."""
+        output_processor = self.output_processor
+        engine_ids = [e for r in request_ids for e in output_processor.engine_ids(r)]
+        self.core_client.abort_requests(engine_ids)
+        return output_processor.abort_requests(request_ids)
+
+    def _process_outputs(self, engine_outputs: EngineCoreOutputs) -> list[RequestOutput]:
+        results, to_abort = self.output_processor.process_outputs(engine_outputs)
+        if to_abort:  # ended by a stop string, which only the front end sees
+            self.core_client.abort_requests(to_abort)
+        return results

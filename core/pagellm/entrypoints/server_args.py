@@ -1,0 +1,94 @@
+"""`ServerArgs`: the options of ``pagellm serve`` other than the engine's (`EngineArgs`), one
+field per flag, built once from the command line."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+API_KEY_ENV = "PAGELLM_API_KEY"
+
+
+def _option(default: Any, help: str, **argparse_kwargs: Any) -> Any:
+    return dataclasses.field(default=default, metadata={"help": help, **argparse_kwargs})
+
+
+def _names(csv: str) -> list[str]:
+    return [name.strip() for name in csv.split(",") if name.strip()]
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    model: str = dataclasses.field(metadata={"help": "A HF model directory or a GGUF file."})
+    host: str = _option("127.0.0.1", "Address to listen on.")
+    port: int = _option(8000, "Port to listen on.")
+    api_key: str | None = _option(
+        None,
+        "Require 'Authorization: Bearer KEY' on every route but /health "
+        f"(default: ${API_KEY_ENV}).",
+    )
+    endpoints: Sequence[str] = _option(
+        ("openai",),
+        "Comma-separated endpoint plugins to serve when VLLM_PLUGINS is unset (when it is set, "
+        "it alone decides).",
+        type=_names,
+    )
+    served_model_name: list[str] | None = _option(
+        None, "Model name(s) clients use in requests (default: the model argument).", nargs="+"
+    )
+    max_request_body_bytes: int = _option(
+        1 << 20, "Larger request bodies are refused with HTTP 400."
+    )
+    stat_loggers: Sequence[str] = _option(
+        (),
+        "Comma-separated stat loggers of pagellm.stat_logger_plugins to add to the built-in ones "
+        "(the periodic log line and Prometheus /metrics, always on).",
+        type=_names,
+    )
+    shutdown_timeout: float = _option(
+        5.0,
+        "On SIGTERM/SIGINT, seconds until the process exits: in-flight requests may finish until "
+        "shortly before; those still running then end with an error (a stream with an error "
+        "event and [DONE]).",
+    )
+    max_sequences_per_request: int = _option(
+        256, "Most sequences one HTTP request may ask for (prompts × n); more get HTTP 400."
+    )
+    max_waiting_requests: int = _option(
+        1024,
+        "Most sequences that may wait for the engine beyond those it runs; past it, requests get "
+        "HTTP 503 with Retry-After (0: no limit).",
+    )
+    header_timeout: float = _option(
+        10.0, "Seconds a connection may take to send a request's headers before it is closed."
+    )
+    body_timeout: float = _option(
+        30.0, "Seconds a request may take to send its body before it gets HTTP 408."
+    )
+    disable_fastapi_docs: bool = _option(
+        False, "Serve no /docs, /redoc or /openapi.json.", action="store_true"
+    )
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        """The model argument, then one ``--flag`` per other field."""
+        for f in dataclasses.fields(cls):
+            kwargs = dict(f.metadata)
+            if f.name == "model":
+                parser.add_argument("model", **kwargs)
+                continue
+            if "action" not in kwargs:
+                kwargs.setdefault("type", str if f.default is None else type(f.default))
+            parser.add_argument("--" + f.name.replace("_", "-"), default=f.default, **kwargs)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> ServerArgs:
+        return cls(**{f.name: vars(args)[f.name] for f in dataclasses.fields(cls)})
+
+    @property
+    def served_model_names(self) -> list[str]:
+        """The names clients may ask for; the first is the one reported."""
+        return list(self.served_model_name or [self.model])
