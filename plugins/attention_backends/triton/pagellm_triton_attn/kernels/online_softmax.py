@@ -17,7 +17,7 @@ NO_MAX: tl.constexpr = tl.constexpr(-1.0e30)
 
 
 @triton.jit
-def load_kv_tile(ptrs, n_ok, d_ok, MASK_N: tl.constexpr, MASK_D: tl.constexpr):
+def _load_kv_tile(ptrs, n_ok, d_ok, MASK_N: tl.constexpr, MASK_D: tl.constexpr):
     # Four variants so that tiles needing no mask are plain (unpredicated) vector loads.
     if MASK_N:
         if MASK_D:
@@ -68,7 +68,7 @@ def attend_tile(
     else:
         page = tl.load(bt_row_ptr + offs_n // PAGE)
     offs = (page.to(tl.int64) * stride_cb + (offs_n % PAGE) * stride_cs)[:, None] + offs_d[None, :]
-    k = load_kv_tile(k_head_ptr + offs, n_ok, d_ok, MASKED, BLOCK_D != HEAD_SIZE)
+    k = _load_kv_tile(k_head_ptr + offs, n_ok, d_ok, MASKED, BLOCK_D != HEAD_SIZE)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     if MASKED:
         visible = (offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :]
@@ -81,7 +81,7 @@ def attend_tile(
     l_i = l_i * alpha + tl.sum(p, 1)
     # V beyond the sequence end may be uninitialised (NaN): it must be loaded as zeros, since
     # 0 * NaN would poison the accumulator.
-    v = load_kv_tile(v_head_ptr + offs, n_ok, d_ok, MASKED, BLOCK_D != HEAD_SIZE)
+    v = _load_kv_tile(v_head_ptr + offs, n_ok, d_ok, MASKED, BLOCK_D != HEAD_SIZE)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
