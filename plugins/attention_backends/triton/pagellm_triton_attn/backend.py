@@ -267,7 +267,7 @@ class TritonAttentionBackend(AttentionBackend):
         try:
             import triton
         except ImportError as exc:
-            return f"triton is not importable ({exc}); pip install 'triton>=3.2'"
+            return f"triton is not importable ({exc}); pip install 'triton>=3.2,<3.10'"
         version = tuple(int(part) for part in triton.__version__.split(".")[:2])
         if version < _MIN_TRITON:
             return f"triton {triton.__version__} is too old (needs >= 3.2)"

@@ -1,5 +1,6 @@
-"""The CUDA platform's Triton kernels (`plugins/cuda_platform/pagellm_cuda/ops`) against the torch
-code of the layers they replace, run on the CPU by the Triton interpreter.
+"""The CUDA platform's Triton kernels (`pagellm_cuda.ops`) against the torch code of the layers
+they replace, run on the CPU by the Triton interpreter (also under the oldest and the newest Triton
+the package admits, by `make test`).
 
 The interpreter stands in for the GPU, which CI lacks. Two things about it shape this module:
 
@@ -34,8 +35,8 @@ from pagellm.layers.custom_ops import OP_NAMES
 from pagellm.layers.layernorm import RMSNorm
 from pagellm.layers.rotary_embedding import RotaryEmbedding
 
-REPO = Path(__file__).resolve().parents[1]
-OPS_DIR = REPO / "plugins" / "cuda_platform" / "pagellm_cuda" / "ops"
+REPO = Path(__file__).resolve().parents[3]
+OPS_DIR = Path(__file__).resolve().parents[1] / "pagellm_cuda" / "ops"
 IN_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 EPS = 1e-6

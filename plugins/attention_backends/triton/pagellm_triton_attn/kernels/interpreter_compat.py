@@ -1,10 +1,10 @@
-"""Fixes for two bugs of Triton 3.6's interpreter (``TRITON_INTERPRET=1``), which runs these
-kernels on CPU for the tests.
+"""Fixes for two bugs of Triton's interpreter (``TRITON_INTERPRET=1``), which runs these kernels
+on CPU for the tests.
 
-1. Loops with runtime bounds: the interpreter holds every scalar as a one-element array and
-   converts it with ``int(array)``, which NumPy >= 2.4 refuses (``TypeError``).
-2. ``tl.dot`` on bfloat16: the interpreter stores bfloat16 as raw ``uint16`` bits and multiplies
-   the bits, not the numbers.
+1. Loops with runtime bounds (Triton < 3.7): the interpreter holds every scalar as a one-element
+   array and converts it with ``int(array)``, which NumPy >= 2.4 refuses (``TypeError``).
+2. ``tl.dot`` on bfloat16 (every release from 3.2 to 3.9): the interpreter stores bfloat16 as raw
+   ``uint16`` bits and multiplies the bits, not the numbers.
 
 Each fix is installed only when the interpreter is on (the caller checks) and a probe shows the
 bug, so compiled (GPU) kernels and fixed Triton versions are left alone.
@@ -39,7 +39,7 @@ def _bf16_dot_is_broken(interpreter: Any) -> bool:
     return float(product.data[0, 0]) != 1.0
 
 
-def install() -> None:
+def install_interpreter_fixes() -> None:
     """Idempotent, also across re-imports of this package (the fixes mark what they replace)."""
     import triton.language as tl
     from triton.runtime import interpreter
@@ -47,9 +47,14 @@ def install() -> None:
     patch_lang_tensor = interpreter._patch_lang_tensor
     if _index_conversion_is_broken() and not hasattr(patch_lang_tensor, "pagellm_fix"):
 
-        def patched_lang_tensor(tensor: Any, scope: Any) -> None:
-            patch_lang_tensor(tensor, scope)
-            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+        def patched_lang_tensor(tensor: Any, *scope: Any) -> None:
+            # Triton >= 3.7 passes a scope that undoes the patches after each launch.
+            patch_lang_tensor(tensor, *scope)
+            index = lambda self: int(self.handle.data.item())  # noqa: E731
+            if scope:
+                scope[0].set_attr(tensor, "__index__", index)
+            else:
+                tensor.__index__ = index
 
         patched_lang_tensor.pagellm_fix = True  # type: ignore[attr-defined]
         interpreter._patch_lang_tensor = patched_lang_tensor

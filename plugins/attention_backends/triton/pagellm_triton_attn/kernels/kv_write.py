@@ -1,0 +1,86 @@
+"""Writing the new tokens' K/V into the paged cache: one program per token, all its KV heads."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import check_inner_contiguous
+
+
+@triton.jit
+def _write_kv_kernel(
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cb,
+    stride_ch,
+    stride_cs,
+    NUM_KV_HEADS: tl.constexpr,
+    HEADS_P: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr,
+):
+    token = tl.program_id(0)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot < 0:
+        return  # CUDA-graph padding
+    offs_h = tl.arange(0, HEADS_P)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_SIZE)
+    dst = (
+        (slot // PAGE) * stride_cb
+        + (slot % PAGE) * stride_cs
+        + offs_h[:, None] * stride_ch
+        + offs_d[None, :]
+    )
+    k = tl.load(key_ptr + token * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask)
+    tl.store(k_cache_ptr + dst, k, mask)
+    v = tl.load(value_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask)
+    tl.store(v_cache_ptr + dst, v, mask)
+
+
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store ``key``/``value`` ``[T, num_kv_heads, head_size]`` (last dim contiguous) at
+    ``slot_mapping[:T]`` in caches shaped ``[num_blocks, num_kv_heads, block_size, head_size]``."""
+    num_tokens, num_kv_heads, head_size = key.shape
+    if num_tokens == 0:
+        return
+    check_inner_contiguous(key, value, key_cache, value_cache)
+    heads_p = triton.next_power_of_2(num_kv_heads)
+    block_d = triton.next_power_of_2(head_size)
+    _write_kv_kernel[(num_tokens,)](
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads,
+        HEADS_P=heads_p,
+        HEAD_SIZE=head_size,
+        BLOCK_D=block_d,
+        PAGE=key_cache.shape[2],
+        # One 16-byte vector per thread for a 8 x 128 bf16 tile at 4 warps.
+        num_warps=max(1, min(8, heads_p * block_d // 256)),
+    )

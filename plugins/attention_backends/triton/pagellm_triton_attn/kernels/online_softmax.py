@@ -1,0 +1,87 @@
+"""The step both attention kernels repeat: fold one tile of paged keys and values into a running
+softmax.
+
+Softmax runs online in float32 and in base 2: the host multiplies the scale by `LOG2E` once, so
+``exp2`` replaces ``exp`` and log-sum-exps are base-2.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+# A finite "minus infinity" for the running max: a row that has seen no key keeps it, and then
+# exp2(m_old - m_new) is 1 rather than NaN.
+NO_MAX: tl.constexpr = tl.constexpr(-1.0e30)
+
+
+@triton.jit
+def _load_kv_tile(ptrs, n_ok, d_ok, MASK_N: tl.constexpr, MASK_D: tl.constexpr):
+    # Four variants so that tiles needing no mask are plain (unpredicated) vector loads.
+    if MASK_N:
+        if MASK_D:
+            tile = tl.load(ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        else:
+            tile = tl.load(ptrs, mask=n_ok[:, None], other=0.0)
+    elif MASK_D:
+        tile = tl.load(ptrs, mask=d_ok[None, :], other=0.0)
+    else:
+        tile = tl.load(ptrs)
+    return tile
+
+
+@triton.jit
+def attend_tile(
+    acc,
+    m_i,
+    l_i,
+    q,
+    q_pos,
+    k_head_ptr,
+    v_head_ptr,
+    bt_row_ptr,
+    n0,
+    seq_len,
+    window,
+    qk_scale,
+    stride_cb,
+    stride_cs,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    MASKED: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Fold keys [n0, n0 + BLOCK_N) of one sequence and KV head into the running softmax.
+
+    ``MASKED`` tiles apply the causal, window and sequence-end masks; the caller proves that
+    the other tiles are entirely visible to every row that matters."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    n_ok = offs_n < seq_len
+    d_ok = offs_d < HEAD_SIZE
+    if MASKED:
+        page = tl.load(bt_row_ptr + offs_n // PAGE, mask=n_ok, other=0)
+    else:
+        page = tl.load(bt_row_ptr + offs_n // PAGE)
+    offs = (page.to(tl.int64) * stride_cb + (offs_n % PAGE) * stride_cs)[:, None] + offs_d[None, :]
+    k = _load_kv_tile(k_head_ptr + offs, n_ok, d_ok, MASKED, BLOCK_D != HEAD_SIZE)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    if MASKED:
+        visible = (offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :]
+        if USE_WINDOW:
+            visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    # V beyond the sequence end may be uninitialised (NaN): it must be loaded as zeros, since
+    # 0 * NaN would poison the accumulator.
+    v = _load_kv_tile(v_head_ptr + offs, n_ok, d_ok, MASKED, BLOCK_D != HEAD_SIZE)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i

@@ -1,0 +1,170 @@
+"""TRITON_ATTN's kernels on CPU, through Triton's interpreter, against a float64 reference.
+
+These are the tests `make test` also runs under the oldest and the newest Triton the package
+admits. GPU sizes and timing live in tests/gpu.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from types import ModuleType
+
+import pytest
+import torch
+from interpreted_package import interpreted
+from paged_batches import (
+    DTYPES,
+    assert_close_to_reference,
+    assert_new_kv_written,
+    make_batch,
+    run_decode,
+    run_mixed,
+)
+
+# Empty splits and padding rows take log2(0) = -inf on purpose; NumPy (the interpreter) warns.
+pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in log2")
+
+
+@pytest.fixture(scope="module")
+def kernels() -> Iterator[ModuleType]:
+    with interpreted("kernels") as module:
+        yield module
+
+
+# A prompt, a chunk after cached context, decodes (one a one-token prompt), a long chunk.
+MIXED_ROWS = [(0, 37), (45, 20), (70, 1), (0, 1), (13, 1), (100, 40)]
+
+
+@pytest.mark.parametrize(
+    "dtype, head_size, num_heads, num_kv_heads, window, block_size",
+    [
+        ("fp32", 16, 4, 2, None, 16),
+        ("bf16", 32, 8, 2, None, 16),
+        ("fp16", 64, 4, 4, None, 32),
+        ("fp32", 80, 6, 2, 24, 16),  # head size and group (3) not powers of two
+        ("bf16", 16, 4, 2, 8, 32),
+        ("fp16", 96, 2, 1, 50, 16),
+        ("bf16", 128, 4, 2, None, 16),
+        ("fp32", 256, 2, 1, 40, 16),
+    ],
+)
+def test_mixed_batch_matches_float64_reference(
+    kernels, dtype, head_size, num_heads, num_kv_heads, window, block_size
+):
+    batch = make_batch(
+        MIXED_ROWS,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_size=head_size,
+        dtype=DTYPES[dtype],
+        block_size=block_size,
+        seed=head_size + num_heads,
+    )
+    scale = head_size**-0.5
+    out = run_mixed(kernels, batch, scale, window)
+    assert_new_kv_written(batch)
+    assert_close_to_reference(out, batch, scale, window)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])  # 32- and 64-key tiles
+@pytest.mark.parametrize("window", [None, 7, 33])
+def test_contexts_around_key_tile_boundaries(kernels, dtype, window):
+    """Contexts ending just before, on and after a key-tile boundary, where the unmasked middle
+    of the key range meets the masked diagonal and window edges."""
+    rows = [(ctx, new) for ctx in (29, 30, 31, 32, 61, 62, 63, 64) for new in (1, 3)]
+    rng = random.Random(window)
+    rows += [(rng.randrange(0, 150), rng.randrange(1, 40)) for _ in range(4)]
+    batch = make_batch(rows, num_heads=2, num_kv_heads=1, head_size=16, dtype=DTYPES[dtype])
+    out = run_mixed(kernels, batch, 0.25, window)
+    assert_close_to_reference(out, batch, 0.25, window)
+
+    decodes = [(ctx, 1) for ctx, _ in rows]
+    batch = make_batch(decodes, num_heads=2, num_kv_heads=1, head_size=16, dtype=DTYPES[dtype])
+    out = run_decode(kernels, batch, 0.25, window, num_splits=3)
+    assert_close_to_reference(out, batch, 0.25, window)
+
+
+@pytest.mark.parametrize("window", [None, 20])
+def test_mixed_kernel_alone_serves_a_decode_only_batch(kernels, window):
+    # One-token tiles: a 16-row dot of which only the group's rows are real.
+    rows = [(70, 1), (0, 1), (33, 1), (5, 1)]
+    batch = make_batch(rows, num_heads=4, num_kv_heads=2, head_size=32, dtype=torch.bfloat16)
+    out = run_mixed(kernels, batch, 0.3, window)
+    assert_close_to_reference(out, batch, 0.3, window)
+
+
+@pytest.mark.parametrize(
+    "dtype, head_size, num_heads, num_kv_heads, window, num_splits",
+    [
+        ("fp32", 16, 4, 2, None, 1),
+        ("fp32", 16, 4, 2, None, 3),
+        ("bf16", 32, 8, 2, None, 8),  # more splits than a short row has tiles: empty splits
+        ("fp16", 64, 4, 1, 40, 4),  # sliding window: splits share only the window's tiles
+        ("bf16", 128, 2, 2, None, 2),
+        ("fp32", 80, 6, 2, 70, 5),
+    ],
+)
+def test_decode_with_and_without_split_kv_matches_reference(
+    kernels, dtype, head_size, num_heads, num_kv_heads, window, num_splits
+):
+    rows = [(300, 1), (0, 1), (63, 1), (129, 1), (16, 1)]
+    batch = make_batch(
+        rows,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_size=head_size,
+        dtype=DTYPES[dtype],
+        padding_rows=2,
+        seed=num_splits,
+    )
+    scale = head_size**-0.5
+    out = run_decode(kernels, batch, scale, window, num_splits)
+    assert_new_kv_written(batch)
+    assert_close_to_reference(out, batch, scale, window)
+    assert torch.equal(out[-2:], torch.zeros_like(out[-2:])), "padding rows must give zeros"
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_mixed_batch_shared_between_the_two_kernels_matches_reference(kernels, num_splits):
+    """Prompts and chunks in `paged_attention`, decode rows in `paged_decode`: each kernel
+    leaves the other's rows alone (both write into one NaN-poisoned output)."""
+    batch = make_batch(
+        MIXED_ROWS, num_heads=8, num_kv_heads=2, head_size=32, dtype=torch.float16, seed=5
+    )
+    out = torch.full(batch.query.shape, float("nan"), dtype=batch.query.dtype)
+    decode_tokens = batch.query_start_loc[:-1][torch.tensor(batch.query_lens) == 1]
+    run_mixed(kernels, batch, 0.2, 30, out=out, skip_decodes=True)
+    assert out[decode_tokens].isnan().all(), "the mixed kernel wrote a decode row"
+    run_decode(kernels, batch, 0.2, 30, num_splits, out=out)
+    assert_close_to_reference(out, batch, 0.2, 30)
+
+
+def test_split_kv_agrees_with_unsplit_decode(kernels):
+    rows = [(500, 1), (200, 1), (31, 1)]
+    kwargs = dict(num_heads=8, num_kv_heads=2, head_size=64, dtype=torch.float32, seed=7)
+    whole = run_decode(kernels, make_batch(rows, **kwargs), 0.125, None, 1)
+    split = run_decode(kernels, make_batch(rows, **kwargs), 0.125, None, 6)
+    torch.testing.assert_close(split, whole, atol=1e-5, rtol=1e-5)
+
+
+def test_kv_write_skips_padding_slots(kernels):
+    batch = make_batch(
+        [(20, 3)], num_heads=2, num_kv_heads=2, head_size=16, dtype=torch.float16, padding_rows=3
+    )
+    kernels.write_kv_cache(
+        batch.key, batch.value, batch.kv_cache[0], batch.kv_cache[1], batch.slot_mapping
+    )
+    assert_new_kv_written(batch)
+
+
+def test_num_decode_splits_fills_the_gpu_only_when_rows_are_few_and_long(kernels):
+    split = kernels.num_decode_splits
+    # 256 rows x 8 KV heads already give 2048 programs.
+    assert split(256, 8, 8192, target_programs=528, min_keys=256) == 1
+    # One long sequence: as many splits as the target asks, capped.
+    assert split(1, 8, 32768, target_programs=528, min_keys=256) == 64
+    assert split(4, 8, 32768, target_programs=528, min_keys=256) == 17
+    # Short contexts are not split below min_keys keys a split.
+    assert split(1, 8, 700, target_programs=528, min_keys=256) == 2
+    assert split(1, 8, 100, target_programs=528, min_keys=256) == 1
