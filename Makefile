@@ -25,7 +25,8 @@ run: install
 # The oldest and the newest Triton the GPU plugins admit (triton>=3.2,<3.10 in their
 # pyproject.toml): their kernel tests also run under each, in Triton's interpreter. Each is
 # installed on its own (build/triton/VERSION) and put first on PYTHONPATH for those tests, so the
-# environment keeps its Triton for everything else.
+# environment keeps its Triton for everything else; the loop first checks that the Triton imported
+# is the one asked for.
 TRITON_EDGES = 3.2.0 3.9.0
 TRITON_KERNEL_TESTS = plugins/attention_backends/triton/tests/test_triton_attn_kernels.py \
 	plugins/cuda_platform/tests/test_cuda_ops.py
