@@ -35,8 +35,8 @@ class Registry(Generic[T]):
     named: bool = False
     """A class's ``name`` must be the name it is registered under (attention backends: the
     worker looks the chosen one up again by its ``name``)."""
-    _entries: dict[str, tuple[str, PluginRecord | None]] = field(default_factory=dict)
-    _loaded: bool = False
+    _entries: dict[str, tuple[str, PluginRecord | None]] = field(default_factory=dict, init=False)
+    _loaded: bool = field(default=False, init=False)
 
     def register(self, name: str, path: str, record: PluginRecord | None = None) -> None:
         """Register a class path under ``name`` (last registration wins); ``record``: the plugin
@@ -48,12 +48,13 @@ class Registry(Generic[T]):
         if not self._loaded:
             self._loaded = True  # first: a general plugin's hook registers into its registry
             for record in load_group(self.group):
-                result = record.result if record.status == "loaded" else None
-                for name, path in (
-                    result if isinstance(result, dict) else {record.name: result}
-                ).items():
-                    if path is not None:
-                        self.register(name, path, record)
+                if record.status != "loaded" or record.result is None:
+                    continue  # failed or skipped, an inactive platform, a general plugin
+                # A platform plugin names one class, registered under the plugin's name.
+                result = record.result
+                entries = result if isinstance(result, dict) else {record.name: result}
+                for name, path in entries.items():
+                    self.register(name, path, record)
         return list(self._entries)
 
     def __contains__(self, name: object) -> bool:
