@@ -143,6 +143,8 @@ def test_vllm_style_entry_points_and_groups_are_answered_with_the_fix():
         "pagellm-broken-plugin",
     )
     assert misspelled["reason"].endswith("move it to 'pagellm.platform_plugins'")
+    # Other projects' groups are theirs, however alike: otherproject.attention_backends, console_scripts.
+    assert all(group.startswith(("pagellm.", "vllm.")) for group in report), sorted(report)
 
 
 def test_misregistered_classes_are_reported_by_plugin_name():

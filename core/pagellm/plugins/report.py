@@ -34,9 +34,10 @@ def ignored_entry_points() -> list[PluginRecord]:
     records = []
     for dist in importlib.metadata.distributions():
         for ep in dist.entry_points:
-            meant = difflib.get_close_matches(ep.group.replace("vllm.", "pagellm.", 1), GROUPS, n=1)
-            if ep.group in GROUPS or not (meant or ep.group.startswith(("pagellm", "vllm."))):
+            # Other projects' groups (console_scripts, pandas_plotting_backends...) are not ours.
+            if ep.group in GROUPS or not ep.group.startswith(("pagellm", "vllm.")):
                 continue
+            meant = difflib.get_close_matches(ep.group.replace("vllm.", "pagellm.", 1), GROUPS, n=1)
             fix = f"move it to {meant[0]!r}" if meant else f"pagellm reads {', '.join(GROUPS)}"
             reason = f"unknown group {ep.group!r}: {fix}"
             records.append(
