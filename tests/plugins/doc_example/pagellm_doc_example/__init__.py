@@ -1,2 +1,2 @@
 # pagellm_doc_example/__init__.py
-"""A pagellm platform (PLAIN_CPU) and a paged attention backend in plain torch (PLAIN_TORCH)."""
+"""A pagellm platform (plain_cpu) and a paged attention backend in plain torch (PLAIN_TORCH)."""
