@@ -710,7 +710,7 @@ def test_api_key_is_required_on_every_route_but_health(main: Server):
             assert response.status_code == 401, (method, path, headers)
             assert response.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(f"{main.url}/health").status_code == 200
-    assert main.get("/v1/dummy/ping").json() == {"pong": "dummy"}
+    assert main.get("/v1/dummy/ping").json() == {"pong": "dummy", "model": MODEL_NAME}
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{main.url}/v1", api_key="wrong").models.list()
 

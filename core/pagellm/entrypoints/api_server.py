@@ -62,8 +62,15 @@ def _endpoint_names(args: ServerArgs) -> list[str]:
 
 def attach_endpoint_plugin(app: FastAPI, plugin: EndpointPlugin, ctx: ServerContext) -> None:
     """Add one plugin's routes: ``attach(app, ctx)``, or for plugin API 1.0
-    ``attach(app, engine_client)``."""
-    plugin.attach(app, ctx.engine_client if plugin.api_version == "1.0" else ctx)
+    ``attach(app, engine_client)`` with the ``app.state`` keys 1.0 plugins read."""
+    if plugin.api_version != "1.0":
+        plugin.attach(app, ctx)
+        return
+    app.state.engine_client = ctx.engine_client
+    app.state.model_path = ctx.model_path
+    app.state.served_model_names = ctx.served_model_names
+    app.state.max_sequences_per_request = ctx.args.max_sequences_per_request
+    plugin.attach(app, ctx.engine_client)
 
 
 def _attach_endpoint_plugins(app: FastAPI, ctx: ServerContext) -> None:

@@ -10,7 +10,8 @@ pagellm_plugin_api = "1.0"
 def attach(app: Any, engine_client: Any) -> None:
     @app.get("/v1/dummy/ping")
     def ping() -> dict[str, str]:
-        return {"pong": "dummy"}
+        # A 1.0 plugin reads what it needs from app.state (1.1: from its ServerContext).
+        return {"pong": "dummy", "model": app.state.served_model_names[0]}
 
 
 @hookimpl
