@@ -1,8 +1,10 @@
 """Fixtures shared by the core's tests (tests/) and the plugin packages' tests (plugins/*/tests):
-tiny random models saved with `save_pretrained`, and the packaged SmolLM2 GGUF.
+tiny random models saved with `save_pretrained`, the packaged SmolLM2 GGUF, and the device a test
+runs on.
 
-The plugins' test folders have no conftest.py of their own: tests/ imports helpers with
-``from conftest import ...``, which finds the conftest module pytest imported last.
+This is the only conftest.py: test folders hold no conftest of their own. The helper modules the
+core's tests share (tests/servers.py, tests/editable_installs.py) are importable by name because
+pyproject.toml puts tests/ on sys.path (pytest's ``pythonpath``).
 """
 
 from __future__ import annotations
@@ -53,6 +55,24 @@ TINY_CONFIGS = {
     "qwen2": dict(model_type="qwen2"),
     "qwen3": dict(model_type="qwen3", head_dim=32),
 }
+
+
+@pytest.fixture(
+    params=[
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+            ],
+        ),
+    ]
+)
+def device(request: pytest.FixtureRequest) -> str:
+    """A test taking ``device`` runs once per device: on "cpu" wherever the suite runs, and on
+    "cuda" (marked ``gpu``, for ``pytest -m gpu`` on the GPU machine) where a CUDA GPU is."""
+    return request.param
 
 
 @pytest.fixture(scope="session")

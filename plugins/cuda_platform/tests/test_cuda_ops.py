@@ -12,7 +12,7 @@ The interpreter stands in for the GPU, which CI lacks. Two things about it shape
   (``cvt.rn.bf16.f32``), so the checks give it the GPU's rounding
   (`interpreter_with_gpu_rounding`).
 
-The GPU itself is tested by tests/gpu/test_cuda_ops_gpu.py.
+The GPU itself is tested by test_cuda_ops_gpu.py, beside this module.
 """
 
 from __future__ import annotations

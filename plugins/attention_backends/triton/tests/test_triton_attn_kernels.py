@@ -1,7 +1,7 @@
 """TRITON_ATTN's kernels on CPU, through Triton's interpreter, against a float64 reference.
 
 These are the tests `make test` also runs under the oldest and the newest Triton the package
-admits. GPU sizes and timing live in tests/gpu.
+admits. GPU sizes and timing live in test_triton_attn_gpu.py.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Fixtures of the core's tests; those the plugin packages' tests share are in the root conftest.py."""
+"""``pip install -e`` of plugin packages from this checkout, for the tests that need them really
+installed (entry points are read from installed distributions only)."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ import ast
 import sys
 from pathlib import Path
 
-CORE = Path(__file__).parent.parent / "core" / "pagellm"
+CORE = Path(__file__).parents[2] / "core" / "pagellm"
 
 
 def module_names(package_dir: Path) -> dict[str, Path]:

@@ -24,7 +24,7 @@ from pagellm.metrics.registry import stat_loggers
 from pagellm.metrics.stats import FinishedRequestStats, IterationStats, SchedulerStats
 from pagellm.plugins import PluginError
 
-DUMMY_FRONTEND = Path(__file__).parent / "plugins" / "dummy_frontend"
+DUMMY_FRONTEND = Path(__file__).parents[1] / "plugins" / "dummy_frontend"
 
 
 def finished(reason: str, prompt: int, generated: int, e2e: float) -> FinishedRequestStats:
@@ -211,7 +211,7 @@ def test_idle_engine_is_logged_once_until_work_resumes(caplog):
 @pytest.fixture
 def dummy_frontend_importable(monkeypatch):
     """The dummy front-end plugin's classes, importable without installing the package (the
-    entry-point route through `pip install -e` is covered by tests/test_plugins.py)."""
+    entry-point route through `pip install -e` is covered by tests/plugins/test_plugins.py)."""
     monkeypatch.syspath_prepend(str(DUMMY_FRONTEND))
 
 

@@ -15,11 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import editable_installs
+from editable_installs import editable_installs
 
-PLUGIN_DIRS = sorted(
-    p for p in (Path(__file__).parent / "plugins").iterdir() if (p / "pyproject.toml").exists()
-)
+PLUGIN_DIRS = sorted(p for p in Path(__file__).parent.iterdir() if (p / "pyproject.toml").exists())
 CONTROL_VARS = (
     "VLLM_PLUGINS",
     "PAGELLM_PLUGINS_STRICT",

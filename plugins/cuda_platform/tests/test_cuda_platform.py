@@ -1,8 +1,12 @@
-"""The CUDA platform plugin (`plugins/cuda_platform`) on a machine without a GPU.
+"""The CUDA platform plugin (`plugins/cuda_platform`), on a machine without a GPU and on one with.
 
-What runs for real here: the installed plugin's discovery and its inactive answer, the device-id
-mapping, dtype choice, CUDA-graph sizes, the memory arithmetic and `check_and_update_config` on a
-real engine config. What needs a GPU (device facts, profiling) is in tests/gpu/.
+What runs for real without a GPU: the installed plugin's discovery and its inactive answer, the
+device-id mapping, dtype choice, CUDA-graph sizes, the memory arithmetic and
+`check_and_update_config` on a real engine config. The tests marked ``gpu`` (``pytest -m gpu`` on
+the GPU machine; skipped without CUDA) check detection without poisoning fork, device facts,
+``CUDA_VISIBLE_DEVICES`` on the real device, and KV-cache sizing by profiling. Checks that depend
+on which platform a process picks run in fresh processes, where the plugin is installed before
+pagellm first reads ``current_platform``.
 """
 
 from __future__ import annotations
@@ -12,8 +16,10 @@ import importlib.util
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
+import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,7 +32,7 @@ from pagellm.config import EngineConfig
 from pagellm.engine.args import EngineArgs
 from pagellm.layers.custom_ops import OP_NAMES
 
-PLUGIN_DIR = Path(__file__).resolve().parents[1] / "plugins" / "cuda_platform"
+PLUGIN_DIR = Path(__file__).resolve().parents[1]
 if importlib.util.find_spec("pagellm_cuda") is None:
     # Installed by the fixture below for the subprocesses; this process started before that, and
     # an editable install's import hook is only read at start-up, so import from the source.
@@ -54,6 +60,7 @@ from pagellm_cuda.plugin import pagellm_platform  # noqa: E402
 
 GiB = 2**30
 VAR = "CUDA_VISIBLE_DEVICES"
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 @pytest.fixture(scope="module")
@@ -73,10 +80,17 @@ def installed() -> Iterator[None]:
     subprocess.run([*pip, "uninstall", "-y", "pagellm-cuda"], check=True)
 
 
-def run_python(code: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_PLUGINS", "PAGELLM_PLATFORM")}
+def run_python(code: str, *args: str, **env: str) -> subprocess.CompletedProcess:
+    full_env = {
+        k: v for k, v in os.environ.items() if k not in ("VLLM_PLUGINS", "PAGELLM_PLATFORM")
+    }
+    full_env.update(env)
     return subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 
@@ -94,12 +108,17 @@ def test_plugin_is_discovered_and_reports_itself_inactive_without_a_gpu(installe
     assert cuda["reason"].startswith("inactive")
 
 
-def test_cpu_platform_stays_current_with_the_plugin_installed(installed):
+def test_current_platform_with_the_plugin_installed_is_the_machines(installed, device):
+    """The CUDA platform where a GPU is, warmed up at start-up (its Triton kernels compile on
+    first use); the CPU platform stays current on a machine without one."""
     proc = run_python(
-        "from pagellm.platforms import current_platform_name; print(current_platform_name())"
+        """
+        from pagellm.platforms import current_platform, current_platform_name
+        print(current_platform_name(), current_platform.device_type, current_platform.needs_warm_up)
+        """
     )
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["cpu"]
+    assert proc.stdout.split() == [device, device, str(device == "cuda")]
 
 
 def test_hook_answers_none_on_a_cpu_build_of_torch():
@@ -111,6 +130,50 @@ def test_hook_answers_none_on_a_cpu_build_of_torch():
 def test_device_without_a_visible_gpu_is_a_clear_error():
     with pytest.raises(CudaDeviceError, match="no CUDA device is visible"):
         CudaPlatform.device(0)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_detection_does_not_poison_fork(installed):
+    """The hook runs in every process before workers are forked: a forked child must still be
+    able to use CUDA afterwards."""
+    proc = run_python(
+        """
+        import multiprocessing
+        import torch
+        from pagellm_cuda.plugin import pagellm_platform
+
+        assert pagellm_platform() == "pagellm_cuda.platform:CudaPlatform"
+        assert not torch.cuda.is_initialized()
+
+        def child():
+            assert torch.ones(4, device="cuda").sum().item() == 4
+
+        p = multiprocessing.get_context("fork").Process(target=child)
+        p.start()
+        p.join()
+        raise SystemExit(p.exitcode)
+        """
+    )
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_device_facts_are_sane():
+    assert cuda_device_count() == torch.cuda.device_count() >= 1
+    name = CudaPlatform.device_name(0)
+    assert isinstance(name, str) and name == torch.cuda.get_device_name(0)
+    major, minor = CudaPlatform.device_capability(0)
+    assert (major, minor) == torch.cuda.get_device_capability(0) and major >= 7
+    total = CudaPlatform.total_memory(0)
+    _, driver_total = torch.cuda.mem_get_info(0)
+    assert GiB < total and abs(total - driver_total) < 0.05 * driver_total
+    assert CudaPlatform.device(0) == torch.device("cuda", 0)
+    assert torch.cuda.current_device() == 0
+    expected = torch.bfloat16 if (major, minor) >= (8, 0) else torch.float16
+    assert CudaPlatform.default_dtype(torch.float32) == expected
+    assert CudaPlatform.default_dtype(torch.float16) == torch.float16
 
 
 # ---------------------------------------------------------------------- device ids
@@ -163,6 +226,59 @@ def test_ids_cuda_does_not_expose_are_cut_off():
 def test_out_of_range_logical_id_is_a_clear_error(logical, env, num_devices, message):
     with pytest.raises(CudaDeviceError, match=message):
         physical_device_id(logical, env, num_devices)
+
+
+VISIBLE_DEVICES_PROBE = """
+import json
+from pagellm_cuda.devices import CudaDeviceError, cuda_device_count
+from pagellm_cuda.platform import CudaPlatform
+
+try:
+    CudaPlatform.device(1)
+    error = None
+except CudaDeviceError as exc:
+    error = str(exc)
+print(json.dumps({
+    "count": cuda_device_count(),
+    "physical": CudaPlatform.physical_device_id(0),
+    "device": str(CudaPlatform.device(0)),
+    "name": CudaPlatform.device_name(0),
+    "error": error,
+}))
+"""
+
+
+def probe_visible_devices(value: str) -> dict:
+    proc = run_python(VISIBLE_DEVICES_PROBE, CUDA_VISIBLE_DEVICES=value)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_visible_devices_index_maps_to_the_physical_device(installed):
+    last = torch.cuda.device_count() - 1
+    out = probe_visible_devices(str(last))
+    assert (out["count"], out["physical"], out["device"]) == (1, last, "cuda:0")
+    assert out["name"] == torch.cuda.get_device_name(last)
+    assert "CUDA device 1 does not exist" in out["error"]
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_visible_devices_uuid_is_passed_through(installed):
+    if shutil.which("nvidia-smi") is None:
+        pytest.skip("nvidia-smi is needed to read the GPU's UUID")
+    last = torch.cuda.device_count() - 1
+    uuid = subprocess.run(
+        ["nvidia-smi", "--query-gpu=uuid", "--format=csv,noheader", "-i", str(last)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    out = probe_visible_devices(uuid)
+    assert (out["count"], out["physical"], out["device"]) == (1, uuid, "cuda:0")
+    assert out["name"] == torch.cuda.get_device_name(last)
 
 
 # ---------------------------------------------------------------------- dtype, attention
@@ -331,6 +447,64 @@ def test_explicit_kv_cache_memory_skips_profiling(tiny_models):
         raise AssertionError("profiling must not run when kv_cache_memory is set")
 
     assert CudaPlatform.available_kv_cache_memory(config, 1 << 20, profile_run) == 4 << 20
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_profiling_measures_the_activation_peak(tiny_models):
+    """A profiling run that peaks 1 GiB higher leaves the KV cache 1 GiB less."""
+    config = EngineArgs(
+        model=tiny_models["llama3"], max_model_len=64, enforce_eager=True
+    ).create_engine_config()
+    config.cache.gpu_memory_utilization = 0.5
+    CudaPlatform.check_and_update_config(config)
+    CudaPlatform.device(0)
+
+    def one_gib_peak() -> None:
+        torch.empty(GiB, dtype=torch.uint8, device="cuda").fill_(1)
+
+    idle = CudaPlatform.available_kv_cache_memory(config, 0, lambda: None)
+    busy = CudaPlatform.available_kv_cache_memory(config, 0, one_gib_peak)
+    total = CudaPlatform.total_memory(0)
+    assert 0 < busy < idle < 0.5 * total
+    # Driver-side memory (cuBLAS workspaces) moves a little between the two runs.
+    assert abs((idle - busy) - GiB) < 160 << 20
+
+
+TINY_MODEL_SIZING = """
+import json, sys
+import torch
+from pagellm.engine.args import EngineArgs
+from pagellm.platforms import current_platform_name
+from pagellm.worker.worker import Worker
+
+config = EngineArgs(
+    model=sys.argv[1], max_model_len=256, max_num_batched_tokens=512
+).create_engine_config()
+worker = Worker(config)
+worker.load_model()
+available = worker.determine_available_memory()
+print(json.dumps({
+    "platform": current_platform_name(),
+    "dtype": config.model.dtype,
+    "utilization": config.cache.gpu_memory_utilization,
+    "available": available,
+    "total": torch.cuda.mem_get_info()[1],
+    "weights": worker.model_memory_bytes(),
+}))
+"""
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_kv_cache_sizing_by_profiling_a_tiny_model(installed, tiny_models):
+    proc = run_python(TINY_MODEL_SIZING, tiny_models["llama3"])
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["platform"] == "cuda"
+    bf16 = torch.cuda.get_device_capability(0) >= (8, 0)
+    assert out["dtype"] == ("bfloat16" if bf16 else "float16")  # the tiny model is float32
+    assert 0 < out["available"] < out["utilization"] * out["total"] - out["weights"]
 
 
 # ---------------------------------------------------------------------- custom ops

@@ -16,7 +16,7 @@ import pytest
 
 from pagellm import LLM, SamplingParams
 
-sys.path.insert(0, str(Path(__file__).parent / "fault_injection"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "fault_injection"))
 import pagellm_fault_injection as faults  # noqa: E402
 
 POISON = 999

@@ -2,7 +2,7 @@
 of the layers they replace (bf16, and fp16/fp32 at one size), replayed from a CUDA graph, and timed
 against that torch code (printed, not asserted: speed belongs to benchmarks).
 
-Run on the device machine with ``pytest -m gpu tests/gpu``.
+Run on the device machine with ``pytest -m gpu plugins/cuda_platform/tests``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-PLUGIN_DIR = Path(__file__).resolve().parents[2] / "plugins" / "cuda_platform"
+PLUGIN_DIR = Path(__file__).resolve().parents[1]
 TOKENS = [1, 7, 256, 8192]
 EPS = 1e-6
 ROPE = {"rope_type": "default", "rope_theta": 500000.0}

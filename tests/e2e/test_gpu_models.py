@@ -7,7 +7,7 @@ platform's attention backend; transformers then scores the same token sequences 
 so one early disagreement cannot cascade. Checked per generated position: pagellm's token is HF's
 argmax (top-1 agreement) and pagellm's logprob of it is close to HF's.
 
-Run on the GPU machine with ``pytest -m gpu tests/gpu``; skipped without CUDA.
+Run on the GPU machine with ``pytest -m gpu``; skipped without CUDA.
 """
 
 from __future__ import annotations

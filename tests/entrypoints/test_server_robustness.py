@@ -32,8 +32,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import editable_installs
-from test_api_server import (  # noqa: F401
+from editable_installs import editable_installs
+from servers import (  # noqa: F401 (endpoint_packages and model_dir are fixtures)
     MODEL_NAME,
     Server,
     endpoint_packages,
@@ -41,7 +41,7 @@ from test_api_server import (  # noqa: F401
     started_servers,
 )
 
-FAULT_PACKAGE = Path(__file__).parent / "fault_injection"
+FAULT_PACKAGE = Path(__file__).parents[1] / "fault_injection"
 POISON = 14744  # " electromagnetic"
 SLOW = 19173  # " photosynthesis"
 SLOW_STEP_S = 7.0  # more than the 5 s the health probe used to wait for a step

@@ -1,0 +1,201 @@
+"""Real ``pagellm serve`` processes on 127.0.0.1 for the server tests: a tiny random Llama with
+SmolLM2's whole vocabulary to serve, the endpoint packages installed, and `Server`, one process
+driven by httpx and the official ``openai`` client."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+
+from editable_installs import editable_installs
+
+ROOT = Path(__file__).resolve().parents[1]
+FIRST_PARTY = {
+    "pagellm-openai": ROOT / "plugins" / "endpoints" / "openai",
+    "pagellm-admin": ROOT / "plugins" / "endpoints" / "admin",
+}
+DUMMY_ENDPOINT = ROOT / "tests" / "plugins" / "dummy_endpoint"
+MAX_MODEL_LEN = 512
+MAX_NUM_SEQS = 64
+MODEL_NAME = "tiny"
+IDLE_TIMEOUT_S = 30
+
+
+@pytest.fixture(scope="module")
+def endpoint_packages() -> Iterator[None]:
+    """The first-party endpoint packages unless installed already; the test package always, from
+    this checkout (an install left by another checkout must not stand in for it)."""
+    missing = []
+    for dist in FIRST_PARTY:
+        try:
+            importlib.metadata.distribution(dist)
+        except importlib.metadata.PackageNotFoundError:
+            missing.append(dist)
+    with editable_installs([*(FIRST_PARTY[d] for d in missing), DUMMY_ENDPOINT]):
+        yield
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer_dir: str) -> str:
+    """A tiny random Llama whose vocabulary is the whole SmolLM2 tokenizer's, so that any text
+    (and the chat template's special tokens) is a valid prompt."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    directory = str(tmp_path_factory.mktemp("served_model"))
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
+    config = AutoConfig.for_model(
+        "llama",
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=MAX_MODEL_LEN,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # peaked logits: varied, reproducible text
+        for name, param in model.named_parameters():
+            if "norm" not in name:
+                param.normal_(0.0, 0.08)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Server:
+    """One ``pagellm serve`` process; its output goes to a log file the tests read."""
+
+    def __init__(self, model: str, log_path: Path, env: dict[str, str], *args: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        controls = ("VLLM_PLUGINS", "PAGELLM_API_KEY", "PAGELLM_PLUGINS_STRICT")
+        full_env = {k: v for k, v in os.environ.items() if k not in controls}
+        full_env.update(env)
+        self.api_key = full_env.get("PAGELLM_API_KEY")
+        cmd = [
+            sys.executable,
+            "-m",
+            "pagellm.entrypoints.cli",
+            "serve",
+            model,
+            "--port",
+            str(self.port),
+            "--served-model-name",
+            MODEL_NAME,
+            "--max-model-len",
+            str(MAX_MODEL_LEN),
+            "--max-num-seqs",
+            str(MAX_NUM_SEQS),
+            "--kv-cache-memory",
+            str(16 << 20),
+            *args,
+        ]
+        self._log = open(log_path, "w")  # noqa: SIM115 (open for the process's lifetime)
+        self.proc = subprocess.Popen(cmd, env=full_env, stdout=self._log, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout: float = 240) -> Server:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"pagellm serve exited ({self.proc.returncode}):\n{self.log()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"pagellm serve did not become healthy:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def engine_pid(self) -> int:
+        match = re.search(r"Engine process \S+: pid (\d+)", self.log())
+        assert match, self.log()
+        return int(match.group(1))
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=self.api_key or "none")
+
+    def async_client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=self.api_key or "none")
+
+    def get(self, path: str) -> httpx.Response:
+        return httpx.get(f"{self.url}{path}", headers=self.headers(), timeout=60)
+
+    def post(
+        self, path: str, headers: dict[str, str] | None = None, timeout: float = 60, **kwargs
+    ) -> httpx.Response:
+        headers = {**self.headers(), **(headers or {})}
+        return httpx.post(f"{self.url}{path}", headers=headers, timeout=timeout, **kwargs)
+
+    def state(self) -> dict:
+        response = self.get("/v1/admin/state")
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    def wait_idle(self) -> dict:
+        """The admin state once no request runs or waits (a disconnect is noticed asynchronously)."""
+        deadline = time.monotonic() + IDLE_TIMEOUT_S
+        while True:
+            state = self.state()
+            idle = state["num_running"] == 0 and state["num_waiting"] == 0
+            if (idle and state["num_free_blocks"] == state["num_total_blocks"]) or (
+                time.monotonic() > deadline
+            ):
+                return state
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+@contextlib.contextmanager
+def started_servers(
+    model: str, logs: Path, specs: dict[str, tuple[dict[str, str], tuple[str, ...]]]
+) -> Iterator[dict[str, Server]]:
+    """Start one server per spec (environment, extra flags) together; stop them all after."""
+    started = {
+        name: Server(model, logs / f"{name}.log", env, *args) for name, (env, args) in specs.items()
+    }
+    try:
+        yield {name: server.wait_ready() for name, server in started.items()}
+    finally:
+        for server in started.values():
+            server.stop()
