@@ -19,7 +19,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 from conftest import editable_installs
 
 PACKAGE = Path(__file__).parent / "doc_example"
