@@ -627,9 +627,8 @@ def test_plugins_of_api_1_0_get_the_engine_client_and_later_ones_the_server_cont
     )
     received = {}
     for version in ("1.0", "1.1"):
-        plugin = EndpointPlugin(
-            attach=lambda app, arg, v=version: received.setdefault(v, arg), api_version=version
-        )
+        plugin = EndpointPlugin(attach=lambda app, arg, v=version: received.setdefault(v, arg))
+        plugin.api_version = version  # as the loader sets it from the plugin module's declaration
         attach_endpoint_plugin(FastAPI(), plugin, ctx)
     assert received == {"1.0": engine_client, "1.1": ctx}
 
