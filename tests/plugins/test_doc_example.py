@@ -19,7 +19,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import editable_installs
+
+from editable_installs import editable_installs
 
 PACKAGE = Path(__file__).parent / "doc_example"
 DOC = Path(__file__).parents[2] / "docs" / "plugins.md"
