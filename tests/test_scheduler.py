@@ -15,8 +15,8 @@ from pagellm.kv_cache.hashing import make_block_hasher
 from pagellm.kv_cache.manager import KVCacheManager, cdiv
 from pagellm.request import FinishReason, Request, RequestStatus
 from pagellm.sampling_params import SamplingParams
-from pagellm.scheduler import Scheduler
 from pagellm.scheduler.output import ModelRunnerOutput
+from pagellm.scheduler.scheduler import Scheduler
 
 SAMPLED = 7  # the token the fake model samples unless a test says otherwise
 

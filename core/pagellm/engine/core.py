@@ -10,14 +10,15 @@ import msgspec
 
 from pagellm.config import EngineConfig
 from pagellm.engine.warm_up import warm_up
-from pagellm.executor import Executor, UniProcExecutor
-from pagellm.kv_cache import KVCacheManager, make_block_hasher
-from pagellm.kv_cache.manager import cdiv
+from pagellm.executor.abstract import Executor
+from pagellm.executor.uniproc import UniProcExecutor
+from pagellm.kv_cache.hashing import make_block_hasher
+from pagellm.kv_cache.manager import KVCacheManager, cdiv
 from pagellm.metrics.stats import SchedulerStats
 from pagellm.platforms import current_platform
 from pagellm.request import EngineCoreRequest, Request, RequestStatus
-from pagellm.scheduler import Scheduler
 from pagellm.scheduler.output import EngineCoreOutputs, SchedulerOutput
+from pagellm.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 

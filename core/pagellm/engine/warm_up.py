@@ -8,11 +8,11 @@ import logging
 import time
 
 from pagellm.config import EngineConfig
-from pagellm.executor import Executor
-from pagellm.kv_cache import KVCacheManager
+from pagellm.executor.abstract import Executor
+from pagellm.kv_cache.manager import KVCacheManager
 from pagellm.request import Request
 from pagellm.sampling_params import SamplingParams
-from pagellm.scheduler import Scheduler
+from pagellm.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 

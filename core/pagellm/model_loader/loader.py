@@ -16,7 +16,7 @@ from pagellm.config import EngineConfig
 from pagellm.layers.linear import Linear
 from pagellm.model_loader.source import resolve_model_source
 from pagellm.models.registry import resolve_model_cls
-from pagellm.quantization.registry import get_quantization_config_cls
+from pagellm.quantization.registry import quantization_methods
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ def load_model(
     quant_config = None
     if config.quantization is not None:
         checkpoint_quant = getattr(model_cfg.hf_config, "quantization_config", None) or {}
-        quant_config = get_quantization_config_cls(config.quantization).from_config(
+        quant_config = quantization_methods.get(config.quantization).from_config(
             dict(checkpoint_quant)
         )
     previous = torch.get_default_dtype()

@@ -337,6 +337,3 @@ class Scheduler:
                 return
         if num_output >= max_tokens or len(request.all_token_ids) >= self.config.max_model_len:
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-
-
-__all__ = ["FinishReason", "Scheduler"]

@@ -17,7 +17,7 @@ import torch
 
 from pagellm.attention.backend import AttentionBackend, AttentionMetadataBuilder
 from pagellm.forward_context import set_forward_context
-from pagellm.platforms import Platform
+from pagellm.platforms.interface import Platform
 from pagellm.worker.step_buffers import StepBuffers
 
 logger = logging.getLogger(__name__)
