@@ -32,14 +32,6 @@ class RequestStatus(enum.IntEnum):
     FINISHED_ABORTED = enum.auto()
     FINISHED_ERROR = enum.auto()
 
-    @staticmethod
-    def is_finished(status: RequestStatus) -> bool:
-        return status > RequestStatus.PREEMPTED
-
-    @staticmethod
-    def finish_reason(status: RequestStatus) -> FinishReason | None:
-        return _FINISH_REASONS.get(status)
-
 
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
@@ -134,10 +126,10 @@ class Request:
             self.block_hashes.extend(self._block_hasher(self))
 
     def is_finished(self) -> bool:
-        return RequestStatus.is_finished(self.status)
+        return self.status > RequestStatus.PREEMPTED
 
     def get_finish_reason(self) -> FinishReason | None:
-        return RequestStatus.finish_reason(self.status)
+        return _FINISH_REASONS.get(self.status)
 
     def __repr__(self) -> str:
         return (

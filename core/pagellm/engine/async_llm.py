@@ -199,7 +199,9 @@ class AsyncLLM(RequestFrontend):
 
     def shutdown(self) -> None:
         """Stop the engine process; requests still streaming raise `EngineDeadError`."""
-        self._stop_log_task()
+        task = self._log_task
+        if task is not None and not task.done() and not task.get_loop().is_closed():
+            task.cancel()
         self.core_client.shutdown()
         self._on_dead(EngineDeadError("The engine was shut down."))
 
@@ -208,8 +210,3 @@ class AsyncLLM(RequestFrontend):
         before it is killed."""
         await self.core_client.shutdown_async(timeout)
         self.shutdown()  # the engine is stopped: what is left is ending the streams
-
-    def _stop_log_task(self) -> None:
-        task = self._log_task
-        if task is not None and not task.done() and not task.get_loop().is_closed():
-            task.cancel()

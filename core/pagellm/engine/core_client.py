@@ -240,17 +240,14 @@ class SyncMPClient(MPClientBase):
                 self.proc.join()  # it has exited: reap it
                 raise self._set_dead(None)
 
-    def get_output(self) -> EngineStepOutputs:
-        """The next step's outputs and stats (blocks; raises `EngineDeadError`)."""
+    def step(self) -> EngineCoreOutputs:
+        """The next step's outputs (blocks; raises `EngineDeadError`)."""
         if self._buffered:
-            return self._buffered.popleft()
+            return self._buffered.popleft().outputs
         while True:
             msg = self._recv()
             if isinstance(msg, EngineStepOutputs):
-                return msg
-
-    def step(self) -> EngineCoreOutputs:
-        return self.get_output().outputs
+                return msg.outputs
 
     def call_utility(self, method: str, *args: Any) -> Any:
         self.raise_if_dead()

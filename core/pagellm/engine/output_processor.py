@@ -213,7 +213,6 @@ class OutputProcessor:
             return False
         new_text = completion.detokenizer.update(token_ids)
         completion.text += new_text
-        params = completion.params
         if not params.stop or not new_text or len(completion.token_ids) < params.min_tokens:
             return False
         stops = [params.stop] if isinstance(params.stop, str) else params.stop

@@ -11,7 +11,7 @@ from pagellm.worker.worker import Worker
 
 class UniProcExecutor(Executor):
     def _init_executor(self) -> None:
-        self.worker = Worker(self.config, rank=0, local_rank=0)
+        self.worker = Worker(self.config)
         self.worker.load_model()
 
     def collective_rpc(

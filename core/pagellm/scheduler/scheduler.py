@@ -86,11 +86,8 @@ class Scheduler:
             self.probe = None
         del self.requests[request.request_id]
 
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.quarantine)
-
     def has_unfinished_requests(self) -> bool:
-        return self.get_num_unfinished_requests() > 0
+        return bool(self.waiting or self.running or self.quarantine)
 
     # ---------------------------------------------------------------- one step
 
