@@ -1,8 +1,10 @@
-"""Benchmark workloads: random prompt token ids with seeded lengths (vLLM's "random" dataset)."""
+"""Benchmark workloads: random prompt token ids with seeded lengths (vLLM's "random" dataset), and
+what `bench throughput` and `bench serve` share: the workload's flags, its record, the JSON output."""
 
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +43,8 @@ def random_requests(
 
 
 def add_dataset_args(parser: argparse.ArgumentParser) -> None:
-    """The random workload's flags, shared by `bench throughput` and `bench serve`."""
+    """The flags `bench throughput` and `bench serve` share: the random workload's, its sampling
+    temperature, and where to write the result."""
     parser.add_argument("--dataset", choices=["random"], default="random")
     parser.add_argument("--num-prompts", type=int, default=100)
     parser.add_argument("--input-len", type=int, default=128)
@@ -58,6 +61,9 @@ def add_dataset_args(parser: argparse.ArgumentParser) -> None:
             help=f"{what} lengths uniform in [LOW, HIGH] "
             f"(overrides --{name}-len/--random-range-ratio).",
         )
+    parser.add_argument(
+        "--output-json", default=None, help="Also write the result JSON to this file."
+    )
     parser.add_argument(
         "--random-token-range",
         type=int,
@@ -111,3 +117,12 @@ def dataset_record(args: argparse.Namespace) -> dict[str, Any]:
         name: getattr(args, name)
         for name in (*names.split(), "random_range_ratio", "seed", "temperature")
     }
+
+
+def print_result(result: dict[str, Any], output_json: str | None) -> None:
+    """Print the result JSON (for people and scripts alike); also write it to ``output_json``."""
+    text = json.dumps(result, indent=2)
+    print(text)
+    if output_json:
+        with open(output_json, "w") as f:
+            f.write(text + "\n")

@@ -69,9 +69,6 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         default=600.0,
         help="Seconds to wait for the server's next bytes before a request fails.",
     )
-    parser.add_argument(
-        "--output-json", default=None, help="Also write the result JSON to this file."
-    )
 
 
 @dataclass
@@ -300,9 +297,5 @@ def main(args: argparse.Namespace) -> int:
         "client_machine": {"platform": platform.platform(), "cpu_count": os.cpu_count()},
         **summarize(results, duration),
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            f.write(text + "\n")
+    datasets.print_result(result, args.output_json)
     return 0 if result["failed"] == 0 else 1

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import logging
 import os
 import platform
@@ -46,9 +45,6 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         help="attn_implementation for transformers (continuous default: paged|sdpa).",
     )
     datasets.add_dataset_args(parser)
-    parser.add_argument(
-        "--output-json", default=None, help="Also write the result JSON to this file."
-    )
     EngineArgs.add_cli_args(parser)
 
 
@@ -290,9 +286,5 @@ def main(args: argparse.Namespace) -> int:
             result["output_throughput_ratio"] = round(
                 llm_result["output_tokens_per_s"] / hf_result["output_tokens_per_s"], 2
             )
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            f.write(text + "\n")
+    datasets.print_result(result, args.output_json)
     return 0

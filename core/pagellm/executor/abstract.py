@@ -22,10 +22,7 @@ class Executor(ABC):
 
     @abstractmethod
     def collective_rpc(
-        self,
-        method: str | Callable[..., Any],
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
+        self, method: str | Callable[..., Any], args: tuple[Any, ...] = ()
     ) -> list[Any]:
         """Call ``method`` on every worker (a method name, or a function taking the worker first);
         returns each worker's result, in rank order."""

@@ -15,12 +15,8 @@ class UniProcExecutor(Executor):
         self.worker.load_model()
 
     def collective_rpc(
-        self,
-        method: str | Callable[..., Any],
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
+        self, method: str | Callable[..., Any], args: tuple[Any, ...] = ()
     ) -> list[Any]:
-        kwargs = kwargs or {}
         if isinstance(method, str):
-            return [getattr(self.worker, method)(*args, **kwargs)]
-        return [method(self.worker, *args, **kwargs)]
+            return [getattr(self.worker, method)(*args)]
+        return [method(self.worker, *args)]

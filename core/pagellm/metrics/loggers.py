@@ -19,7 +19,6 @@ from prometheus_client import (
     Gauge,
     Histogram,
     generate_latest,
-    make_asgi_app,
 )
 
 from pagellm.metrics.stats import IterationStats, SchedulerStats, StatLoggerBase
@@ -102,7 +101,7 @@ _TOKEN_BUCKETS = [float(m * 10**e) for e in range(6) for m in (1, 2, 5)]
 
 class PrometheusStatLogger(StatLoggerBase):
     """Prometheus metrics in a registry of its own (``self.registry``), so that several instances
-    can live in one process; expose them with `metrics_response` or `make_metrics_app`. Every
+    can live in one process; expose them with `metrics_response`. Every
     metric carries a ``model_name`` label."""
 
     def __init__(self, model_name: str = "") -> None:
@@ -199,11 +198,6 @@ class PrometheusStatLogger(StatLoggerBase):
 def metrics_response(stat_logger: PrometheusStatLogger) -> tuple[bytes, str]:
     """The body and content type of a ``/metrics`` response (Prometheus text format)."""
     return generate_latest(stat_logger.registry), CONTENT_TYPE_LATEST
-
-
-def make_metrics_app(stat_logger: PrometheusStatLogger) -> Callable:
-    """An ASGI app serving the logger's metrics, to mount at ``/metrics``."""
-    return make_asgi_app(registry=stat_logger.registry)
 
 
 BUILTIN_STAT_LOGGERS: dict[str, type[StatLoggerBase]] = {

@@ -173,10 +173,15 @@ class Scheduler:
                 if request.num_cached_tokens < 0:
                     request.num_cached_tokens = num_hit_tokens
                 self.running.append(request)
-                (scheduled_resumed if resumed else scheduled_new).append(request)
+                if resumed:  # the workers kept its state: it comes back with its whole block list
+                    scheduled_resumed.append(request)
+                    new_block_ids[request.request_id] = kv.get_block_ids(request.request_id)
+                else:
+                    scheduled_new.append(request)
                 num_scheduled[request.request_id] = num_new
                 token_budget -= num_new
 
+        cached = scheduled_running + scheduled_resumed
         output = SchedulerOutput(
             scheduled_new_reqs=[
                 NewRequestData(
@@ -190,37 +195,24 @@ class Scheduler:
                 )
                 for r in scheduled_new
             ],
-            scheduled_cached_reqs=self._cached_request_data(
-                scheduled_running, scheduled_resumed, new_block_ids
+            scheduled_cached_reqs=CachedRequestData(
+                req_ids=[r.request_id for r in cached],
+                resumed_from_preemption=[False] * len(scheduled_running)
+                + [True] * len(scheduled_resumed),
+                new_block_ids=[new_block_ids[r.request_id] for r in cached],
+                num_computed_tokens=[r.num_computed_tokens for r in cached],
             ),
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=cfg.max_num_batched_tokens - token_budget,
             preempted_req_ids={r.request_id for r in preempted},
             finished_req_ids=self.finished_req_ids,
         )
-        for request in itertools.chain(scheduled_running, scheduled_new, scheduled_resumed):
+        for request in itertools.chain(cached, scheduled_new):
             request.num_computed_tokens += num_scheduled[request.request_id]
         if self.resend:
             self.resend.difference_update(r.request_id for r in scheduled_new)
         self.finished_req_ids = set()
         return output
-
-    def _cached_request_data(
-        self, running: list[Request], resumed: list[Request], new_block_ids: dict[str, list[int]]
-    ) -> CachedRequestData:
-        ids = [r.request_id for r in running]
-        data = CachedRequestData(
-            req_ids=ids,
-            resumed_from_preemption=[False] * len(ids),
-            new_block_ids=[new_block_ids[i] for i in ids],
-            num_computed_tokens=[r.num_computed_tokens for r in running],
-        )
-        for request in resumed:
-            data.req_ids.append(request.request_id)
-            data.resumed_from_preemption.append(True)
-            data.new_block_ids.append(self.kv_cache_manager.get_block_ids(request.request_id))
-            data.num_computed_tokens.append(request.num_computed_tokens)
-        return data
 
     def _pick_victim(self) -> Request:
         """The running request to preempt; never the probe (it must run to tell its fault)."""
