@@ -42,7 +42,8 @@ _FINISH_REASONS = {
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
-    """A request as the front end hands it to the engine core (a wire struct)."""
+    """A request as the front end hands it to the engine core (a wire struct); the engine core
+    builds its `Request` from these fields, which are the first arguments of `Request`."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -93,21 +94,6 @@ class Request:
         self._hash_block_size: int = getattr(block_hasher, "block_size", 1)
         self.block_hashes: list[bytes] = []
         self.update_block_hashes()
-
-    @classmethod
-    def from_engine_core_request(
-        cls, req: EngineCoreRequest, block_hasher: Callable[[Request], list[bytes]] | None
-    ) -> Request:
-        return cls(
-            request_id=req.request_id,
-            prompt_token_ids=req.prompt_token_ids,
-            sampling_params=req.sampling_params,
-            eos_token_id=req.eos_token_id,
-            arrival_time=req.arrival_time,
-            priority=req.priority,
-            cache_salt=req.cache_salt,
-            block_hasher=block_hasher,
-        )
 
     @property
     def num_tokens(self) -> int:

@@ -194,8 +194,7 @@ class AsyncLLM(RequestFrontend):
     async def get_engine_state(self) -> dict[str, Any]:
         """num_running, num_waiting, num_free_blocks, num_total_blocks (the null block excluded:
         all free when no request holds a block), kv_cache_usage, prefix_cache_hit_rate."""
-        state: dict[str, Any] = await self.core_client.call_utility("get_state")
-        return state
+        return await self.core_client.call_utility("get_state")
 
     def shutdown(self) -> None:
         """Stop the engine process; requests still streaming raise `EngineDeadError`."""

@@ -78,7 +78,8 @@ class EngineCore:
         return num_blocks
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        self.scheduler.add_request(Request.from_engine_core_request(request, self.block_hasher))
+        fields = msgspec.structs.asdict(request)
+        self.scheduler.add_request(Request(**fields, block_hasher=self.block_hasher))
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
@@ -158,8 +159,7 @@ class EngineCore:
 
     def decode_weight_bytes(self) -> int:
         """Weight bytes one decode step reads (benchmarks' roofline: `ModelRunner`'s count)."""
-        result: int = self.executor.collective_rpc("decode_weight_bytes")[0]
-        return result
+        return self.executor.collective_rpc("decode_weight_bytes")[0]
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()

@@ -188,8 +188,7 @@ class ModelRunner:
             return graph.hidden[: plan.num_tokens]
         inputs, n = self.buffers.device_tensors, plan.num_tokens
         with set_forward_context(self.attn_builder.build(common)):
-            hidden: torch.Tensor = self.model(inputs.input_ids[:n], inputs.positions[:n])
-        return hidden
+            return self.model(inputs.input_ids[:n], inputs.positions[:n])
 
     def _sample(
         self, plan: StepPlan, hidden: torch.Tensor, sampling: SamplingMetadata
