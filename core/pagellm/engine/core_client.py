@@ -58,12 +58,16 @@ DRAIN_MS = 200
 _POLL_MS = 5000
 
 
-class EngineCoreClient(Protocol):
-    """What `LLMEngine` drives: `EngineCore` in process, or `SyncMPClient`."""
+class RequestSink(Protocol):
+    """The part of an engine-core client the request path uses (`RequestFrontend`)."""
 
     def add_request(self, request: EngineCoreRequest) -> None: ...
 
     def abort_requests(self, request_ids: Iterable[str]) -> None: ...
+
+
+class EngineCoreClient(RequestSink, Protocol):
+    """What `LLMEngine` drives: `EngineCore` in process, or `SyncMPClient`."""
 
     def step(self) -> EngineCoreOutputs: ...
 
