@@ -404,7 +404,7 @@ def test_abort_running_request_frees_its_blocks():
     sched.add_request(request)
     step(sched)
     assert num_free(sched) < usable_blocks(sched)
-    sched.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+    sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
     assert request.status == RequestStatus.FINISHED_ABORTED
     assert request.get_finish_reason() == FinishReason.ABORT
     assert num_free(sched) == usable_blocks(sched)
@@ -441,7 +441,7 @@ def test_abort_preempted_request():
     step(sched)
     out, _ = step(sched)
     assert out.preempted_req_ids == {"b"}
-    sched.finish_requests("b", RequestStatus.FINISHED_ABORTED)
+    sched.finish_requests(["b"], RequestStatus.FINISHED_ABORTED)
     assert len(sched.waiting) == 0
     assert "b" not in sched.requests
     drain(sched)
@@ -466,7 +466,7 @@ def test_abort_while_a_step_is_in_flight_drops_its_sampled_token():
     sched.add_request(b)
     out = sched.schedule()
     model_out = runner_output(sched, out)
-    sched.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+    sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
     engine_out = sched.update_from_output(out, model_out)
     assert [o.request_id for o in engine_out.outputs] == ["b"]
     assert a.output_token_ids == []

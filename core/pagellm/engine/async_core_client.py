@@ -7,7 +7,6 @@ the running event loop reads the outputs and watches the process's sentinel.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -51,7 +50,6 @@ class AsyncMPClient(MPClientBase):
         self._on_dead = on_dead
         self._task: asyncio.Task[None] | None = None
         self._calls: dict[int, asyncio.Future[Any]] = {}
-        self._call_ids = itertools.count()
         self._exited = False
         self._recv_future: asyncio.Future[Any] | None = None
 

@@ -135,6 +135,7 @@ class MPClientBase:
         )
         self._closed = False
         self._dead: EngineDeadError | None = None
+        self._call_ids = itertools.count()
         self.proc.start()
         # The output socket and the process's sentinel: a message, or the process's exit.
         self._poller = zmq.Poller()
@@ -227,7 +228,6 @@ class SyncMPClient(MPClientBase):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
         self._buffered: deque[EngineStepOutputs] = deque()
-        self._call_ids = itertools.count()
 
     def _recv(self) -> EngineOutputMsg:
         sock = self._output_sync

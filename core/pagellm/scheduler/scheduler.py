@@ -61,13 +61,12 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
-    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
-        """End requests from outside the step loop (abort); unknown or finished ids are ignored."""
-        if isinstance(request_ids, str):
-            request_ids = (request_ids,)
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
+        """End requests from outside the step loop (abort); unknown or finished ids are ignored
+        (a finished request has left ``requests``)."""
         for req_id in request_ids:
             request = self.requests.get(req_id)
-            if request is None or request.is_finished():
+            if request is None:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
