@@ -106,13 +106,10 @@ def _is_token_chunk(chunk: dict[str, Any]) -> bool:
     """Whether the chunk brings generated tokens: any completions chunk with a choice (its text may
     be empty: held back by the detokenizer, or a server without a tokenizer), a chat chunk whose
     delta has content (the first chat chunk only announces the role)."""
-    choices = chunk.get("choices") or []
+    choices = chunk.get("choices")
     if not choices:
         return False
-    choice = choices[0]
-    if "delta" in choice:
-        return bool(choice["delta"].get("content"))
-    return True
+    return "delta" not in choices[0] or bool(choices[0]["delta"].get("content"))
 
 
 async def _send(

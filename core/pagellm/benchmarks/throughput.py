@@ -148,11 +148,8 @@ def run_pagellm(
             "copy_bandwidth_gb_per_s": round(copy_bw / 1e9, 1),
             "fraction_of_roofline": round(achieved / copy_bw, 3),
         }
-    tokenizer = llm.get_tokenizer()
-    peer = {
-        "config": config,
-        "pad_token_id": (tokenizer.pad_token_id if tokenizer is not None else None) or 0,
-    }
+    pad_token_id = getattr(llm.get_tokenizer(), "pad_token_id", None) or 0
+    peer = {"config": config, "pad_token_id": pad_token_id}
     core.shutdown()
     del llm, engine, core
     gc.collect()  # the peer's allocations reuse what the engine held

@@ -140,9 +140,8 @@ class PrometheusStatLogger(StatLoggerBase):
             ["model_name", "finished_reason"],
             registry=self.registry,
         )
-        self._success_by_reason = {
-            str(reason): self._success.labels(model_name, str(reason)) for reason in FinishReason
-        }
+        for reason in FinishReason:
+            self._success.labels(model_name, str(reason))
         self._ttft = histogram(
             "pagellm:time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS_S
         )
@@ -185,11 +184,7 @@ class PrometheusStatLogger(StatLoggerBase):
             for t in it.itls_s:
                 self._itl.observe(t)
             for f in it.finished:
-                success = self._success_by_reason.get(f.finish_reason)
-                if success is None:
-                    success = self._success.labels(self.model_name, f.finish_reason)
-                    self._success_by_reason[f.finish_reason] = success
-                success.inc()
+                self._success.labels(self.model_name, f.finish_reason).inc()
                 self._e2e.observe(f.e2e_latency_s)
                 self._request_prompt_tokens.observe(f.num_prompt_tokens)
                 self._request_generation_tokens.observe(f.num_generation_tokens)

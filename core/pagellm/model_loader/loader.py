@@ -55,10 +55,8 @@ def _init_dummy_weights(model: nn.Module, seed: int) -> None:
         if name.endswith("norm.weight"):
             param.data.fill_(1.0)
         else:
-            values = torch.empty(param.shape, dtype=torch.float32).uniform_(
-                -0.05, 0.05, generator=generator
-            )
-            param.data.copy_(values)
+            values = torch.empty(param.shape, dtype=torch.float32)
+            param.data.copy_(values.uniform_(-0.05, 0.05, generator=generator))
 
 
 def load_model(
