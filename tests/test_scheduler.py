@@ -80,9 +80,7 @@ def runner_output(scheduler, sched_out, sample=lambda request: SAMPLED):
 
 def step(scheduler, sample=lambda request: SAMPLED):
     sched_out = scheduler.schedule()
-    engine_out = scheduler.update_from_output(
-        sched_out, runner_output(scheduler, sched_out, sample)
-    )
+    engine_out = scheduler.update_from_output(runner_output(scheduler, sched_out, sample))
     return sched_out, engine_out
 
 
@@ -467,7 +465,7 @@ def test_abort_while_a_step_is_in_flight_drops_its_sampled_token():
     out = sched.schedule()
     model_out = runner_output(sched, out)
     sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
-    engine_out = sched.update_from_output(out, model_out)
+    engine_out = sched.update_from_output(model_out)
     assert [o.request_id for o in engine_out.outputs] == ["b"]
     assert a.output_token_ids == []
     assert [r.request_id for r in sched.running] == ["b"]
@@ -707,7 +705,7 @@ class Simulation:
             if tokens and request.status == RequestStatus.RUNNING:
                 self.expected_outputs[req_id] += tokens
                 delivered[req_id] = tokens
-        engine_out = sched.update_from_output(out, model_out)
+        engine_out = sched.update_from_output(model_out)
         for req_id in delivered:
             self.describe_blocks(self.requests[req_id])
 

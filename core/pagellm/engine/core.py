@@ -104,7 +104,7 @@ class EngineCore:
         except Exception:
             return self._fail_step(scheduler_output)
         self.num_failed_steps_in_a_row = 0
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        return self.scheduler.update_from_output(runner_output)
 
     def _fail_step(self, out: SchedulerOutput) -> EngineCoreOutputs:
         """A step raised: the workers forget what it touched, and the scheduler fails the request

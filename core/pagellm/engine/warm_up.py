@@ -42,7 +42,7 @@ def warm_up(config: EngineConfig, executor: Executor, num_blocks: int) -> None:
 
     def step() -> None:
         out = scheduler.schedule()
-        scheduler.update_from_output(out, executor.execute_model(out))
+        scheduler.update_from_output(executor.execute_model(out))
 
     started = time.perf_counter()
     for length in lengths:  # prefills alone, one length per step

@@ -232,9 +232,7 @@ class Scheduler:
 
     # ---------------------------------------------------------------- after the forward pass
 
-    def update_from_output(
-        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
-    ) -> EngineCoreOutputs:
+    def update_from_output(self, runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
         outputs: list[EngineCoreOutput] = []
         requests, running = self.requests, RequestStatus.RUNNING
         all_prompt_logprobs = runner_output.prompt_logprobs
