@@ -63,11 +63,7 @@ class AsyncLLM(RequestFrontend):
     # ---------------------------------------------------------------- requests
 
     async def generate(
-        self,
-        prompt: PromptType,
-        params: SamplingParams,
-        request_id: str,
-        priority: int = 0,
+        self, prompt: PromptType, params: SamplingParams, request_id: str, priority: int = 0
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream the request's outputs (in ``params.output_kind``), the last one finished.
 

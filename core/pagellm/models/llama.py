@@ -210,8 +210,7 @@ class LlamaForCausalLM(nn.Module):
                 target = name.replace(f".{part}.", f".{fused}.")
                 sizes = self._shard_sizes(fused)
                 offset = sum(sizes[:shard])
-                param = params[target]
-                _copy_checked(param.data.narrow(0, offset, sizes[shard]), tensor, name)
+                _copy_checked(params[target].data.narrow(0, offset, sizes[shard]), tensor, name)
                 loaded.add(target)
                 break
             else:
