@@ -161,9 +161,8 @@ def _hf_model(args: argparse.Namespace, config: Any) -> Any:
     on the device)."""
     from transformers import AutoModelForCausalLM
 
-    dtype = config.model.torch_dtype
     device = config.device.device
-    kwargs: dict[str, Any] = {"dtype": dtype}
+    kwargs: dict[str, Any] = {"dtype": config.model.torch_dtype}
     if args.hf_attn_implementation or args.hf_mode == "continuous":
         kwargs["attn_implementation"] = args.hf_attn_implementation or "paged|sdpa"
     if config.load.load_format == "dummy":

@@ -130,7 +130,6 @@ def run_engine_core(
     output_socket = ctx.socket(zmq.PUSH)
     output_socket.setsockopt(zmq.SNDHWM, 0)
     output_socket.bind(output_address)
-    status = 0
     core: EngineCore | None = None
     try:
         core = EngineCore(config)  # its worker loads the general plugins
@@ -139,14 +138,12 @@ def run_engine_core(
         proc.run_busy_loop()
     except Exception as exc:
         logger.exception("Engine core failed")
-        status = 1
         error = messages.EngineError(f"{type(exc).__name__}: {exc}", traceback.format_exc())
         output_socket.send(messages.encoder.encode(error))
+        raise SystemExit(1) from None  # after the cleanup below
     finally:
         if core is not None:
             core.shutdown()
         input_socket.close(linger=0)
         output_socket.close(linger=_LINGER_MS)
         ctx.term()
-    if status:
-        raise SystemExit(status)
