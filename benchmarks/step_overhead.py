@@ -161,7 +161,7 @@ def main() -> None:
         t1 = clock()
         runner_out = executor.execute_model(sched_out)
         t2 = clock()
-        core_out = scheduler.update_from_output(sched_out, runner_out)
+        core_out = scheduler.update_from_output(runner_out)
         t3 = clock()
         engine.output_processor.process_outputs(core_out)
         t4 = clock()

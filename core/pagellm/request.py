@@ -32,14 +32,6 @@ class RequestStatus(enum.IntEnum):
     FINISHED_ABORTED = enum.auto()
     FINISHED_ERROR = enum.auto()
 
-    @staticmethod
-    def is_finished(status: RequestStatus) -> bool:
-        return status > RequestStatus.PREEMPTED
-
-    @staticmethod
-    def finish_reason(status: RequestStatus) -> FinishReason | None:
-        return _FINISH_REASONS.get(status)
-
 
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
@@ -50,7 +42,8 @@ _FINISH_REASONS = {
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
-    """A request as the front end hands it to the engine core (a wire struct)."""
+    """A request as the front end hands it to the engine core (a wire struct); the engine core
+    builds its `Request` from these fields, which are the first arguments of `Request`."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -102,21 +95,6 @@ class Request:
         self.block_hashes: list[bytes] = []
         self.update_block_hashes()
 
-    @classmethod
-    def from_engine_core_request(
-        cls, req: EngineCoreRequest, block_hasher: Callable[[Request], list[bytes]] | None
-    ) -> Request:
-        return cls(
-            request_id=req.request_id,
-            prompt_token_ids=req.prompt_token_ids,
-            sampling_params=req.sampling_params,
-            eos_token_id=req.eos_token_id,
-            arrival_time=req.arrival_time,
-            priority=req.priority,
-            cache_salt=req.cache_salt,
-            block_hasher=block_hasher,
-        )
-
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
@@ -134,10 +112,10 @@ class Request:
             self.block_hashes.extend(self._block_hasher(self))
 
     def is_finished(self) -> bool:
-        return RequestStatus.is_finished(self.status)
+        return self.status > RequestStatus.PREEMPTED
 
     def get_finish_reason(self) -> FinishReason | None:
-        return RequestStatus.finish_reason(self.status)
+        return _FINISH_REASONS.get(self.status)
 
     def __repr__(self) -> str:
         return (

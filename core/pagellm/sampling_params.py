@@ -78,25 +78,14 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
 
     def __post_init__(self) -> None:
         _integer("n", self.n, 1)
-        if _number("temperature", self.temperature) < 0.0:
-            raise SamplingParamsError(
-                "temperature", f"temperature must be >= 0, got {self.temperature}."
-            )
-        if not 0.0 < _number("top_p", self.top_p) <= 1.0:
-            raise SamplingParamsError("top_p", f"top_p must be in (0, 1], got {self.top_p}.")
+        self._check("temperature", _number("temperature", self.temperature) >= 0.0, "be >= 0")
+        self._check("top_p", 0.0 < _number("top_p", self.top_p) <= 1.0, "be in (0, 1]")
         _integer("top_k", self.top_k, -1)
-        if not 0.0 <= _number("min_p", self.min_p) <= 1.0:
-            raise SamplingParamsError("min_p", f"min_p must be in [0, 1], got {self.min_p}.")
+        self._check("min_p", 0.0 <= _number("min_p", self.min_p) <= 1.0, "be in [0, 1]")
         for name in ("presence_penalty", "frequency_penalty"):
-            if not -2.0 <= _number(name, getattr(self, name)) <= 2.0:
-                raise SamplingParamsError(
-                    name, f"{name} must be in [-2, 2], got {getattr(self, name)}."
-                )
-        if _number("repetition_penalty", self.repetition_penalty) <= 0.0:
-            raise SamplingParamsError(
-                "repetition_penalty",
-                f"repetition_penalty must be > 0, got {self.repetition_penalty}.",
-            )
+            self._check(name, -2.0 <= _number(name, getattr(self, name)) <= 2.0, "be in [-2, 2]")
+        penalty = _number("repetition_penalty", self.repetition_penalty)
+        self._check("repetition_penalty", penalty > 0.0, "be > 0")
         if self.max_tokens is not None:
             _integer("max_tokens", self.max_tokens, 1)
         _integer("min_tokens", self.min_tokens, 0)
@@ -133,6 +122,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         if self.is_greedy:
             # Greedy: the other knobs do not matter; normalise them so the sampler can skip work.
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+
+    def _check(self, name: str, ok: bool, rule: str) -> None:
+        if not ok:
+            raise SamplingParamsError(name, f"{name} must {rule}, got {getattr(self, name)}.")
 
     @property
     def is_greedy(self) -> bool:

@@ -11,8 +11,4 @@ def get_tokenizer(tokenizer: str) -> Any:
     from transformers import AutoTokenizer
 
     source = resolve_model_source(tokenizer, field="tokenizer")
-    if source.gguf_file:
-        from pagellm.model_loader.gguf_cache import gguf_hf_dir
-
-        return AutoTokenizer.from_pretrained(gguf_hf_dir(source.gguf_file))
-    return AutoTokenizer.from_pretrained(source.directory)
+    return AutoTokenizer.from_pretrained(source.hf_directory())

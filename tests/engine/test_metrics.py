@@ -4,12 +4,10 @@ text exposition (parsed with prometheus_client's own parser) and the periodic lo
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import re
 from pathlib import Path
 
-import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -17,7 +15,6 @@ from pagellm.metrics.loggers import (
     LoggingStatLogger,
     PrometheusStatLogger,
     build_stat_loggers,
-    make_metrics_app,
     metrics_response,
 )
 from pagellm.metrics.registry import stat_loggers
@@ -133,20 +130,6 @@ def test_prometheus_loggers_in_one_process_keep_separate_registries():
         "pagellm:e2e_request_latency_seconds_count",
         "pagellm:request_prompt_tokens_count",
     } <= names
-
-
-def test_metrics_app_serves_the_exposition_over_asgi():
-    stat_logger = PrometheusStatLogger("served")
-    stat_logger.record(SchedulerStats(num_running_reqs=3), None)
-
-    async def get() -> httpx.Response:
-        transport = httpx.ASGITransport(app=make_metrics_app(stat_logger))
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-            return await client.get("/")
-
-    response = asyncio.run(get())
-    assert response.status_code == 200
-    assert 'pagellm:num_requests_running{model_name="served"} 3.0' in response.text
 
 
 class FakeClock:

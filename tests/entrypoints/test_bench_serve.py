@@ -176,7 +176,7 @@ def test_completions_at_a_request_rate_report_every_token_and_latency_percentile
     from pagellm.benchmarks.datasets import random_requests
 
     # The lengths only depend on the seed and the ranges, not on the vocabulary.
-    expected = random_requests(12, 128, 128, 0.0, 1000, 1, None, None, (8, 24), (4, 12))
+    expected = random_requests(12, (8, 24), (4, 12), 1000, 1)
     assert (result["completed"], result["failed"], result["errors"]) == (12, 0, [])
     # The model name came from /v1/models, and the server counted exactly the tokens sent.
     assert result["workload"]["model"] == smollm2_path

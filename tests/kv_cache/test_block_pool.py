@@ -75,11 +75,11 @@ def test_free_queue_rejects_popping_when_empty_and_removing_a_non_member():
 
 def test_pool_needs_at_least_two_blocks():
     with pytest.raises(ValueError):
-        BlockPool(1, enable_caching=True)
+        BlockPool(1)
 
 
 def test_null_block_is_never_handed_out():
-    pool = BlockPool(5, enable_caching=True)
+    pool = BlockPool(5)
     assert pool.null_block.block_id == 0
     assert pool.null_block.is_null
     assert pool.get_num_free_blocks() == 4
@@ -99,7 +99,7 @@ def test_null_block_is_never_handed_out():
 
 
 def test_get_new_blocks_asking_for_too_many_changes_nothing():
-    pool = BlockPool(4, enable_caching=True)
+    pool = BlockPool(4)
     with pytest.raises(ValueError):
         pool.get_new_blocks(4)
     assert pool.get_num_free_blocks() == 3
@@ -107,7 +107,7 @@ def test_get_new_blocks_asking_for_too_many_changes_nothing():
 
 
 def test_freed_hashed_blocks_go_to_tail_unhashed_to_head():
-    pool = BlockPool(6, enable_caching=True)
+    pool = BlockPool(6)
     b1, b2, b3, b4, b5 = pool.get_new_blocks(5)
     pool.cache_full_blocks([b1, b2], [b"h1", b"h2"], 0, 2)
     assert pool.get_num_free_blocks() == 0
@@ -124,7 +124,7 @@ def test_freed_hashed_blocks_go_to_tail_unhashed_to_head():
 
 
 def test_prefix_hit_on_free_cached_block_revives_it():
-    pool = BlockPool(4, enable_caching=True)
+    pool = BlockPool(4)
     (block,) = pool.get_new_blocks(1)
     pool.cache_full_blocks([block], [b"h"], 0, 1)
     pool.free_blocks([block])
@@ -149,7 +149,7 @@ def test_prefix_hit_on_free_cached_block_revives_it():
 
 
 def test_evicting_a_hashed_block_removes_it_from_the_hash_map():
-    pool = BlockPool(3, enable_caching=True)
+    pool = BlockPool(3)
     a, b = pool.get_new_blocks(2)
     pool.cache_full_blocks([a, b], [b"ha", b"hb"], 0, 2)
     pool.free_blocks([a, b])
@@ -165,7 +165,7 @@ def test_evicting_a_hashed_block_removes_it_from_the_hash_map():
 
 
 def test_cache_full_blocks_keeps_the_first_block_for_a_duplicate_hash():
-    pool = BlockPool(4, enable_caching=True)
+    pool = BlockPool(4)
     a, b = pool.get_new_blocks(2)
     pool.cache_full_blocks([a], [b"same"], 0, 1)
     pool.cache_full_blocks([b], [b"same"], 0, 1)
@@ -181,7 +181,7 @@ def test_cache_full_blocks_keeps_the_first_block_for_a_duplicate_hash():
 
 
 def test_double_free_raises():
-    pool = BlockPool(3, enable_caching=True)
+    pool = BlockPool(3)
     (block,) = pool.get_new_blocks(1)
     pool.free_blocks([block])
     with pytest.raises(RuntimeError, match="Double free"):
@@ -191,7 +191,7 @@ def test_double_free_raises():
 
 
 def test_reset_prefix_cache_fails_while_blocks_in_use():
-    pool = BlockPool(4, enable_caching=True)
+    pool = BlockPool(4)
     a, b = pool.get_new_blocks(2)
     pool.cache_full_blocks([a, b], [b"ha", b"hb"], 0, 2)
     pool.free_blocks([a])
@@ -393,16 +393,6 @@ def test_allocate_slots_counts_revived_hits_against_the_free_blocks():
     assert manager.num_free_blocks == 2
     assert "b" not in manager.req_to_blocks
     check_pool(manager.block_pool)
-
-
-def test_lookahead_tokens_allocate_extra_blocks():
-    manager = KVCacheManager(block_size=4, num_blocks=10, enable_caching=False)
-    req = make_request("r", list(range(4)))
-    assert len(manager.allocate_slots(req, 4, num_lookahead_tokens=4)) == 2
-    req.num_computed_tokens = 4
-    assert len(manager.allocate_slots(req, 1, num_lookahead_tokens=3)) == 0  # still fits in 2
-    assert len(manager.allocate_slots(req, 1, num_lookahead_tokens=4)) == 1
-    assert len(manager.get_block_ids("r")) == 3
 
 
 def test_allocate_slots_rejects_non_positive_token_counts():

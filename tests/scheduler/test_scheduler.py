@@ -15,8 +15,8 @@ from pagellm.kv_cache.hashing import make_block_hasher
 from pagellm.kv_cache.manager import KVCacheManager, cdiv
 from pagellm.request import FinishReason, Request, RequestStatus
 from pagellm.sampling_params import SamplingParams
-from pagellm.scheduler import Scheduler
 from pagellm.scheduler.output import ModelRunnerOutput
+from pagellm.scheduler.scheduler import Scheduler
 
 SAMPLED = 7  # the token the fake model samples unless a test says otherwise
 
@@ -80,9 +80,7 @@ def runner_output(scheduler, sched_out, sample=lambda request: SAMPLED):
 
 def step(scheduler, sample=lambda request: SAMPLED):
     sched_out = scheduler.schedule()
-    engine_out = scheduler.update_from_output(
-        sched_out, runner_output(scheduler, sched_out, sample)
-    )
+    engine_out = scheduler.update_from_output(runner_output(scheduler, sched_out, sample))
     return sched_out, engine_out
 
 
@@ -404,7 +402,7 @@ def test_abort_running_request_frees_its_blocks():
     sched.add_request(request)
     step(sched)
     assert num_free(sched) < usable_blocks(sched)
-    sched.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+    sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
     assert request.status == RequestStatus.FINISHED_ABORTED
     assert request.get_finish_reason() == FinishReason.ABORT
     assert num_free(sched) == usable_blocks(sched)
@@ -441,7 +439,7 @@ def test_abort_preempted_request():
     step(sched)
     out, _ = step(sched)
     assert out.preempted_req_ids == {"b"}
-    sched.finish_requests("b", RequestStatus.FINISHED_ABORTED)
+    sched.finish_requests(["b"], RequestStatus.FINISHED_ABORTED)
     assert len(sched.waiting) == 0
     assert "b" not in sched.requests
     drain(sched)
@@ -466,8 +464,8 @@ def test_abort_while_a_step_is_in_flight_drops_its_sampled_token():
     sched.add_request(b)
     out = sched.schedule()
     model_out = runner_output(sched, out)
-    sched.finish_requests("a", RequestStatus.FINISHED_ABORTED)
-    engine_out = sched.update_from_output(out, model_out)
+    sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
+    engine_out = sched.update_from_output(model_out)
     assert [o.request_id for o in engine_out.outputs] == ["b"]
     assert a.output_token_ids == []
     assert [r.request_id for r in sched.running] == ["b"]
@@ -707,7 +705,7 @@ class Simulation:
             if tokens and request.status == RequestStatus.RUNNING:
                 self.expected_outputs[req_id] += tokens
                 delivered[req_id] = tokens
-        engine_out = sched.update_from_output(out, model_out)
+        engine_out = sched.update_from_output(model_out)
         for req_id in delivered:
             self.describe_blocks(self.requests[req_id])
 

@@ -155,23 +155,19 @@ class AttentionBackend(ABC):
         unavailable = cls.is_available()
         if unavailable:
             reasons.append(unavailable)
+
+        def unsupported(what: str, supported: object) -> None:
+            reasons.append(f"{what} not supported (supports {supported})")
+
         if device_type not in cls.supported_device_types:
-            reasons.append(
-                f"device {device_type!r} not supported (supports {list(cls.supported_device_types)})"
-            )
+            unsupported(f"device {device_type!r}", list(cls.supported_device_types))
         if dtype not in cls.supported_dtypes:
             names = [str(d).removeprefix("torch.") for d in cls.supported_dtypes]
-            reasons.append(
-                f"dtype {str(dtype).removeprefix('torch.')} not supported (supports {names})"
-            )
+            unsupported(f"dtype {str(dtype).removeprefix('torch.')}", names)
         if cls.supported_head_sizes is not None and head_size not in cls.supported_head_sizes:
-            reasons.append(
-                f"head size {head_size} not supported (supports {list(cls.supported_head_sizes)})"
-            )
+            unsupported(f"head size {head_size}", list(cls.supported_head_sizes))
         if block_size is not None and block_size % cls.block_size_multiple:
-            reasons.append(
-                f"block_size {block_size} not supported (supports multiples of {cls.block_size_multiple})"
-            )
+            unsupported(f"block_size {block_size}", f"multiples of {cls.block_size_multiple}")
         if sliding_window is not None and not cls.supports_sliding_window:
             reasons.append("sliding window attention not supported")
         return reasons

@@ -20,14 +20,11 @@ class Attention(nn.Module):
         sliding_window: int | None = None,
     ) -> None:
         super().__init__()
-        self.num_heads = num_heads
-        self.head_size = head_size
-        self.num_kv_heads = num_kv_heads
         self.sliding_window = sliding_window
         self.impl = backend.get_impl_cls()(
             num_heads, head_size, scale, num_kv_heads, sliding_window
         )
-        # Bound by the model runner once the KV cache exists (`bind_kv_cache`).
+        # Given by the worker once the KV cache exists (`Worker.initialize_cache`).
         self.kv_cache = torch.empty(0)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:

@@ -12,4 +12,3 @@ attention_backends: Registry[AttentionBackend] = Registry(
 )
 # The built-in reference backend goes through the same registry as the plugins' backends.
 attention_backends.register("TORCH_SDPA", "pagellm.attention.backends.torch_sdpa:TorchSDPABackend")
-get_backend_cls = attention_backends.get

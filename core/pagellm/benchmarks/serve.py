@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -25,12 +26,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-from pagellm.benchmarks.datasets import (
-    BenchRequest,
-    add_dataset_args,
-    dataset_record,
-    requests_from_args,
-)
+from pagellm.benchmarks import datasets
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 
@@ -56,9 +52,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get("PAGELLM_API_KEY"),
         help="Sent as a bearer token (default: $PAGELLM_API_KEY).",
     )
-    add_dataset_args(parser)
+    datasets.add_dataset_args(parser)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument(
         "--request-rate",
         type=float,
@@ -73,9 +68,6 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=600.0,
         help="Seconds to wait for the server's next bytes before a request fails.",
-    )
-    parser.add_argument(
-        "--output-json", default=None, help="Also write the result JSON to this file."
     )
 
 
@@ -92,7 +84,7 @@ class RequestResult:
 
 
 def _body(
-    args: argparse.Namespace, model: str, request: BenchRequest, tokenizer: Any
+    args: argparse.Namespace, model: str, request: datasets.BenchRequest, tokenizer: Any
 ) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": model,
@@ -114,13 +106,10 @@ def _is_token_chunk(chunk: dict[str, Any]) -> bool:
     """Whether the chunk brings generated tokens: any completions chunk with a choice (its text may
     be empty: held back by the detokenizer, or a server without a tokenizer), a chat chunk whose
     delta has content (the first chat chunk only announces the role)."""
-    choices = chunk.get("choices") or []
+    choices = chunk.get("choices")
     if not choices:
         return False
-    choice = choices[0]
-    if "delta" in choice:
-        return bool(choice["delta"].get("content"))
-    return True
+    return "delta" not in choices[0] or bool(choices[0]["delta"].get("content"))
 
 
 async def _send(
@@ -180,7 +169,7 @@ async def _run(
     args: argparse.Namespace,
     base_url: str,
     model: str,
-    requests: list[BenchRequest],
+    requests: list[datasets.BenchRequest],
     tokenizer: Any,
 ) -> tuple[list[RequestResult], float]:
     url = base_url + args.endpoint
@@ -199,9 +188,7 @@ async def _run(
     ) as session:
 
         async def one(body: dict[str, Any], expected: int) -> RequestResult:
-            if semaphore is None:
-                return await _send(session, url, body, expected)
-            async with semaphore:
+            async with semaphore or contextlib.nullcontext():
                 return await _send(session, url, body, expected)
 
         start = time.perf_counter()
@@ -243,12 +230,8 @@ def _percentiles_ms(values: list[float]) -> dict[str, float | None]:
         return {"mean": None, "p50": None, "p90": None, "p99": None}
     ms = np.asarray(values) * 1e3
     p50, p90, p99 = np.percentile(ms, [50, 90, 99])
-    return {
-        "mean": round(float(ms.mean()), 3),
-        "p50": round(float(p50), 3),
-        "p90": round(float(p90), 3),
-        "p99": round(float(p99), 3),
-    }
+    stats = {"mean": ms.mean(), "p50": p50, "p90": p90, "p99": p99}
+    return {name: round(float(value), 3) for name, value in stats.items()}
 
 
 def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
@@ -297,24 +280,19 @@ def main(args: argparse.Namespace) -> int:
             f"Could not load the tokenizer for the prompts: {exc} Pass --tokenizer with a local "
             "model directory or GGUF file."
         ) from exc
-    requests = requests_from_args(args, len(tokenizer), set(tokenizer.all_special_ids))
+    requests = datasets.requests_from_args(args, len(tokenizer), set(tokenizer.all_special_ids))
     results, duration = asyncio.run(_run(args, base_url, model, requests, tokenizer))
     result: dict[str, Any] = {
         "workload": {
             "base_url": base_url,
             "endpoint": args.endpoint,
             "model": model,
-            **dataset_record(args),
-            "temperature": args.temperature,
+            **datasets.dataset_record(args),
             "request_rate": args.request_rate if args.request_rate != float("inf") else "inf",
             "max_concurrency": args.max_concurrency,
         },
         "client_machine": {"platform": platform.platform(), "cpu_count": os.cpu_count()},
         **summarize(results, duration),
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            f.write(text + "\n")
+    datasets.print_result(result, args.output_json)
     return 0 if result["failed"] == 0 else 1

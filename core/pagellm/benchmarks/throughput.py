@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import logging
 import os
 import platform
@@ -18,12 +17,7 @@ from typing import Any
 
 import torch
 
-from pagellm.benchmarks.datasets import (
-    BenchRequest,
-    add_dataset_args,
-    dataset_record,
-    requests_from_args,
-)
+from pagellm.benchmarks import datasets
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -50,15 +44,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="attn_implementation for transformers (continuous default: paged|sdpa).",
     )
-    add_dataset_args(parser)
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument(
-        "--output-json", default=None, help="Also write the result JSON to this file."
-    )
+    datasets.add_dataset_args(parser)
     EngineArgs.add_cli_args(parser)
 
 
-def _summary(name: str, requests: list[BenchRequest], elapsed: float) -> dict[str, Any]:
+def _summary(name: str, requests: list[datasets.BenchRequest], elapsed: float) -> dict[str, Any]:
     prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
     output_tokens = sum(r.output_len for r in requests)
     return {
@@ -84,7 +74,7 @@ def measure_copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float
 
 
 def run_pagellm(
-    args: argparse.Namespace, requests: list[BenchRequest]
+    args: argparse.Namespace, requests: list[datasets.BenchRequest]
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Runs the workload through the engine, one timed step at a time; returns the summary and
     what the peer run needs (config, pad id), after shutting the engine down."""
@@ -92,8 +82,7 @@ def run_pagellm(
     from pagellm.engine.args import EngineArgs
     from pagellm.sampling_params import RequestOutputKind
 
-    engine_args = EngineArgs.from_cli_args(args)
-    llm = LLM(engine_args.model, **{k: v for k, v in vars(engine_args).items() if k != "model"})
+    llm = LLM(**vars(EngineArgs.from_cli_args(args)))
     engine = llm.llm_engine
     core = engine.engine_core
     config = engine.config
@@ -159,11 +148,8 @@ def run_pagellm(
             "copy_bandwidth_gb_per_s": round(copy_bw / 1e9, 1),
             "fraction_of_roofline": round(achieved / copy_bw, 3),
         }
-    tokenizer = llm.get_tokenizer()
-    peer = {
-        "config": config,
-        "pad_token_id": (tokenizer.pad_token_id if tokenizer is not None else None) or 0,
-    }
+    pad_token_id = getattr(llm.get_tokenizer(), "pad_token_id", None) or 0
+    peer = {"config": config, "pad_token_id": pad_token_id}
     core.shutdown()
     del llm, engine, core
     gc.collect()  # the peer's allocations reuse what the engine held
@@ -175,9 +161,8 @@ def _hf_model(args: argparse.Namespace, config: Any) -> Any:
     on the device)."""
     from transformers import AutoModelForCausalLM
 
-    dtype = config.model.torch_dtype
     device = config.device.device
-    kwargs: dict[str, Any] = {"dtype": dtype}
+    kwargs: dict[str, Any] = {"dtype": config.model.torch_dtype}
     if args.hf_attn_implementation or args.hf_mode == "continuous":
         kwargs["attn_implementation"] = args.hf_attn_implementation or "paged|sdpa"
     if config.load.load_format == "dummy":
@@ -192,7 +177,7 @@ def _hf_model(args: argparse.Namespace, config: Any) -> Any:
 
 
 def run_hf(
-    args: argparse.Namespace, requests: list[BenchRequest], peer: dict[str, Any]
+    args: argparse.Namespace, requests: list[datasets.BenchRequest], peer: dict[str, Any]
 ) -> dict[str, Any]:
     from transformers import GenerationConfig
 
@@ -259,23 +244,13 @@ def main(args: argparse.Namespace) -> int:
     if args.model is None:
         args.model = default_model_path()
     if args.max_model_len is None:
-        longest_in = (
-            args.input_len_range[1]
-            if args.input_len_range
-            else int(args.input_len * (1 + args.random_range_ratio))
-        )
-        longest_out = (
-            args.output_len_range[1]
-            if args.output_len_range
-            else int(args.output_len * (1 + args.random_range_ratio))
-        )
+        (_, longest_in), (_, longest_out) = datasets.length_ranges(args)
         args.max_model_len = longest_in + longest_out + 1
     result: dict[str, Any] = {
         "workload": {
             "model": os.path.basename(args.model.rstrip("/")),
             "load_format": args.load_format,
-            **dataset_record(args),
-            "temperature": args.temperature,
+            **datasets.dataset_record(args),
         },
         "machine": {
             "platform": platform.platform(),
@@ -293,7 +268,7 @@ def main(args: argparse.Namespace) -> int:
     config = EngineArgs.from_cli_args(args).create_engine_config()
     tokenizer = None if config.model.skip_tokenizer_init else get_tokenizer(config.model.tokenizer)
     special = set(getattr(tokenizer, "all_special_ids", None) or ())
-    requests = requests_from_args(args, config.model.vocab_size, special)
+    requests = datasets.requests_from_args(args, config.model.vocab_size, special)
     llm_result, peer = run_pagellm(args, requests)
     result["pagellm"] = llm_result
     if args.backend == "hf":
@@ -307,9 +282,5 @@ def main(args: argparse.Namespace) -> int:
             result["output_throughput_ratio"] = round(
                 llm_result["output_tokens_per_s"] / hf_result["output_tokens_per_s"], 2
             )
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            f.write(text + "\n")
+    datasets.print_result(result, args.output_json)
     return 0

@@ -36,7 +36,7 @@ from pagellm.config import (
 from pagellm.model_loader.source import load_hf_config, resolve_model_source
 from pagellm.models.registry import resolve_model_cls
 from pagellm.platforms import current_platform, current_platform_name
-from pagellm.quantization.registry import get_quantization_config_cls
+from pagellm.quantization.registry import quantization_methods
 from pagellm.scheduler.policy import scheduling_policies
 
 _DEFAULT_MAX_NUM_SEQS = 256
@@ -185,7 +185,7 @@ class EngineArgs:
                 "scheduled; raise max_num_batched_tokens, lower max_model_len or enable chunked prefill."
             )
         if self.quantization is not None:
-            quant_cls = get_quantization_config_cls(self.quantization)
+            quant_cls = quantization_methods.get(self.quantization)
             if model_cfg.torch_dtype not in quant_cls.supported_dtypes:
                 raise ConfigError(
                     f"quantization={self.quantization!r} does not support dtype {model_cfg.dtype}."

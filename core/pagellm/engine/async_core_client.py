@@ -7,7 +7,6 @@ the running event loop reads the outputs and watches the process's sentinel.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -16,16 +15,9 @@ import zmq
 import zmq.asyncio
 
 from pagellm.config import EngineConfig
+from pagellm.engine import messages
 from pagellm.engine.core_client import DRAIN_MS, MPClientBase, send_shutdown
 from pagellm.engine.errors import EngineDeadError
-from pagellm.engine.messages import (
-    EngineError,
-    EngineOutputMsg,
-    EngineStepOutputs,
-    UtilityCall,
-    UtilityResult,
-    output_decoder,
-)
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +34,7 @@ class AsyncMPClient(MPClientBase):
     def __init__(
         self,
         config: EngineConfig,
-        on_outputs: Callable[[EngineStepOutputs], None],
+        on_outputs: Callable[[messages.EngineStepOutputs], None],
         on_dead: Callable[[EngineDeadError], None],
     ) -> None:
         super().__init__(config)
@@ -51,7 +43,6 @@ class AsyncMPClient(MPClientBase):
         self._on_dead = on_dead
         self._task: asyncio.Task[None] | None = None
         self._calls: dict[int, asyncio.Future[Any]] = {}
-        self._call_ids = itertools.count()
         self._exited = False
         self._recv_future: asyncio.Future[Any] | None = None
 
@@ -92,10 +83,10 @@ class AsyncMPClient(MPClientBase):
                     raise
                 finally:
                     self._recv_future = None
-                self._dispatch(output_decoder.decode(frame))
+                self._dispatch(messages.output_decoder.decode(frame))
             # The process is gone: take what it sent before dying (its EngineError, if any).
             while await sock.poll(DRAIN_MS):
-                self._dispatch(output_decoder.decode(await sock.recv()))
+                self._dispatch(messages.output_decoder.decode(await sock.recv()))
             if not self._closed:
                 self._fail_all(self._set_dead(None))
         except Exception as exc:
@@ -104,17 +95,17 @@ class AsyncMPClient(MPClientBase):
         finally:
             loop.remove_reader(sentinel)
 
-    def _dispatch(self, msg: EngineOutputMsg) -> None:
-        if isinstance(msg, EngineStepOutputs):
+    def _dispatch(self, msg: messages.EngineOutputMsg) -> None:
+        if isinstance(msg, messages.EngineStepOutputs):
             self._on_outputs(msg)
-        elif isinstance(msg, UtilityResult):
+        elif isinstance(msg, messages.UtilityResult):
             future = self._calls.pop(msg.call_id, None)
             if future is not None and not future.done():
                 if msg.error is not None:
                     future.set_exception(RuntimeError(f"Engine utility failed: {msg.error}"))
                 else:
                     future.set_result(msg.result)
-        elif isinstance(msg, EngineError):
+        elif isinstance(msg, messages.EngineError):
             self._fail_all(self._set_dead(msg))
 
     def _fail_all(self, error: EngineDeadError) -> None:
@@ -133,7 +124,7 @@ class AsyncMPClient(MPClientBase):
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._calls[call_id] = future
         try:
-            self._send(UtilityCall(call_id, method, list(args)))
+            self._send(messages.UtilityCall(call_id, method, list(args)))
             return await asyncio.wait_for(future, timeout)
         finally:
             self._calls.pop(call_id, None)

@@ -63,11 +63,7 @@ class AsyncLLM(RequestFrontend):
     # ---------------------------------------------------------------- requests
 
     async def generate(
-        self,
-        prompt: PromptType,
-        params: SamplingParams,
-        request_id: str,
-        priority: int = 0,
+        self, prompt: PromptType, params: SamplingParams, request_id: str, priority: int = 0
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream the request's outputs (in ``params.output_kind``), the last one finished.
 
@@ -194,12 +190,13 @@ class AsyncLLM(RequestFrontend):
     async def get_engine_state(self) -> dict[str, Any]:
         """num_running, num_waiting, num_free_blocks, num_total_blocks (the null block excluded:
         all free when no request holds a block), kv_cache_usage, prefix_cache_hit_rate."""
-        state: dict[str, Any] = await self.core_client.call_utility("get_state")
-        return state
+        return await self.core_client.call_utility("get_state")
 
     def shutdown(self) -> None:
         """Stop the engine process; requests still streaming raise `EngineDeadError`."""
-        self._stop_log_task()
+        task = self._log_task
+        if task is not None and not task.done() and not task.get_loop().is_closed():
+            task.cancel()
         self.core_client.shutdown()
         self._on_dead(EngineDeadError("The engine was shut down."))
 
@@ -208,8 +205,3 @@ class AsyncLLM(RequestFrontend):
         before it is killed."""
         await self.core_client.shutdown_async(timeout)
         self.shutdown()  # the engine is stopped: what is left is ending the streams
-
-    def _stop_log_task(self) -> None:
-        task = self._log_task
-        if task is not None and not task.done() and not task.get_loop().is_closed():
-            task.cancel()

@@ -10,14 +10,15 @@ import msgspec
 
 from pagellm.config import EngineConfig
 from pagellm.engine.warm_up import warm_up
-from pagellm.executor import Executor, UniProcExecutor
-from pagellm.kv_cache import KVCacheManager, make_block_hasher
-from pagellm.kv_cache.manager import cdiv
+from pagellm.executor.abstract import Executor
+from pagellm.executor.uniproc import UniProcExecutor
+from pagellm.kv_cache.hashing import make_block_hasher
+from pagellm.kv_cache.manager import KVCacheManager, cdiv
 from pagellm.metrics.stats import SchedulerStats
 from pagellm.platforms import current_platform
 from pagellm.request import EngineCoreRequest, Request, RequestStatus
-from pagellm.scheduler import Scheduler
 from pagellm.scheduler.output import EngineCoreOutputs, SchedulerOutput
+from pagellm.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +78,8 @@ class EngineCore:
         return num_blocks
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        self.scheduler.add_request(Request.from_engine_core_request(request, self.block_hasher))
+        fields = msgspec.structs.asdict(request)
+        self.scheduler.add_request(Request(**fields, block_hasher=self.block_hasher))
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
@@ -102,7 +104,7 @@ class EngineCore:
         except Exception:
             return self._fail_step(scheduler_output)
         self.num_failed_steps_in_a_row = 0
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        return self.scheduler.update_from_output(runner_output)
 
     def _fail_step(self, out: SchedulerOutput) -> EngineCoreOutputs:
         """A step raised: the workers forget what it touched, and the scheduler fails the request
@@ -157,8 +159,7 @@ class EngineCore:
 
     def decode_weight_bytes(self) -> int:
         """Weight bytes one decode step reads (benchmarks' roofline: `ModelRunner`'s count)."""
-        result: int = self.executor.collective_rpc("decode_weight_bytes")[0]
-        return result
+        return self.executor.collective_rpc("decode_weight_bytes")[0]
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()

@@ -30,22 +30,9 @@ from typing import Any, Protocol
 import zmq
 
 from pagellm.config import EngineConfig
+from pagellm.engine import messages
 from pagellm.engine.core_proc import run_engine_core
 from pagellm.engine.errors import EngineDeadError, EngineStartupError
-from pagellm.engine.messages import (
-    AbortRequests,
-    AddRequest,
-    EngineError,
-    EngineOutputMsg,
-    EngineReady,
-    EngineRequestMsg,
-    EngineStepOutputs,
-    Shutdown,
-    UtilityCall,
-    UtilityResult,
-    encoder,
-    output_decoder,
-)
 from pagellm.request import EngineCoreRequest
 from pagellm.scheduler.output import EngineCoreOutputs
 
@@ -58,12 +45,16 @@ DRAIN_MS = 200
 _POLL_MS = 5000
 
 
-class EngineCoreClient(Protocol):
-    """What `LLMEngine` drives: `EngineCore` in process, or `SyncMPClient`."""
+class RequestSink(Protocol):
+    """The part of an engine-core client the request path uses (`RequestFrontend`)."""
 
     def add_request(self, request: EngineCoreRequest) -> None: ...
 
     def abort_requests(self, request_ids: Iterable[str]) -> None: ...
+
+
+class EngineCoreClient(RequestSink, Protocol):
+    """What `LLMEngine` drives: `EngineCore` in process, or `SyncMPClient`."""
 
     def step(self) -> EngineCoreOutputs: ...
 
@@ -72,7 +63,7 @@ class EngineCoreClient(Protocol):
 
 def send_shutdown(input_socket: zmq.Socket) -> None:
     with contextlib.suppress(zmq.ZMQError):
-        input_socket.send(encoder.encode(Shutdown()), zmq.NOBLOCK)
+        input_socket.send(messages.encoder.encode(messages.Shutdown()), zmq.NOBLOCK)
 
 
 def _stop_process(
@@ -131,6 +122,7 @@ class MPClientBase:
         )
         self._closed = False
         self._dead: EngineDeadError | None = None
+        self._call_ids = itertools.count()
         self.proc.start()
         # The output socket and the process's sentinel: a message, or the process's exit.
         self._poller = zmq.Poller()
@@ -142,16 +134,16 @@ class MPClientBase:
             self.shutdown()
             raise
 
-    def _wait_until_ready(self) -> EngineReady:
+    def _wait_until_ready(self) -> messages.EngineReady:
         sock = self._output_sync
         while True:
             events = dict(self._poller.poll())
             # After the exit, its last messages (an EngineError) may still be on the way.
             if sock in events or (self.proc.sentinel in events and sock.poll(DRAIN_MS)):
-                msg = output_decoder.decode(sock.recv())
-                if isinstance(msg, EngineReady):
+                msg = messages.output_decoder.decode(sock.recv())
+                if isinstance(msg, messages.EngineReady):
                     return msg
-                if isinstance(msg, EngineError):
+                if isinstance(msg, messages.EngineError):
                     raise EngineStartupError(
                         f"The engine core failed to start: {msg.message}\n{msg.traceback}"
                     )
@@ -166,7 +158,7 @@ class MPClientBase:
             self._set_dead(None)
         return self._dead is not None
 
-    def _set_dead(self, error: EngineError | None) -> EngineDeadError:
+    def _set_dead(self, error: messages.EngineError | None) -> EngineDeadError:
         """Record the engine's death (once) and return the error pending calls fail with. The
         engine's own error is logged here, not handed to clients."""
         if self._dead is None:
@@ -195,19 +187,19 @@ class MPClientBase:
         if self.errored and self._dead is not None:
             raise EngineDeadError(*self._dead.args)  # a fresh instance: its own traceback
 
-    def _send(self, msg: EngineRequestMsg) -> None:
+    def _send(self, msg: messages.EngineRequestMsg) -> None:
         # Never blocks: the connecting side queues without limit (SNDHWM 0).
-        self.input_socket.send(encoder.encode(msg))
+        self.input_socket.send(messages.encoder.encode(msg))
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.raise_if_dead()
-        self._send(AddRequest(request))
+        self._send(messages.AddRequest(request))
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Silently nothing when the engine is gone: there is nothing left to free."""
         ids = list(request_ids)
         if ids and not self._closed and self._dead is None:
-            self._send(AbortRequests(ids))
+            self._send(messages.AbortRequests(ids))
 
     def shutdown(self) -> None:
         """Stop the process (shutdown message, then terminate / kill) and remove the IPC files."""
@@ -222,17 +214,16 @@ class SyncMPClient(MPClientBase):
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
-        self._buffered: deque[EngineStepOutputs] = deque()
-        self._call_ids = itertools.count()
+        self._buffered: deque[messages.EngineStepOutputs] = deque()
 
-    def _recv(self) -> EngineOutputMsg:
+    def _recv(self) -> messages.EngineOutputMsg:
         sock = self._output_sync
         while True:
             self.raise_if_dead()
             events = dict(self._poller.poll(_POLL_MS))
             if sock in events or (self.proc.sentinel in events and sock.poll(DRAIN_MS)):
-                msg = output_decoder.decode(sock.recv())
-                if isinstance(msg, EngineError):
+                msg = messages.output_decoder.decode(sock.recv())
+                if isinstance(msg, messages.EngineError):
                     self.proc.join(_SHUTDOWN_TIMEOUT_S)  # it exits right after: reap it
                     raise self._set_dead(msg)
                 return msg
@@ -240,27 +231,24 @@ class SyncMPClient(MPClientBase):
                 self.proc.join()  # it has exited: reap it
                 raise self._set_dead(None)
 
-    def get_output(self) -> EngineStepOutputs:
-        """The next step's outputs and stats (blocks; raises `EngineDeadError`)."""
+    def step(self) -> EngineCoreOutputs:
+        """The next step's outputs (blocks; raises `EngineDeadError`)."""
         if self._buffered:
-            return self._buffered.popleft()
+            return self._buffered.popleft().outputs
         while True:
             msg = self._recv()
-            if isinstance(msg, EngineStepOutputs):
-                return msg
-
-    def step(self) -> EngineCoreOutputs:
-        return self.get_output().outputs
+            if isinstance(msg, messages.EngineStepOutputs):
+                return msg.outputs
 
     def call_utility(self, method: str, *args: Any) -> Any:
         self.raise_if_dead()
         call_id = next(self._call_ids)
-        self._send(UtilityCall(call_id, method, list(args)))
+        self._send(messages.UtilityCall(call_id, method, list(args)))
         while True:
             msg = self._recv()
-            if isinstance(msg, EngineStepOutputs):
+            if isinstance(msg, messages.EngineStepOutputs):
                 self._buffered.append(msg)
-            elif isinstance(msg, UtilityResult) and msg.call_id == call_id:
+            elif isinstance(msg, messages.UtilityResult) and msg.call_id == call_id:
                 if msg.error is not None:
                     raise RuntimeError(f"Engine utility {method!r} failed: {msg.error}")
                 return msg.result

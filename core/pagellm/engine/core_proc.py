@@ -24,21 +24,8 @@ from typing import Any
 import zmq
 
 from pagellm.config import EngineConfig
+from pagellm.engine import messages
 from pagellm.engine.core import EngineCore
-from pagellm.engine.messages import (
-    AbortRequests,
-    AddRequest,
-    EngineError,
-    EngineOutputMsg,
-    EngineReady,
-    EngineRequestMsg,
-    EngineStepOutputs,
-    Shutdown,
-    UtilityCall,
-    UtilityResult,
-    encoder,
-    request_decoder,
-)
 from pagellm.request import FinishReason
 from pagellm.scheduler.output import EngineCoreOutput, EngineCoreOutputs
 
@@ -62,8 +49,12 @@ class EngineCoreProc:
             "get_state": core.get_state,
         }
 
-    def send(self, msg: EngineOutputMsg) -> None:
-        self.output_socket.send(encoder.encode(msg))
+    def send(self, msg: messages.EngineOutputMsg) -> None:
+        self.output_socket.send(messages.encoder.encode(msg))
+
+    def send_outputs(self, outputs: EngineCoreOutputs) -> None:
+        """Outputs go with the scheduler's stats as they stand after them."""
+        self.send(messages.EngineStepOutputs(outputs, self.core.make_scheduler_stats()))
 
     def run_busy_loop(self) -> None:
         """Until a `Shutdown` message comes."""
@@ -78,19 +69,18 @@ class EngineCoreProc:
                     frame = sock.recv(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                msg = request_decoder.decode(frame)
-                if isinstance(msg, Shutdown):
+                msg = messages.request_decoder.decode(frame)
+                if isinstance(msg, messages.Shutdown):
                     return
-                aborted |= isinstance(msg, AbortRequests)
+                aborted |= isinstance(msg, messages.AbortRequests)
                 self._handle(msg)
             if core.has_unfinished_requests():
-                outputs = core.step()
-                self.send(EngineStepOutputs(outputs, core.make_scheduler_stats()))
+                self.send_outputs(core.step())
             elif aborted:  # no step follows to report it: the gauges must see the idle engine
-                self.send(EngineStepOutputs(EngineCoreOutputs(), core.make_scheduler_stats()))
+                self.send_outputs(EngineCoreOutputs())
 
-    def _handle(self, msg: EngineRequestMsg) -> None:
-        if isinstance(msg, AddRequest):
+    def _handle(self, msg: messages.EngineRequestMsg) -> None:
+        if isinstance(msg, messages.AddRequest):
             try:
                 self.core.add_request(msg.request)
             except Exception:  # that request's fault: it fails, the engine goes on
@@ -98,25 +88,24 @@ class EngineCoreProc:
                 failed = EngineCoreOutput(
                     msg.request.request_id, [], finish_reason=int(FinishReason.ERROR)
                 )
-                outputs = EngineCoreOutputs(outputs=[failed])
-                self.send(EngineStepOutputs(outputs, self.core.make_scheduler_stats()))
-        elif isinstance(msg, AbortRequests):
+                self.send_outputs(EngineCoreOutputs(outputs=[failed]))
+        elif isinstance(msg, messages.AbortRequests):
             self.core.abort_requests(msg.request_ids)
-        elif isinstance(msg, UtilityCall):
+        elif isinstance(msg, messages.UtilityCall):
             self.send(self._call_utility(msg))
 
-    def _call_utility(self, call: UtilityCall) -> UtilityResult:
+    def _call_utility(self, call: messages.UtilityCall) -> messages.UtilityResult:
         method = self.utilities.get(call.method)
         if method is None:
-            return UtilityResult(
+            return messages.UtilityResult(
                 call.call_id,
                 error=f"AttributeError: unknown utility {call.method!r}; "
                 f"available: {sorted(self.utilities)}",
             )
         try:
-            return UtilityResult(call.call_id, result=method(*call.args))
+            return messages.UtilityResult(call.call_id, result=method(*call.args))
         except Exception as exc:  # a failed utility call is the caller's error, not the engine's
-            return UtilityResult(call.call_id, error=f"{type(exc).__name__}: {exc}")
+            return messages.UtilityResult(call.call_id, error=f"{type(exc).__name__}: {exc}")
 
 
 def _exit_when_orphaned(parent_pid: int) -> None:
@@ -141,23 +130,20 @@ def run_engine_core(
     output_socket = ctx.socket(zmq.PUSH)
     output_socket.setsockopt(zmq.SNDHWM, 0)
     output_socket.bind(output_address)
-    status = 0
     core: EngineCore | None = None
     try:
         core = EngineCore(config)  # its worker loads the general plugins
         proc = EngineCoreProc(core, input_socket, output_socket)
-        proc.send(EngineReady(num_blocks=core.kv_cache_manager.block_pool.num_blocks))
+        proc.send(messages.EngineReady(num_blocks=core.kv_cache_manager.block_pool.num_blocks))
         proc.run_busy_loop()
     except Exception as exc:
         logger.exception("Engine core failed")
-        status = 1
-        error = EngineError(f"{type(exc).__name__}: {exc}", traceback.format_exc())
-        output_socket.send(encoder.encode(error))
+        error = messages.EngineError(f"{type(exc).__name__}: {exc}", traceback.format_exc())
+        output_socket.send(messages.encoder.encode(error))
+        raise SystemExit(1) from None  # after the cleanup below
     finally:
         if core is not None:
             core.shutdown()
         input_socket.close(linger=0)
         output_socket.close(linger=_LINGER_MS)
         ctx.term()
-    if status:
-        raise SystemExit(status)

@@ -60,17 +60,13 @@ class RequestOutputCollector:
         self.error = error
         self.ready.set()
 
-    def get_nowait(self) -> RequestOutput | Exception | None:
-        """The pending output, else the error (it stays: every later call returns it), else None."""
-        output = self.output
-        if output is not None:
-            self.output = None
-            if self.error is None:
-                self.ready.clear()
-            return output
-        return self.error
-
     async def get(self) -> RequestOutput | Exception:
-        while (item := self.get_nowait()) is None:
+        """The pending output, else the error (it stays: every later call returns it)."""
+        while self.output is None:
+            if self.error is not None:
+                return self.error
             await self.ready.wait()
-        return item
+        output, self.output = self.output, None
+        if self.error is None:
+            self.ready.clear()
+        return output

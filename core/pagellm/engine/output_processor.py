@@ -200,9 +200,6 @@ class OutputProcessor:
         """Returns True when a stop string ended the completion."""
         completion.token_ids.extend(token_ids)
         params = completion.params
-        if not logprobs and not params.stop and completion.detokenizer is not None:
-            completion.text += completion.detokenizer.update(token_ids)  # the plain case
-            return False
         if logprobs and completion.logprobs is not None:
             for sample in logprobs:
                 completion.logprobs.append(self._position_logprobs(sample))
@@ -213,7 +210,6 @@ class OutputProcessor:
             return False
         new_text = completion.detokenizer.update(token_ids)
         completion.text += new_text
-        params = completion.params
         if not params.stop or not new_text or len(completion.token_ids) < params.min_tokens:
             return False
         stops = [params.stop] if isinstance(params.stop, str) else params.stop

@@ -150,12 +150,9 @@ class InputProcessor:
             raise ValueError(
                 f"n={params.n} is larger than max_num_seqs={self.config.scheduler.max_num_seqs}."
             )
-        if params.logit_bias:
-            self._check_vocab("logit_bias", list(params.logit_bias))
-        if params.allowed_token_ids:
-            self._check_vocab("allowed_token_ids", params.allowed_token_ids)
-        if params.stop_token_ids:
-            self._check_vocab("stop_token_ids", params.stop_token_ids)
+        for name in ("logit_bias", "allowed_token_ids", "stop_token_ids"):
+            if getattr(params, name):
+                self._check_vocab(name, list(getattr(params, name)))
         params = params.clone()
         if params.top_k >= self.vocab_size:
             params.top_k = 0  # keeping every token of the vocabulary is no top-k at all

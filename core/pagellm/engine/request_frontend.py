@@ -4,26 +4,15 @@ the engine core, and followed by the `OutputProcessor` until it ends or is abort
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Protocol
-
 from pagellm.config import EngineConfig
+from pagellm.engine.core_client import RequestSink
 from pagellm.engine.errors import EngineOverloadedError
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.processor import InputProcessor, ProcessedPrompt, fan_out
 from pagellm.outputs import RequestOutput
 from pagellm.plugins import load_frontend_plugins, load_general_plugins
-from pagellm.request import EngineCoreRequest
 from pagellm.scheduler.output import EngineCoreOutputs
 from pagellm.tokenizer import get_tokenizer
-
-
-class RequestSink(Protocol):
-    """The part of an engine-core client the request path uses."""
-
-    def add_request(self, request: EngineCoreRequest) -> None: ...
-
-    def abort_requests(self, request_ids: Iterable[str]) -> None: ...
 
 
 class RequestFrontend:

@@ -8,11 +8,11 @@ import logging
 import time
 
 from pagellm.config import EngineConfig
-from pagellm.executor import Executor
-from pagellm.kv_cache import KVCacheManager
+from pagellm.executor.abstract import Executor
+from pagellm.kv_cache.manager import KVCacheManager
 from pagellm.request import Request
 from pagellm.sampling_params import SamplingParams
-from pagellm.scheduler import Scheduler
+from pagellm.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ def warm_up(config: EngineConfig, executor: Executor, num_blocks: int) -> None:
 
     def step() -> None:
         out = scheduler.schedule()
-        scheduler.update_from_output(out, executor.execute_model(out))
+        scheduler.update_from_output(executor.execute_model(out))
 
     started = time.perf_counter()
     for length in lengths:  # prefills alone, one length per step

@@ -11,10 +11,7 @@ from collections.abc import Sequence
 from pagellm.plugins.loader import PluginError
 from pagellm.version import __version__
 
-DEFAULT_PROMPTS = [
-    "What is the capital of France?",
-    "Give me three tips for staying healthy.",
-]
+DEFAULT_PROMPTS = ["What is the capital of France?", "Give me three tips for staying healthy."]
 
 
 def _add_generate_parser(subparsers: argparse._SubParsersAction) -> None:

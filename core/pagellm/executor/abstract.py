@@ -22,26 +22,21 @@ class Executor(ABC):
 
     @abstractmethod
     def collective_rpc(
-        self,
-        method: str | Callable[..., Any],
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
+        self, method: str | Callable[..., Any], args: tuple[Any, ...] = ()
     ) -> list[Any]:
         """Call ``method`` on every worker (a method name, or a function taking the worker first);
         returns each worker's result, in rank order."""
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         # Every rank computes the same sampled tokens; rank 0's answer is the one returned.
-        result: ModelRunnerOutput = self.collective_rpc("execute_model", (scheduler_output,))[0]
-        return result
+        return self.collective_rpc("execute_model", (scheduler_output,))[0]
 
     def drop_requests(self, req_ids: list[str]) -> None:
         """Make every worker forget these requests (after a step that raised)."""
         self.collective_rpc("drop_requests", (req_ids,))
 
     def get_kv_cache_spec(self) -> KVCacheSpec:
-        spec: KVCacheSpec = self.collective_rpc("get_kv_cache_spec")[0]
-        return spec
+        return self.collective_rpc("get_kv_cache_spec")[0]
 
     def determine_available_memory(self) -> int:
         """The smallest memory any worker can give the KV cache."""

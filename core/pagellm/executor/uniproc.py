@@ -11,16 +11,12 @@ from pagellm.worker.worker import Worker
 
 class UniProcExecutor(Executor):
     def _init_executor(self) -> None:
-        self.worker = Worker(self.config, rank=0, local_rank=0)
+        self.worker = Worker(self.config)
         self.worker.load_model()
 
     def collective_rpc(
-        self,
-        method: str | Callable[..., Any],
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
+        self, method: str | Callable[..., Any], args: tuple[Any, ...] = ()
     ) -> list[Any]:
-        kwargs = kwargs or {}
         if isinstance(method, str):
-            return [getattr(self.worker, method)(*args, **kwargs)]
-        return [method(self.worker, *args, **kwargs)]
+            return [getattr(self.worker, method)(*args)]
+        return [method(self.worker, *args)]

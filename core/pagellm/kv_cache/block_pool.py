@@ -78,13 +78,12 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+    def __init__(self, num_blocks: int) -> None:
         if num_blocks < 2:
             raise ValueError(
                 f"The KV cache needs at least 2 blocks (one is the null block), got {num_blocks}."
             )
         self.num_blocks = num_blocks
-        self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue = FreeBlockQueue(self.blocks)
         self.null_block = self.free_block_queue.popleft()
@@ -107,21 +106,18 @@ class BlockPool:
         blocks = []
         for _ in range(num_blocks):
             block = self.free_block_queue.popleft()
-            self._evict(block)
+            self.uncache(block)
             block.ref_cnt = 1
             blocks.append(block)
         return blocks
 
-    def _evict(self, block: KVCacheBlock) -> None:
+    def uncache(self, block: KVCacheBlock) -> None:
+        """Forget a block's hash: it is reused for other tokens, or its contents will never be
+        computed (its request was preempted in the step that registered it)."""
         if block.block_hash is not None:
             if self.cached_block_hash_to_block.get(block.block_hash) is block:
                 del self.cached_block_hash_to_block[block.block_hash]
             block.block_hash = None
-
-    def uncache(self, block: KVCacheBlock) -> None:
-        """Forget a block's hash: its contents will never be computed (its request was preempted
-        in the step that registered it)."""
-        self._evict(block)
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on prefix-cache hits, reviving those that sat in the free queue."""

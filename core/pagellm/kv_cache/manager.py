@@ -28,7 +28,7 @@ class KVCacheManager:
     def __init__(self, block_size: int, num_blocks: int, enable_caching: bool) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.block_pool = BlockPool(num_blocks)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
@@ -67,9 +67,8 @@ class KVCacheManager:
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
         new_computed_blocks: list[KVCacheBlock] | None = None,
-        num_lookahead_tokens: int = 0,
     ) -> list[KVCacheBlock] | None:
-        """Make room for ``num_new_tokens`` more tokens (plus lookahead) of the request.
+        """Make room for ``num_new_tokens`` more tokens of the request.
 
         ``new_computed_blocks`` are prefix-cache hits (covering ``num_new_computed_tokens``) taken
         at this allocation. Returns the newly allocated blocks, or None (and changes nothing) when
@@ -77,7 +76,7 @@ class KVCacheManager:
         """
         if num_new_tokens <= 0:
             raise ValueError(f"num_new_tokens must be positive, got {num_new_tokens}.")
-        if new_computed_blocks is None and not num_lookahead_tokens:
+        if new_computed_blocks is None:
             # Fast path (most decode steps): the last block still has room and no block filled up.
             blocks = self.req_to_blocks.get(request.request_id)
             total = request.num_computed_tokens + num_new_tokens
@@ -94,7 +93,7 @@ class KVCacheManager:
         computed_blocks = new_computed_blocks or []
         req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + num_new_computed_tokens
-        num_required = cdiv(num_computed + num_new_tokens + num_lookahead_tokens, self.block_size)
+        num_required = cdiv(num_computed + num_new_tokens, self.block_size)
         num_new_blocks = max(num_required - len(req_blocks) - len(computed_blocks), 0)
         # Hits sitting in the free queue stop being free once touched.
         num_revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)

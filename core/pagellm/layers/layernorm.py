@@ -27,10 +27,8 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             if self._rms_norm_op is not None:
-                shape = x.shape
-                return self._rms_norm_op(x.reshape(-1, shape[-1]), self.weight, self.eps).view(
-                    shape
-                )
+                out = self._rms_norm_op(x.reshape(-1, x.shape[-1]), self.weight, self.eps)
+                return out.view(x.shape)
             return self._norm(x)
         if self._fused_add_op is not None:
             return self._fused_add_op(x, residual, self.weight, self.eps)

@@ -21,9 +21,6 @@ class Linear(nn.Module):
         prefix: str = "",
     ) -> None:
         super().__init__()
-        self.in_features = in_features
-        self.out_features = out_features
-        self.prefix = prefix
         self.linear_method: LinearMethodBase = (
             quant_config.get_linear_method(prefix) if quant_config else UnquantizedLinearMethod()
         )

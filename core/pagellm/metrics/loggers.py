@@ -12,15 +12,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    generate_latest,
-    make_asgi_app,
-)
+import prometheus_client as prom
 
 from pagellm.metrics.stats import IterationStats, SchedulerStats, StatLoggerBase
 from pagellm.request import FinishReason
@@ -63,12 +55,8 @@ class LoggingStatLogger(StatLoggerBase):
         queries = _delta(latest.prefix_cache_queries, self._logged.prefix_cache_queries)
         hits = _delta(latest.prefix_cache_hits, self._logged.prefix_cache_hits)
         preemptions = _delta(latest.num_preemptions, self._logged.num_preemptions)
-        idle = (
-            self._prompt_tokens == 0
-            and self._generation_tokens == 0
-            and latest.num_running_reqs == 0
-            and latest.num_waiting_reqs == 0
-        )
+        busy = self._prompt_tokens or self._generation_tokens
+        idle = not (busy or latest.num_running_reqs or latest.num_waiting_reqs)
         if not (idle and self._logged_idle):
             logger.info(
                 "Prompt throughput: %.1f tokens/s, generation throughput: %.1f tokens/s, "
@@ -102,23 +90,23 @@ _TOKEN_BUCKETS = [float(m * 10**e) for e in range(6) for m in (1, 2, 5)]
 
 class PrometheusStatLogger(StatLoggerBase):
     """Prometheus metrics in a registry of its own (``self.registry``), so that several instances
-    can live in one process; expose them with `metrics_response` or `make_metrics_app`. Every
+    can live in one process; expose them with `metrics_response`. Every
     metric carries a ``model_name`` label."""
 
     def __init__(self, model_name: str = "") -> None:
         super().__init__(model_name)
-        self.registry = CollectorRegistry()
+        self.registry = prom.CollectorRegistry()
         label = ["model_name"]
 
         # Children are made up front so that every metric is exposed (at zero) from the start.
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, label, registry=self.registry).labels(model_name)
+        def gauge(name: str, doc: str) -> prom.Gauge:
+            return prom.Gauge(name, doc, label, registry=self.registry).labels(model_name)
 
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, label, registry=self.registry).labels(model_name)
+        def counter(name: str, doc: str) -> prom.Counter:
+            return prom.Counter(name, doc, label, registry=self.registry).labels(model_name)
 
-        def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
-            metric = Histogram(name, doc, label, buckets=buckets, registry=self.registry)
+        def histogram(name: str, doc: str, buckets: list[float]) -> prom.Histogram:
+            metric = prom.Histogram(name, doc, label, buckets=buckets, registry=self.registry)
             return metric.labels(model_name)
 
         self._running = gauge("pagellm:num_requests_running", "Requests being run.")
@@ -135,15 +123,14 @@ class PrometheusStatLogger(StatLoggerBase):
         self._prefix_hits = counter(
             "pagellm:prefix_cache_hits_total", "Tokens found in the prefix cache."
         )
-        self._success = Counter(
+        self._success = prom.Counter(
             "pagellm:request_success_total",
             "Requests finished, by finish reason.",
             ["model_name", "finished_reason"],
             registry=self.registry,
         )
-        self._success_by_reason = {
-            str(reason): self._success.labels(model_name, str(reason)) for reason in FinishReason
-        }
+        for reason in FinishReason:
+            self._success.labels(model_name, str(reason))
         self._ttft = histogram(
             "pagellm:time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS_S
         )
@@ -186,11 +173,7 @@ class PrometheusStatLogger(StatLoggerBase):
             for t in it.itls_s:
                 self._itl.observe(t)
             for f in it.finished:
-                success = self._success_by_reason.get(f.finish_reason)
-                if success is None:
-                    success = self._success.labels(self.model_name, f.finish_reason)
-                    self._success_by_reason[f.finish_reason] = success
-                success.inc()
+                self._success.labels(self.model_name, f.finish_reason).inc()
                 self._e2e.observe(f.e2e_latency_s)
                 self._request_prompt_tokens.observe(f.num_prompt_tokens)
                 self._request_generation_tokens.observe(f.num_generation_tokens)
@@ -198,12 +181,7 @@ class PrometheusStatLogger(StatLoggerBase):
 
 def metrics_response(stat_logger: PrometheusStatLogger) -> tuple[bytes, str]:
     """The body and content type of a ``/metrics`` response (Prometheus text format)."""
-    return generate_latest(stat_logger.registry), CONTENT_TYPE_LATEST
-
-
-def make_metrics_app(stat_logger: PrometheusStatLogger) -> Callable:
-    """An ASGI app serving the logger's metrics, to mount at ``/metrics``."""
-    return make_asgi_app(registry=stat_logger.registry)
+    return prom.generate_latest(stat_logger.registry), prom.CONTENT_TYPE_LATEST
 
 
 BUILTIN_STAT_LOGGERS: dict[str, type[StatLoggerBase]] = {

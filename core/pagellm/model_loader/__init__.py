@@ -1,15 +1,4 @@
 from pagellm.model_loader.loader import load_model
-from pagellm.model_loader.source import (
-    ModelSource,
-    default_model_path,
-    load_hf_config,
-    resolve_model_source,
-)
+from pagellm.model_loader.source import default_model_path
 
-__all__ = [
-    "ModelSource",
-    "default_model_path",
-    "load_hf_config",
-    "load_model",
-    "resolve_model_source",
-]
+__all__ = ["default_model_path", "load_model"]

@@ -20,19 +20,14 @@ _GGUF_MODEL_TYPE_TO_ARCH = {
 }
 
 
-def cache_root() -> str:
-    return os.environ.get("PAGELLM_CACHE_DIR") or os.path.join(
-        os.path.expanduser("~"), ".cache", "pagellm"
-    )
-
-
 def gguf_hf_dir(gguf_path: str) -> str:
     """A directory holding config.json and the tokenizer files converted from ``gguf_path``."""
     stat = os.stat(gguf_path)
     key = hashlib.sha256(
         f"{os.path.abspath(gguf_path)}|{stat.st_size}|{stat.st_mtime_ns}".encode()
     ).hexdigest()[:24]
-    target = os.path.join(cache_root(), "gguf", key)
+    root = os.environ.get("PAGELLM_CACHE_DIR") or os.path.expanduser("~/.cache/pagellm")
+    target = os.path.join(root, "gguf", key)
     if os.path.isfile(os.path.join(target, "config.json")):
         return target
 

@@ -46,12 +46,6 @@ def _field_value(reader: object, key: str) -> object:
     return part.tolist()[0]
 
 
-def gguf_architecture(path: str) -> str:
-    import gguf
-
-    return str(_field_value(gguf.GGUFReader(path), "general.architecture"))
-
-
 def _unpermute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     rows = weight.shape[0]
     return (

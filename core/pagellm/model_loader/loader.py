@@ -16,7 +16,7 @@ from pagellm.config import EngineConfig
 from pagellm.layers.linear import Linear
 from pagellm.model_loader.source import resolve_model_source
 from pagellm.models.registry import resolve_model_cls
-from pagellm.quantization.registry import get_quantization_config_cls
+from pagellm.quantization.registry import quantization_methods
 
 logger = logging.getLogger(__name__)
 
@@ -55,10 +55,8 @@ def _init_dummy_weights(model: nn.Module, seed: int) -> None:
         if name.endswith("norm.weight"):
             param.data.fill_(1.0)
         else:
-            values = torch.empty(param.shape, dtype=torch.float32).uniform_(
-                -0.05, 0.05, generator=generator
-            )
-            param.data.copy_(values)
+            values = torch.empty(param.shape, dtype=torch.float32)
+            param.data.copy_(values.uniform_(-0.05, 0.05, generator=generator))
 
 
 def load_model(
@@ -69,7 +67,7 @@ def load_model(
     quant_config = None
     if config.quantization is not None:
         checkpoint_quant = getattr(model_cfg.hf_config, "quantization_config", None) or {}
-        quant_config = get_quantization_config_cls(config.quantization).from_config(
+        quant_config = quantization_methods.get(config.quantization).from_config(
             dict(checkpoint_quant)
         )
     previous = torch.get_default_dtype()

@@ -32,6 +32,14 @@ class ModelSource:
     gguf_file: str | None = None
     """Full path of the GGUF file, when the weights come from one."""
 
+    def hf_directory(self) -> str:
+        """Where transformers reads the config and tokenizer (a GGUF's are converted once)."""
+        if self.gguf_file is None:
+            return self.directory
+        from pagellm.model_loader.gguf_cache import gguf_hf_dir
+
+        return gguf_hf_dir(self.gguf_file)
+
 
 def resolve_model_source(model: str, field: str = "model") -> ModelSource:
     path = os.path.abspath(os.path.expanduser(model))
@@ -59,8 +67,4 @@ def resolve_model_source(model: str, field: str = "model") -> ModelSource:
 def load_hf_config(source: ModelSource) -> Any:
     from transformers import AutoConfig
 
-    if source.gguf_file:
-        from pagellm.model_loader.gguf_cache import gguf_hf_dir
-
-        return AutoConfig.from_pretrained(gguf_hf_dir(source.gguf_file))
-    return AutoConfig.from_pretrained(source.directory)
+    return AutoConfig.from_pretrained(source.hf_directory())

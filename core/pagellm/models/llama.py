@@ -31,12 +31,11 @@ class LayerContext:
     backend: type[AttentionBackend]
     quant_config: QuantizationConfig | None
     rotary_emb: RotaryEmbedding
+    qkv_bias: bool
+    qk_norm: bool
 
 
 class LlamaAttention(nn.Module):
-    qkv_bias_default = False
-    qk_norm = False
-
     def __init__(self, ctx: LayerContext, prefix: str) -> None:
         super().__init__()
         cfg = ctx.hf_config
@@ -46,17 +45,16 @@ class LlamaAttention(nn.Module):
         self.head_size = getattr(cfg, "head_dim", None) or hidden // self.num_heads
         self.q_size = self.num_heads * self.head_size
         self.kv_size = self.num_kv_heads * self.head_size
-        bias = getattr(cfg, "attention_bias", self.qkv_bias_default) or self.qkv_bias_default
+        bias = getattr(cfg, "attention_bias", False)
         self.qkv_proj = Linear(
-            hidden, self.q_size + 2 * self.kv_size, bias, ctx.quant_config, f"{prefix}.qkv_proj"
-        )
-        self.o_proj = Linear(
-            self.q_size,
             hidden,
-            getattr(cfg, "attention_bias", False),
+            self.q_size + 2 * self.kv_size,
+            bias or ctx.qkv_bias,
             ctx.quant_config,
-            f"{prefix}.o_proj",
+            f"{prefix}.qkv_proj",
         )
+        self.o_proj = Linear(self.q_size, hidden, bias, ctx.quant_config, f"{prefix}.o_proj")
+        self.qk_norm = ctx.qk_norm
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_size, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_size, cfg.rms_norm_eps)
@@ -100,12 +98,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    attention_cls: type[LlamaAttention] = LlamaAttention
-
     def __init__(self, ctx: LayerContext, prefix: str) -> None:
         super().__init__()
         cfg = ctx.hf_config
-        self.self_attn = self.attention_cls(ctx, f"{prefix}.self_attn")
+        self.self_attn = LlamaAttention(ctx, f"{prefix}.self_attn")
         self.mlp = LlamaMLP(ctx, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -124,12 +120,12 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, ctx: LayerContext, layer_cls: type[LlamaDecoderLayer], prefix: str) -> None:
+    def __init__(self, ctx: LayerContext, prefix: str) -> None:
         super().__init__()
         cfg = ctx.hf_config
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            layer_cls(ctx, f"{prefix}.layers.{i}") for i in range(cfg.num_hidden_layers)
+            LlamaDecoderLayer(ctx, f"{prefix}.layers.{i}") for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = ctx.rotary_emb
@@ -145,7 +141,8 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
+    qkv_bias = False  # bias on q/k/v even when the config says none (Qwen2)
+    qk_norm = False  # RMSNorm on each head of q and k, before the rotation (Qwen3)
     # (fused parameter, checkpoint name, shard index)
     stacked_params = (
         ("qkv_proj", "q_proj", 0),
@@ -164,11 +161,20 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         cfg = config.model.text_config
         self.hf_config = cfg
-        head_size = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         # One cos/sin table shared by every layer.
-        rotary_emb = RotaryEmbedding(head_size, config.model.max_model_len, rope_parameters(cfg))
-        ctx = LayerContext(cfg, config.model.sliding_window, attn_backend, quant_config, rotary_emb)
-        self.model = LlamaModel(ctx, self.layer_cls, "model")
+        rotary_emb = RotaryEmbedding(
+            config.model.head_size, config.model.max_model_len, rope_parameters(cfg)
+        )
+        ctx = LayerContext(
+            cfg,
+            config.model.sliding_window,
+            attn_backend,
+            quant_config,
+            rotary_emb,
+            self.qkv_bias,
+            self.qk_norm,
+        )
+        self.model = LlamaModel(ctx, "model")
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
@@ -204,8 +210,7 @@ class LlamaForCausalLM(nn.Module):
                 target = name.replace(f".{part}.", f".{fused}.")
                 sizes = self._shard_sizes(fused)
                 offset = sum(sizes[:shard])
-                param = params[target]
-                _copy_checked(param.data.narrow(0, offset, sizes[shard]), tensor, name)
+                _copy_checked(params[target].data.narrow(0, offset, sizes[shard]), tensor, name)
                 loaded.add(target)
                 break
             else:

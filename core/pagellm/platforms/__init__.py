@@ -51,10 +51,6 @@ def _resolved() -> tuple[str, type[Platform]]:
     return _current
 
 
-def get_current_platform() -> type[Platform]:
-    return _resolved()[1]
-
-
 def current_platform_name() -> str:
     """The name the current platform is registered under (what PAGELLM_PLATFORM takes)."""
     return _resolved()[0]
@@ -65,18 +61,10 @@ class _LazyPlatform:
     and platform plugins are asked only in processes that need a platform."""
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(get_current_platform(), name)
+        return getattr(_resolved()[1], name)
 
     def __repr__(self) -> str:
-        return f"<current_platform {get_current_platform().name}>"
+        return f"<current_platform {_resolved()[1].name}>"
 
 
 current_platform: Any = _LazyPlatform()
-
-__all__ = [
-    "Platform",
-    "current_platform",
-    "current_platform_name",
-    "get_current_platform",
-    "platforms",
-]

@@ -10,8 +10,7 @@ from __future__ import annotations
 import logging
 
 from pagellm.plugins import groups
-from pagellm.plugins.groups import GROUPS
-from pagellm.plugins.hookspecs import PLUGIN_API_VERSION, EndpointPlugin, hookimpl
+from pagellm.plugins.hookspecs import EndpointPlugin, hookimpl
 from pagellm.plugins.loader import PluginError, PluginRecord, allowlist, load_group
 
 logger = logging.getLogger(__name__)
@@ -49,11 +48,8 @@ def load_endpoint_plugins(
 
 
 __all__ = [
-    "GROUPS",
-    "PLUGIN_API_VERSION",
     "EndpointPlugin",
     "PluginError",
-    "PluginRecord",
     "allowlist",
     "hookimpl",
     "load_endpoint_plugins",

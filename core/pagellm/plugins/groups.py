@@ -27,7 +27,6 @@ class PluginGroup:
 
     @property
     def hook(self) -> str:
-        """The group's one hook."""
         return next(n for n in vars(self.spec) if n.startswith(f"{PROJECT_NAME}_"))
 
 

@@ -162,13 +162,8 @@ def _load_one(
     record.status = "loaded"
     if record.result is None and group.name == PLATFORM:
         record.reason = "inactive: its hardware is not present"
-    note = f" ({record.reason})" if record.reason else ""
-    logger.log(
-        logging.INFO if group.name in (PLATFORM, ENDPOINT) else logging.DEBUG,
-        "%s loaded%s",
-        who,
-        note,
-    )
+    level = logging.INFO if group.name in (PLATFORM, ENDPOINT) else logging.DEBUG
+    logger.log(level, "%s loaded%s", who, f" ({record.reason})" if record.reason else "")
 
 
 def _skip_reason(

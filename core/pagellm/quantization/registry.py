@@ -9,4 +9,3 @@ from pagellm.quantization.base import QuantizationConfig
 quantization_methods: Registry[QuantizationConfig] = Registry(
     "Quantization method", QuantizationConfig, QUANTIZATION
 )
-get_quantization_config_cls = quantization_methods.get

@@ -61,13 +61,12 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
-    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
-        """End requests from outside the step loop (abort); unknown or finished ids are ignored."""
-        if isinstance(request_ids, str):
-            request_ids = (request_ids,)
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
+        """End requests from outside the step loop (abort); unknown or finished ids are ignored
+        (a finished request has left ``requests``)."""
         for req_id in request_ids:
             request = self.requests.get(req_id)
-            if request is None or request.is_finished():
+            if request is None:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
@@ -86,11 +85,8 @@ class Scheduler:
             self.probe = None
         del self.requests[request.request_id]
 
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.quarantine)
-
     def has_unfinished_requests(self) -> bool:
-        return self.get_num_unfinished_requests() > 0
+        return bool(self.waiting or self.running or self.quarantine)
 
     # ---------------------------------------------------------------- one step
 
@@ -176,10 +172,15 @@ class Scheduler:
                 if request.num_cached_tokens < 0:
                     request.num_cached_tokens = num_hit_tokens
                 self.running.append(request)
-                (scheduled_resumed if resumed else scheduled_new).append(request)
+                if resumed:  # the workers kept its state: it comes back with its whole block list
+                    scheduled_resumed.append(request)
+                    new_block_ids[request.request_id] = kv.get_block_ids(request.request_id)
+                else:
+                    scheduled_new.append(request)
                 num_scheduled[request.request_id] = num_new
                 token_budget -= num_new
 
+        cached = scheduled_running + scheduled_resumed
         output = SchedulerOutput(
             scheduled_new_reqs=[
                 NewRequestData(
@@ -193,37 +194,24 @@ class Scheduler:
                 )
                 for r in scheduled_new
             ],
-            scheduled_cached_reqs=self._cached_request_data(
-                scheduled_running, scheduled_resumed, new_block_ids
+            scheduled_cached_reqs=CachedRequestData(
+                req_ids=[r.request_id for r in cached],
+                resumed_from_preemption=[False] * len(scheduled_running)
+                + [True] * len(scheduled_resumed),
+                new_block_ids=[new_block_ids[r.request_id] for r in cached],
+                num_computed_tokens=[r.num_computed_tokens for r in cached],
             ),
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=cfg.max_num_batched_tokens - token_budget,
             preempted_req_ids={r.request_id for r in preempted},
             finished_req_ids=self.finished_req_ids,
         )
-        for request in itertools.chain(scheduled_running, scheduled_new, scheduled_resumed):
+        for request in itertools.chain(cached, scheduled_new):
             request.num_computed_tokens += num_scheduled[request.request_id]
         if self.resend:
             self.resend.difference_update(r.request_id for r in scheduled_new)
         self.finished_req_ids = set()
         return output
-
-    def _cached_request_data(
-        self, running: list[Request], resumed: list[Request], new_block_ids: dict[str, list[int]]
-    ) -> CachedRequestData:
-        ids = [r.request_id for r in running]
-        data = CachedRequestData(
-            req_ids=ids,
-            resumed_from_preemption=[False] * len(ids),
-            new_block_ids=[new_block_ids[i] for i in ids],
-            num_computed_tokens=[r.num_computed_tokens for r in running],
-        )
-        for request in resumed:
-            data.req_ids.append(request.request_id)
-            data.resumed_from_preemption.append(True)
-            data.new_block_ids.append(self.kv_cache_manager.get_block_ids(request.request_id))
-            data.num_computed_tokens.append(request.num_computed_tokens)
-        return data
 
     def _pick_victim(self) -> Request:
         """The running request to preempt; never the probe (it must run to tell its fault)."""
@@ -244,9 +232,7 @@ class Scheduler:
 
     # ---------------------------------------------------------------- after the forward pass
 
-    def update_from_output(
-        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
-    ) -> EngineCoreOutputs:
+    def update_from_output(self, runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
         outputs: list[EngineCoreOutput] = []
         requests, running = self.requests, RequestStatus.RUNNING
         all_prompt_logprobs = runner_output.prompt_logprobs
@@ -337,6 +323,3 @@ class Scheduler:
                 return
         if num_output >= max_tokens or len(request.all_token_ids) >= self.config.max_model_len:
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-
-
-__all__ = ["FinishReason", "Scheduler"]

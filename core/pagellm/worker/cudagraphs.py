@@ -17,7 +17,7 @@ import torch
 
 from pagellm.attention.backend import AttentionBackend, AttentionMetadataBuilder
 from pagellm.forward_context import set_forward_context
-from pagellm.platforms import Platform
+from pagellm.platforms.interface import Platform
 from pagellm.worker.step_buffers import StepBuffers
 
 logger = logging.getLogger(__name__)
@@ -79,11 +79,10 @@ class DecodeGraphs:
 
             def forward(size: int = size, meta: Any = meta) -> torch.Tensor:
                 with set_forward_context(meta):
-                    hidden: torch.Tensor = model(
+                    return model(
                         buffers.device_tensors.input_ids[:size],
                         buffers.device_tensors.positions[:size],
                     )
-                return hidden
 
             for _ in range(2):  # warm-up: kernels compiled and autotuned outside capture
                 forward()

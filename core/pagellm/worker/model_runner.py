@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from pagellm.attention.backend import CommonAttentionMetadata
-from pagellm.attention.registry import get_backend_cls
+from pagellm.attention.registry import attention_backends
 from pagellm.config import EngineConfig
 from pagellm.forward_context import set_forward_context
 from pagellm.kv_cache.manager import cdiv
@@ -36,7 +36,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, device: torch.device) -> None:
         self.config = config
         self.device = device
-        self.attn_backend = get_backend_cls(config.attention_backend)
+        self.attn_backend = attention_backends.get(config.attention_backend)
         model_cfg = config.model
         block_size = config.cache.block_size
         self.block_size = block_size
@@ -188,8 +188,7 @@ class ModelRunner:
             return graph.hidden[: plan.num_tokens]
         inputs, n = self.buffers.device_tensors, plan.num_tokens
         with set_forward_context(self.attn_builder.build(common)):
-            hidden: torch.Tensor = self.model(inputs.input_ids[:n], inputs.positions[:n])
-        return hidden
+            return self.model(inputs.input_ids[:n], inputs.positions[:n])
 
     def _sample(
         self, plan: StepPlan, hidden: torch.Tensor, sampling: SamplingMetadata

@@ -52,6 +52,5 @@ class PenaltyState:
         self, rows: torch.Tensor, with_prompt_mask: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         counts, mask = self._allocate()
-        return counts.index_select(0, rows), mask.index_select(
-            0, rows
-        ) if with_prompt_mask else None
+        prompt_mask = mask.index_select(0, rows) if with_prompt_mask else None
+        return counts.index_select(0, rows), prompt_mask

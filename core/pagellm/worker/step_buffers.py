@@ -62,22 +62,15 @@ class StepBuffers:
         self.max_reqs = max_num_reqs
         self.max_blocks_per_req = max_blocks_per_req
         on_cpu = device.type == "cpu"
+        self._non_blocking = pin_memory and not on_cpu
         # Graph replays pad a decode batch up to a capture size, which may exceed the token budget.
-        max_num_tokens = max(max_num_tokens, max_num_reqs)
-        cpu = torch.device("cpu")
-        self.host_tensors = _allocate(
-            max_num_tokens, max_num_reqs, max_blocks_per_req, cpu, pin_memory and not on_cpu
-        )
-        self.device_tensors = (
-            self.host_tensors
-            if on_cpu
-            else _allocate(max_num_tokens, max_num_reqs, max_blocks_per_req, device, False)
-        )
+        sizes = (max(max_num_tokens, max_num_reqs), max_num_reqs, max_blocks_per_req)
+        self.host_tensors = _allocate(*sizes, torch.device("cpu"), self._non_blocking)
+        self.device_tensors = self.host_tensors if on_cpu else _allocate(*sizes, device, False)
         tensors = self.host_tensors
         self.host: StepArrays[np.ndarray] = StepArrays(
             *(getattr(tensors, f.name).numpy() for f in dataclasses.fields(tensors))
         )
-        self._non_blocking = pin_memory and not on_cpu
 
     def stage_padding(self, num_tokens: int, num_reqs: int, num_padded: int) -> None:
         """Stage rows ``num_reqs..`` up to ``num_padded`` rows (and tokens) of a decode batch

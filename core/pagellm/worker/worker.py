@@ -21,11 +21,9 @@ def _bytes(module: torch.nn.Module) -> int:
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, rank: int = 0, local_rank: int = 0) -> None:
+    def __init__(self, config: EngineConfig, local_rank: int = 0) -> None:
         load_general_plugins()  # workers may run in processes of their own
         self.config = config
-        self.rank = rank
-        self.local_rank = local_rank
         self.device = current_platform.device(local_rank)
         current_platform.seed_everything(config.model.seed)
         self.model_runner = ModelRunner(config, self.device)

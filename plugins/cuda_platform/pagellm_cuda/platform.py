@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pagellm.attention.registry import get_backend_cls
+from pagellm.attention.registry import attention_backends
 from pagellm.platforms.interface import Platform
 from pagellm_cuda.cudagraphs import cudagraph_capture_sizes
 from pagellm_cuda.devices import cuda_device_count, physical_device_id, visible_device_id
@@ -124,7 +124,7 @@ class CudaPlatform(Platform):
         why_not = None
         if comp.enforce_eager:
             why_not = "--enforce-eager"
-        elif not get_backend_cls(backend).cudagraph_support:
+        elif not attention_backends.get(backend).cudagraph_support:
             why_not = f"attention backend {backend} does not support them"
         if why_not is not None:
             comp.cudagraph_mode = "none"
