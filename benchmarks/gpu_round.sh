@@ -32,9 +32,9 @@ run() {  # run NAME SECONDS CMD...
 for stage in "$@"; do
   case $stage in
     # Every gpu-marked test, wherever it lives (pyproject testpaths: tests/ and plugins/*/tests).
-    tests) run gpu_tests 270 python3 -m pytest -m gpu -q -s -p no:cacheprovider --timeout 120 -x ;;
+    tests) run gpu_tests 330 python3 -m pytest -m gpu -q -s -p no:cacheprovider --timeout 120 -x ;;
     tests-fix) run gpu_tests_fix 200 python3 -m pytest -m gpu plugins/cuda_platform/tests/test_cuda_platform.py tests/e2e/test_gpu_models.py -k "graph or profil or sizing or Worker or worker" -q -s -p no:cacheprovider --timeout 120 ;;
-    tests-k) run gpu_tests 270 python3 -m pytest -m gpu -q -s -p no:cacheprovider --timeout 120 ;;
+    tests-k) run gpu_tests 330 python3 -m pytest -m gpu -q -s -p no:cacheprovider --timeout 120 ;;
     w2) run w2 200 bash benchmarks/workloads.sh W2 --output-json "$OUT/w2.json" ;;
     w1) run w1 300 bash benchmarks/workloads.sh W1 --output-json "$OUT/w1.json" ;;
     w2-eager) run w2_eager 300 bash benchmarks/workloads.sh W2 --enforce-eager --output-json "$OUT/w2_eager.json" ;;
