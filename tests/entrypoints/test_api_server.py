@@ -507,6 +507,9 @@ def test_bad_requests_name_the_parameter(main: Server):
     assert param(CHAT, {"model": "nope", "messages": HELLO}) == "model"
     assert param(COMPLETIONS, {"prompt": "hi", "max_tokens": 10_000}) == "max_tokens"
     assert param(COMPLETIONS, {"prompt": "hi", "logit_bias": {"10000000": 1}}) == "logit_bias"
+    # The main server schedules first come, first served: a priority would be ignored.
+    assert param(COMPLETIONS, {"prompt": "hi", "priority": 3}) == "priority"
+    assert param(CHAT, {"messages": HELLO, "stream": True, "priority": -1}) == "priority"
 
 
 def test_the_openai_client_raises_bad_request_and_the_server_keeps_serving(main: Server):

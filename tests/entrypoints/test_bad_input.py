@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pagellm import LLM, SamplingParams
+from pagellm.sampling_params import SamplingParamsError
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 
@@ -132,4 +133,8 @@ def test_stop_token_ids_outside_the_vocabulary_and_bad_priority_are_refused(llm)
         llm.generate([[5, 6]], SamplingParams(stop_token_ids=[5000]), use_tqdm=False)
     with pytest.raises(ValueError, match="priority"):
         llm.llm_engine.add_request("p", [5, 6], GREEDY, priority=2**63)
+    # Under first come, first served a priority would be ignored: refused, naming it.
+    with pytest.raises(SamplingParamsError, match="does not order by priority") as refused:
+        llm.generate([[5, 6]], GREEDY, priority=[3], use_tqdm=False)
+    assert refused.value.param == "priority"
     assert_engine_clean_and_usable(llm)

@@ -13,6 +13,7 @@ import msgspec
 from pagellm.config import EngineConfig
 from pagellm.request import EngineCoreRequest
 from pagellm.sampling_params import INT64_MAX, INT64_MIN, SamplingParams, SamplingParamsError
+from pagellm.scheduler.policy import scheduling_policies
 
 PromptType = str | list[int] | dict[str, Any]
 """Text, token ids, or a dict with ``prompt`` and/or ``prompt_token_ids`` (used when given) and
@@ -79,6 +80,8 @@ class InputProcessor:
             tokenizer.eos_token_id if tokenizer is not None else _config_eos_id(config)
         )
         self.extra_eos_ids = _generation_config_eos_ids(config) - {self.eos_token_id}
+        policy = scheduling_policies.get(config.scheduler.policy)
+        self.orders_by_priority = policy.orders_by_priority
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(prompt text or None, prompt token ids) for a string, a token-id list or a prompt dict."""
@@ -178,6 +181,13 @@ class InputProcessor:
             raise ValueError(f"priority must be an integer, got {priority!r}.")
         if not INT64_MIN <= priority <= INT64_MAX:
             raise ValueError(f"priority must be in [{INT64_MIN}, {INT64_MAX}], got {priority}.")
+        if priority != 0 and not self.orders_by_priority:
+            raise SamplingParamsError(
+                "priority",
+                f"priority {priority} would be ignored: the scheduling policy "
+                f"{self.config.scheduler.policy!r} does not order by priority (start the engine "
+                "with --scheduling-policy priority).",
+            )
         arrival_time = time.time()
         return [
             EngineCoreRequest(

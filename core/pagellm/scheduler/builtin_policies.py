@@ -17,6 +17,8 @@ class FCFSPolicy(SchedulingPolicy):
 class PriorityPolicy(KeyOrderedPolicy):
     """Lower ``priority`` value first, then earlier arrival."""
 
+    orders_by_priority = True
+
     def key(self, request: Request) -> tuple[int, float]:
         return (request.priority, request.arrival_time)
 

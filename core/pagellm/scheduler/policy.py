@@ -22,6 +22,10 @@ class SchedulingPolicy:
     (`peek`, then `pop` once the request fits) and removes aborted ones. This base class is first
     come, first served; a policy overrides what it does differently."""
 
+    orders_by_priority: bool = False
+    """Whether the policy reads `Request.priority`; a request of another priority than 0 is
+    refused (naming ``priority``) under a policy that does not, rather than ignored."""
+
     def __init__(self) -> None:
         self._queue: deque[Request] = deque()
 
