@@ -1,10 +1,11 @@
 """The API server: a FastAPI app around one `AsyncLLM`, served by uvicorn (`pagellm serve MODEL`).
 
-The core serves only ``/health``, ``/version`` and ``/metrics``; every other route comes from the
-endpoint plugins the server is allowed to load (deny by default: VLLM_PLUGINS when it is set, else
-``--endpoints``), whose ``required_tasks`` the served model must meet; each plugin's ``attach``
-gets the app and a `ServerContext`. In front of every route: `request_guard`; error bodies:
-`http_errors`; uvicorn's side (header timeout, shutdown deadline): `http_server`.
+The core serves only ``/health`` (also as ``/health/`` and ``/ping``), ``/version`` and
+``/metrics``; every other route comes from the endpoint plugins the server is allowed to load (deny
+by default: VLLM_PLUGINS when it is set, else ``--endpoints``), whose ``required_tasks`` the
+served model must meet; each plugin's ``attach`` gets the app and a `ServerContext`. In front of
+every route: `request_guard`; error bodies: `http_errors`; uvicorn's side (header timeout,
+shutdown deadline): `http_server`.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ def _attach_endpoint_plugins(app: FastAPI, ctx: ServerContext) -> None:
         logger.info("Serving endpoint plugin %r", name)
     if not enabled:
         logger.warning(
-            "No endpoint plugin is enabled: only /health, /version and /metrics are served."
+            "No endpoint plugin is enabled: only /health, /ping, /version and /metrics are served."
         )
 
 
@@ -119,7 +120,10 @@ def build_app(engine: AsyncLLM, args: ServerArgs, stat_loggers: list[StatLoggerB
     app.state.shutdown_deadline = None
     install_error_handlers(app)
 
+    # /ping is SageMaker's name for it (GET or POST); all three are open without the API key.
     @app.get("/health")
+    @app.get("/health/", include_in_schema=False)
+    @app.api_route("/ping", methods=["GET", "POST"])
     async def health() -> Response:
         try:
             engine.check_health()

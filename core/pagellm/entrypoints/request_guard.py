@@ -16,7 +16,8 @@ from pagellm.entrypoints.server_args import API_KEY_ENV, ServerArgs
 
 logger = logging.getLogger(__name__)
 
-OPEN_PATHS = frozenset({"/health"})
+# The health checks, which load balancers send without credentials.
+OPEN_PATHS = frozenset({"/health", "/health/", "/ping"})
 
 
 class RequestGuard:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +19,19 @@ def _option(default: Any, help: str, **argparse_kwargs: Any) -> Any:
 
 def _names(csv: str) -> list[str]:
     return [name.strip() for name in csv.split(",") if name.strip()]
+
+
+def _chat_template(value: str) -> str:
+    """``--chat-template``: a file's text, or the template itself, with its backslash escapes
+    (``\\n``) decoded as a shell leaves them."""
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as file:
+            return file.read()
+    if not any(c in value for c in "{}\n"):
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is neither a readable file nor a Jinja template"
+        )
+    return value.encode("latin-1", "backslashreplace").decode("unicode_escape")
 
 
 @dataclass(frozen=True)
@@ -70,6 +84,19 @@ class ServerArgs:
     )
     disable_fastapi_docs: bool = _option(
         False, "Serve no /docs, /redoc or /openapi.json.", action="store_true"
+    )
+    # Chat templates (the openai endpoint plugin).
+    chat_template: str | None = _option(
+        None,
+        "A Jinja chat template, or a file holding one, to render chat messages with instead of "
+        "the tokenizer's (the field holds the template's text).",
+        type=_chat_template,
+    )
+    trust_request_chat_template: bool = _option(
+        False,
+        "Let requests bring their own chat_template (Jinja the server then renders); refused "
+        "with HTTP 400 otherwise.",
+        action="store_true",
     )
 
     @classmethod

@@ -1,4 +1,5 @@
-"""``POST /v1/chat/completions``: the messages rendered by the tokenizer's chat template."""
+"""``POST /v1/chat/completions``: the messages rendered by a chat template (`chat_template`); with
+``echo``, each answer starts with the last message's content when it has the answer's role."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from fastapi.responses import Response
 
 from pagellm.entrypoints.http_errors import bad_request
 from pagellm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from pagellm_openai.chat_template import echoed_text
 from pagellm_openai.generation import respond
 from pagellm_openai.protocol import (
     AssistantMessage,
@@ -64,7 +66,8 @@ async def create_chat_completion(
     if request.top_logprobs is not None and not request.logprobs:
         raise bad_request("top_logprobs needs logprobs=true.", param="top_logprobs")
     ctx.check_num_sequences(1, request.n)
-    prompt = ctx.chat_prompt(request.messages, request.add_generation_prompt)
+    prompt, role = ctx.chat_prompt(request)
+    echo = echoed_text(request, role) if request.echo else ""
     if request.max_completion_tokens is not None:
         requested, param = request.max_completion_tokens, "max_completion_tokens"
     else:
@@ -96,7 +99,7 @@ async def create_chat_completion(
     def final_choice(_: int, output: RequestOutput, c: CompletionOutput) -> ChatChoice:
         return ChatChoice(
             index=c.index,
-            message=AssistantMessage(content=c.text),
+            message=AssistantMessage(role=role, content=echo + c.text),
             logprobs=choice_logprobs(c),
             finish_reason=c.finish_reason,
             stop_reason=c.stop_reason,
@@ -117,6 +120,7 @@ async def create_chat_completion(
         final_choice=final_choice,
         final_body=final_body,
         opening=[
-            stream_choice(index, {"role": "assistant", "content": ""}) for index in range(request.n)
+            *(stream_choice(i, {"role": role, "content": ""}) for i in range(request.n)),
+            *(stream_choice(i, {"role": None, "content": echo}) for i in range(request.n) if echo),
         ],
     )

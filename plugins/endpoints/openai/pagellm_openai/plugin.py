@@ -1,5 +1,6 @@
 """The ``openai`` endpoint plugin: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``,
-``/tokenize`` and ``/detokenize``, for models that generate text."""
+``/invocations`` (SageMaker's: either of the two, by the body's shape), ``/tokenize``,
+``/detokenize`` and ``/load``, for models that generate text."""
 
 from __future__ import annotations
 
@@ -11,21 +12,25 @@ from fastapi.responses import Response
 from pagellm.entrypoints.http_errors import bad_request
 from pagellm.entrypoints.server_context import ServerContext
 from pagellm.plugins import EndpointPlugin, hookimpl
+from pagellm_openai import tokenization
+from pagellm_openai.bodies import json_body, keys, validated
 from pagellm_openai.chat import create_chat_completion
 from pagellm_openai.completions import create_completion
 from pagellm_openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    DetokenizeResponse,
     ModelCard,
     ModelList,
-    TokenizeRequest,
-    TokenizeResponse,
+    ServerLoad,
 )
+from pagellm_openai.server_load import CountInFlight, InFlight
 from pagellm_openai.serving import ServingContext
 
 pagellm_plugin_api = "1.1"
+
+# The routes that run the engine: what GET /load counts.
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/invocations"})
 
 
 def _json(body: Any) -> Response:
@@ -34,6 +39,8 @@ def _json(body: Any) -> Response:
 
 def attach(app: FastAPI, server: ServerContext) -> None:
     ctx = ServingContext.from_server(server)
+    in_flight = InFlight()
+    app.add_middleware(CountInFlight, paths=GENERATION_PATHS, in_flight=in_flight)
     router = APIRouter()
 
     @router.get("/v1/models")
@@ -52,32 +59,41 @@ def attach(app: FastAPI, server: ServerContext) -> None:
     async def chat_completions(request: ChatCompletionRequest, raw: Request) -> Response:
         return await create_chat_completion(ctx, request, raw)
 
-    @router.post("/tokenize")
-    async def tokenize(request: TokenizeRequest) -> Response:
-        ctx.model_name(request.model)
-        if (request.prompt is None) == (request.messages is None):
-            raise bad_request("Send either prompt or messages.", param="prompt")
-        if request.messages is not None:
-            prompt = ctx.chat_prompt(request.messages, request.add_generation_prompt)
-        else:
-            prompt = ctx.text_prompt(request.prompt or "", request.add_special_tokens)
-        tokens = prompt.token_ids
-        return _json(
-            TokenizeResponse(count=len(tokens), max_model_len=ctx.max_model_len, tokens=tokens)
+    @router.post("/invocations")
+    async def invocations(raw: Request) -> Response:
+        """A chat completion when the body has ``messages``, a completion when it has
+        ``prompt``; answered as that route answers it."""
+        body = await json_body(raw)
+        fields = keys(body)
+        if {"messages", "prompt"} <= fields:
+            raise bad_request(
+                "An /invocations body has messages (a chat completion) or prompt (a "
+                "completion), not both.",
+                param="prompt",
+            )
+        if "messages" in fields:
+            chat = validated(ChatCompletionRequest, body)
+            return await create_chat_completion(ctx, chat, raw)
+        if "prompt" in fields:
+            return await create_completion(ctx, validated(CompletionRequest, body), raw)
+        raise bad_request(
+            "An /invocations body is a chat completion (with messages) or a completion (with "
+            "prompt); this one has neither.",
+            param="messages",
         )
+
+    @router.post("/tokenize")
+    async def tokenize(raw: Request) -> Response:
+        """``prompt`` (a text) or ``messages`` (rendered by the chat template) to token ids."""
+        return _json(tokenization.tokenize(ctx, await json_body(raw)))
 
     @router.post("/detokenize")
     async def detokenize(request: DetokenizeRequest) -> Response:
-        ctx.model_name(request.model)
-        tokenizer = ctx.tokenizer
-        bad = [t for t in request.tokens if not 0 <= t < len(tokenizer)]
-        if bad:
-            raise bad_request(
-                f"tokens has ids outside the tokenizer's vocabulary [0, {len(tokenizer)}): "
-                f"{bad[:5]}.",
-                param="tokens",
-            )
-        return _json(DetokenizeResponse(prompt=tokenizer.decode(request.tokens)))
+        return _json(tokenization.detokenize(ctx, request))
+
+    @router.get("/load")
+    async def load() -> Response:
+        return _json(ServerLoad(server_load=in_flight.count))
 
     app.include_router(router)
 

@@ -8,9 +8,10 @@ by default. The extensions after the OpenAI fields carry vLLM's names.
 from __future__ import annotations
 
 import time
+import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pagellm.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS
 
@@ -100,12 +101,28 @@ class TextPart(_Request):
 
 
 class ChatMessage(BaseModel):
-    """One message; fields beyond role and content (name, ...) are passed to the chat template."""
+    """One message. Any role is accepted (the chat template decides which it knows); fields
+    beyond role and content (``name``, ...) are passed to the chat template."""
 
     model_config = ConfigDict(strict=True, extra="allow")
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Text
     content: Text | list[TextPart] | None = None
+    name: Text | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        """An image, audio or file part is refused naming its type (the union's own errors
+        would only say that the part is not a text part)."""
+        for i, part in enumerate(content if isinstance(content, list) else ()):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind != "text":
+                raise ValueError(
+                    f"content[{i}] is a part of type {kind!r}, which is not supported: this "
+                    "server takes text parts only (multimodal input is not supported)"
+                )
+        return content
 
     @model_validator(mode="after")
     def _extra_fields_are_text(self) -> ChatMessage:
@@ -114,24 +131,67 @@ class ChatMessage(BaseModel):
             _check_strings(value, key)
         return self
 
+    def text(self) -> str:
+        """The content as one string: text parts joined by newlines, none as empty."""
+        if isinstance(self.content, list):
+            return "\n".join(part.text for part in self.content)
+        return self.content or ""
 
-class ChatCompletionRequest(SamplingRequest):
+
+def _checked_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+    _check_strings(kwargs, "chat_template_kwargs")
+    return kwargs
+
+
+class ChatTemplateRequest(_Request):
+    """What renders messages through a chat template: chat completions and chat tokenization.
+    Which template renders them, and the checks these fields pass, are in `chat_template`."""
+
     messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    """End the prompt with the header of a new turn (default: true, unless
+    continue_final_message is set)."""
+    continue_final_message: bool = False
+    """Leave the last message open, for the model to continue it (a prefill)."""
+    add_special_tokens: bool = False
+    """Add the tokenizer's special tokens (BOS, ...) to the rendered text, on top of the
+    template's own."""
+    chat_template: Text | None = None
+    """A Jinja template for this request (needs --trust-request-chat-template)."""
+    chat_template_kwargs: Annotated[dict[Text, Any] | None, AfterValidator(_checked_kwargs)] = None
+    """Variables the template sees."""
+    documents: list[dict[Text, Text]] | None = None
+    """Documents for templates that take them (retrieval-augmented generation)."""
+
+    def opens_a_new_turn(self) -> bool:
+        """add_generation_prompt, whose default gives way to continue_final_message."""
+        if "add_generation_prompt" in self.model_fields_set:
+            return self.add_generation_prompt
+        return not self.continue_final_message
+
+
+class ChatCompletionRequest(SamplingRequest, ChatTemplateRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    # Extension: False to continue the last message instead of starting the assistant's turn.
-    add_generation_prompt: bool = True
+    echo: bool = False
+    """Start each answer with the last message's content when the answer has its role."""
 
 
-class TokenizeRequest(_Request):
-    """Either ``prompt`` (text) or ``messages`` (rendered through the chat template)."""
+class TokenizeCompletionRequest(_Request):
+    """``/tokenize`` of a text."""
 
     model: Text | None = None
-    prompt: Text | None = None
-    messages: list[ChatMessage] | None = None
+    prompt: Text
     add_special_tokens: bool = True
-    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(ChatTemplateRequest):
+    """``/tokenize`` of messages, rendered as a chat completion would render them."""
+
+    model: Text | None = None
+    return_token_strs: bool = False
 
 
 class DetokenizeRequest(_Request):
@@ -190,7 +250,8 @@ class ChoiceLogprobs(BaseModel):
 
 
 class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
+    role: str = "assistant"
+    """``assistant``, or the last message's role when no new turn was opened."""
     content: str
 
 
@@ -212,7 +273,7 @@ class ChatCompletionResponse(BaseModel):
 
 
 class DeltaMessage(BaseModel):
-    role: Literal["assistant"] | None = None
+    role: str | None = None
     content: str | None = None
 
 
@@ -233,13 +294,34 @@ class ChatCompletionChunk(BaseModel):
     usage: UsageInfo | None = None
 
 
+class ModelPermission(BaseModel):
+    """What a client may do with a model, as vLLM (and OpenAI's older API) describe it."""
+
+    id: str = Field(default_factory=lambda: f"modelperm-{uuid.uuid4().hex}")
+    object: Literal["model_permission"] = "model_permission"
+    created: int = Field(default_factory=_now)
+    allow_create_engine: bool = False
+    allow_sampling: bool = True
+    allow_logprobs: bool = True
+    allow_search_indices: bool = False
+    allow_view: bool = True
+    allow_fine_tuning: bool = False
+    organization: str = "*"
+    group: str | None = None
+    is_blocking: bool = False
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
     created: int = Field(default_factory=_now)
     owned_by: str = "pagellm"
     root: str
+    """The model the server loaded (its directory or GGUF file)."""
+    parent: str | None = None
+    """The base model of an adapter; None for a base model."""
     max_model_len: int
+    permission: list[ModelPermission] = Field(default_factory=lambda: [ModelPermission()])
 
 
 class ModelList(BaseModel):
@@ -251,7 +333,14 @@ class TokenizeResponse(BaseModel):
     count: int
     max_model_len: int
     tokens: list[int]
+    token_strs: list[str] | None = None
+    """The tokenizer's string for each token (``return_token_strs``)."""
 
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+class ServerLoad(BaseModel):
+    server_load: int
+    """Generation requests in flight (completions and chat, streamed ones until their end)."""

@@ -11,7 +11,8 @@ from pagellm.entrypoints.http_errors import bad_request
 from pagellm.entrypoints.server_context import EngineClient, ServerContext
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
-from pagellm_openai.protocol import ChatMessage, SamplingRequest
+from pagellm_openai.chat_template import ChatTemplates
+from pagellm_openai.protocol import ChatTemplateRequest, SamplingRequest
 
 
 @dataclass
@@ -41,6 +42,7 @@ class ServingContext:
     vocab_size: int
     max_sequences_per_request: int
     """Prompts × n one HTTP request may ask for (``--max-sequences-per-request``)."""
+    chat_templates: ChatTemplates
 
     @classmethod
     def from_server(cls, server: ServerContext) -> ServingContext:
@@ -54,6 +56,9 @@ class ServingContext:
             max_num_seqs=config.scheduler.max_num_seqs,
             vocab_size=config.model.vocab_size,
             max_sequences_per_request=server.args.max_sequences_per_request,
+            chat_templates=ChatTemplates(
+                server.args.chat_template, server.args.trust_request_chat_template
+            ),
         )
 
     def generate(
@@ -116,26 +121,10 @@ class ServingContext:
             )
         return Prompt(None, token_ids)
 
-    def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool) -> Prompt:
-        tokenizer = self.tokenizer
-        if getattr(tokenizer, "chat_template", None) is None:
-            raise bad_request(
-                "The model's tokenizer has no chat template: use /v1/completions.",
-                param="messages",
-            )
-        conversation = [_template_message(m) for m in messages]
-        try:
-            ids = tokenizer.apply_chat_template(
-                conversation,
-                add_generation_prompt=add_generation_prompt,
-                tokenize=True,
-                return_dict=False,
-            )
-        except Exception as exc:  # the template's own checks (roles, order) raise here
-            raise bad_request(
-                f"The chat template refused the messages: {exc}", param="messages"
-            ) from exc
-        return Prompt(None, list(ids))
+    def chat_prompt(self, request: ChatTemplateRequest) -> tuple[Prompt, str]:
+        """The request's messages rendered by its chat template, and the role of the answer."""
+        chat = self.chat_templates.render(self.tokenizer, request)
+        return Prompt(chat.text, chat.token_ids), chat.role
 
     def output_budget(
         self,
@@ -228,14 +217,3 @@ class ServingContext:
                 )
             result[token] = value
         return result
-
-
-def _template_message(message: ChatMessage) -> dict[str, Any]:
-    """The message as the chat template reads it: content as one string."""
-    data = message.model_dump(exclude_none=True)
-    content = message.content
-    if isinstance(content, list):
-        data["content"] = "\n".join(part.text for part in content)
-    elif content is None:
-        data["content"] = ""
-    return data
