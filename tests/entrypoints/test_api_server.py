@@ -446,7 +446,11 @@ BAD_REQUESTS = {
     "missing messages": (CHAT, {"model": MODEL_NAME}),
     "empty messages": (CHAT, {"messages": []}),
     "messages not a list": (CHAT, {"messages": "hi"}),
-    "unknown role": (CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}),
+    "role not a string": (CHAT, {"messages": [{"role": 5, "content": "hi"}]}),
+    "image content part": (
+        CHAT,
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+    ),
     "max_tokens a string": (COMPLETIONS, {"prompt": "hi", "max_tokens": "5"}),
     "temperature a string": (CHAT, {"messages": HELLO, "temperature": "hot"}),
     "prompt a number": (COMPLETIONS, {"prompt": 5}),
@@ -527,23 +531,27 @@ def test_the_openai_client_raises_bad_request_and_the_server_keeps_serving(main:
 
 
 def test_api_key_is_required_on_every_route_but_health(main: Server):
+    from pagellm.entrypoints.request_guard import OPEN_PATHS
+
     schema = main.get("/openapi.json")
     assert schema.status_code == 200
     routes = [
         (method.upper(), path)
         for path, item in schema.json()["paths"].items()
         for method in item
-        if path != "/health"
+        if path not in OPEN_PATHS
     ]
     paths = {path for _, path in routes}
-    assert {"/v1/completions", "/v1/admin/state", "/v1/dummy/ping", "/metrics"} <= paths
+    assert {"/v1/completions", "/invocations", "/load", "/v1/admin/state", "/metrics"} <= paths
+    assert "/v1/dummy/ping" in paths
     routes += [("GET", "/openapi.json"), ("GET", "/docs"), ("GET", "/no/such/route")]
     for method, path in routes:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
             response = httpx.request(method, f"{main.url}{path}", headers=headers, json={})
             assert response.status_code == 401, (method, path, headers)
             assert response.json()["error"]["code"] == "invalid_api_key"
-    assert httpx.get(f"{main.url}/health").status_code == 200
+    for path in OPEN_PATHS:  # /health, /health/ and /ping (SageMaker's)
+        assert httpx.get(f"{main.url}{path}").status_code == 200, path
     assert main.get("/v1/dummy/ping").json() == {"pong": "dummy", "model": MODEL_NAME}
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{main.url}/v1", api_key="wrong").models.list()

@@ -172,7 +172,7 @@ def test_chat_rendering_matches_transformers(plain: Server, hf: Any, fields: dic
 
 
 def test_add_special_tokens_adds_the_tokenizers_own_to_the_rendering(plain: Server, hf: Any):
-    rendered = hf.apply_chat_template(PREFILL, tokenize=True, return_dict=False)
+    rendered = hf.apply_chat_template(PREFILL, add_generation_prompt=True, return_dict=False)
     with_bos = _tokenize(plain, messages=PREFILL, add_special_tokens=True)["tokens"]
     assert with_bos == [hf.bos_token_id, *rendered]
     chat = _chat(plain, PREFILL, max_tokens=1, add_special_tokens=True)
