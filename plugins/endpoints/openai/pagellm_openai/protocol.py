@@ -156,7 +156,7 @@ class ChatTemplateRequest(_Request):
     add_special_tokens: bool = False
     """Add the tokenizer's special tokens (BOS, ...) to the rendered text, on top of the
     template's own."""
-    chat_template: Text | None = None
+    chat_template: Text | None = Field(None, min_length=1)
     """A Jinja template for this request (needs --trust-request-chat-template)."""
     chat_template_kwargs: Annotated[dict[Text, Any] | None, AfterValidator(_checked_kwargs)] = None
     """Variables the template sees."""

@@ -243,6 +243,7 @@ def test_a_request_chat_template_renders_when_the_server_trusts_them(
     assert _refused(
         templated, CHAT, {"messages": messages, "chat_template": "{% if %}"}, "chat_template"
     )
+    assert _refused(templated, CHAT, {"messages": messages, "chat_template": ""}, "chat_template")
 
     for path in ("/tokenize", CHAT):
         message = _refused(
