@@ -112,8 +112,6 @@ async def create_completion(
     ctx: ServingContext, request: CompletionRequest, raw: Request
 ) -> Response:
     model = ctx.model_name(request.model)
-    if request.suffix:
-        raise bad_request("suffix is not supported.", param="suffix")
     prompts = _prompts(ctx, request)
     echo_logprobs = request.logprobs if request.echo else None
     params = [

@@ -11,6 +11,7 @@ from pagellm.entrypoints.http_errors import bad_request
 from pagellm.entrypoints.server_context import EngineClient, ServerContext
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
+from pagellm_openai.field_policy import check_best_of
 from pagellm_openai.protocol import ChatMessage, SamplingRequest
 
 
@@ -180,6 +181,7 @@ class ServingContext:
                 "(--max-num-seqs).",
                 param="n",
             )
+        check_best_of(request.best_of, request.n)
         if request.stream_options is not None and not request.stream:
             raise bad_request(
                 "stream_options is only allowed with stream=true.", param="stream_options"
@@ -219,7 +221,9 @@ class ServingContext:
             return None
         result: dict[int, float] = {}
         for key, value in bias.items():
-            token = int(key) if key.lstrip("-").isdigit() else None
+            # ASCII digits only: str.isdigit() takes "²", which int() refuses.
+            digits = key.removeprefix("-")
+            token = int(key) if digits.isascii() and digits.isdecimal() else None
             if token is None or not 0 <= token < self.vocab_size:
                 raise bad_request(
                     f"logit_bias key {key!r} is not a token id of the vocabulary "
