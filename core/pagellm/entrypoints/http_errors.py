@@ -17,6 +17,11 @@ from pagellm.engine.errors import EngineDeadError, EngineOverloadedError, Engine
 
 INVALID_REQUEST = "invalid_request_error"
 SERVER_ERROR = "server_error"
+UNKNOWN_PARAMETER = "unknown_parameter"
+"""``code`` of a 400 for a field the request model does not declare."""
+UNSUPPORTED_PARAMETER = "unsupported_parameter"
+"""``code`` of a 400 for a field the server knows but does not implement; a request model's
+validator raises a pydantic error of this type whose message says what the field asks for."""
 RETRY_AFTER_S = 1
 
 
@@ -58,22 +63,47 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
+def _path(loc: tuple[int | str, ...]) -> str:
+    """A field's location as a client writes it: ``stream_options.include_usage``, ``prompt[2]``."""
+    path = ""
+    for part in loc:
+        if part == "body" and not path:
+            continue
+        path += f"[{part}]" if isinstance(part, int) else f".{part}" if path else str(part)
+    return path
+
+
 def _validation_error(exc: RequestValidationError) -> APIError:
-    """A 400 naming the offending top-level field as ``param`` (``messages``, ``n``) and its full
-    location in the message."""
+    """A 400 for the first validation error. An unknown field (``extra_forbidden``) or a field
+    the server refuses (`UNSUPPORTED_PARAMETER`) is named by its full path, as ``param`` too,
+    as OpenAI does; any other error names the offending top-level field as ``param``
+    (``messages``, ``n``) and its full location in the message."""
     errors = exc.errors()
     first = errors[0] if errors else {}
     if first.get("type") == "json_invalid":
         return bad_request(
             f"The request body is not valid JSON: {first.get('ctx', {}).get('error', '')}"
         )
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    loc = tuple(first.get("loc", ()))
+    path = _path(loc)
+    more = f" (and {len(errors) - 1} more error(s))" if len(errors) > 1 else ""
+    if first.get("type") == "extra_forbidden":
+        return bad_request(
+            f"Unknown parameter '{path}': this server does not support it.{more}",
+            param=path,
+            code=UNKNOWN_PARAMETER,
+        )
+    if first.get("type") == UNSUPPORTED_PARAMETER:
+        return bad_request(
+            f"{path} is not supported by this server ({first.get('msg')}).{more}",
+            param=path,
+            code=UNSUPPORTED_PARAMETER,
+        )
+    top = [p for p in loc if p != "body"]
     message = first.get("msg", "Invalid request.")
-    if loc:
-        message = f"{'.'.join(loc)}: {message}"
-    if len(errors) > 1:
-        message += f" (and {len(errors) - 1} more error(s))"
-    return bad_request(message, param=loc[0] if loc else None)
+    if path:
+        message = f"{path}: {message}"
+    return bad_request(message + more, param=str(top[0]) if top else None)
 
 
 def _request_id(request: Request) -> str:

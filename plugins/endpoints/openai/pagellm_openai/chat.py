@@ -63,7 +63,7 @@ async def create_chat_completion(
     ctx: ServingContext, request: ChatCompletionRequest, raw: Request
 ) -> Response:
     model = ctx.model_name(request.model)
-    if request.top_logprobs is not None and not request.logprobs:
+    if request.top_logprobs and not request.logprobs:
         raise bad_request("top_logprobs needs logprobs=true.", param="top_logprobs")
     ctx.check_num_sequences(1, request.n)
     prompt, role = ctx.chat_prompt(request)

@@ -26,14 +26,14 @@ def _prompts(ctx: ServingContext, request: CompletionRequest) -> list[Prompt]:
     prompt = request.prompt
     if isinstance(prompt, str):
         ctx.check_num_sequences(1, request.n)
-        return [ctx.text_prompt(prompt)]
+        return [ctx.text_prompt(prompt, request.add_special_tokens)]
     if not prompt:
         raise bad_request("prompt is empty.", param="prompt")
     ctx.check_num_sequences(1 if isinstance(prompt[0], int) else len(prompt), request.n)
     if isinstance(prompt[0], int):
         return [ctx.token_prompt(prompt)]  # type: ignore[arg-type]
     if isinstance(prompt[0], str):
-        return [ctx.text_prompt(p) for p in prompt]  # type: ignore[arg-type]
+        return [ctx.text_prompt(p, request.add_special_tokens) for p in prompt]  # type: ignore[arg-type]
     return [ctx.token_prompt(p) for p in prompt]  # type: ignore[arg-type]
 
 
@@ -112,8 +112,6 @@ async def create_completion(
     ctx: ServingContext, request: CompletionRequest, raw: Request
 ) -> Response:
     model = ctx.model_name(request.model)
-    if request.suffix:
-        raise bad_request("suffix is not supported.", param="suffix")
     prompts = _prompts(ctx, request)
     echo_logprobs = request.logprobs if request.echo else None
     params = [

@@ -1,8 +1,9 @@
 """Request and response shapes of the OpenAI-compatible API (pydantic).
 
-Requests are validated strictly (a string where a number belongs is an error, not a conversion);
-fields the API defines but pagellm does not use are ignored, as OpenAI clients send some of them
-by default. The extensions after the OpenAI fields carry vLLM's names.
+Requests are validated strictly (a string where a number belongs is an error, not a conversion)
+and an unknown field is an error too: what each field of OpenAI's API or vLLM's extensions does
+here (implemented, accepted as a no-op, refused) is declared, no-ops and refusals in
+`field_policy`. The extensions after the OpenAI fields carry vLLM's names.
 """
 
 from __future__ import annotations
@@ -14,6 +15,12 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pagellm.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS
+from pagellm_openai.field_policy import (
+    AcceptedNoOps,
+    RefusedCompletionFields,
+    RefusedFields,
+    RefusedStreamOptions,
+)
 
 
 def _no_lone_surrogates(text: str) -> str:
@@ -50,15 +57,26 @@ TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
 
-class StreamOptions(_Request):
+class StreamOptions(RefusedStreamOptions, _Request):
     include_usage: bool = False
 
 
-class SamplingRequest(_Request):
+# OpenAI's fields that take null for their default (the official clients send null for None).
+_NULL_IS_DEFAULT = frozenset({"n", "stream", "echo", "logprobs"})
+
+
+class SamplingRequest(AcceptedNoOps, RefusedFields, _Request):
     """What completions and chat completions share."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k not in _NULL_IS_DEFAULT}
+        return data
 
     model: Text | None = None
     n: int = Field(1, ge=1, le=INT64_MAX)
@@ -69,10 +87,10 @@ class SamplingRequest(_Request):
     seed: Int64 | None = None
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
-    logit_bias: dict[Text, float] | None = None
+    logit_bias: dict[Text, Annotated[float, Field(allow_inf_nan=False)]] | None = None
+    """Token id (a decimal string) → bias, clamped to [-100, 100]."""
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: Text | None = None
     # Extensions (vLLM's names).
     top_k: int | None = Field(None, ge=-1, le=INT64_MAX)
     min_p: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
@@ -88,11 +106,12 @@ class SamplingRequest(_Request):
     """Requests of different salts share no prefix-cache blocks."""
 
 
-class CompletionRequest(SamplingRequest):
+class CompletionRequest(RefusedCompletionFields, SamplingRequest):
     prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    suffix: Text | None = None
+    add_special_tokens: bool = True
+    """Add the tokenizer's special tokens (BOS, ...) to a text prompt (vLLM's extension)."""
 
 
 class TextPart(_Request):
@@ -171,7 +190,8 @@ class ChatTemplateRequest(_Request):
 
 
 class ChatCompletionRequest(SamplingRequest, ChatTemplateRequest):
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
+    """OpenAI's current name of ``max_tokens``; when both are given, this one counts."""
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False

@@ -12,6 +12,7 @@ from pagellm.entrypoints.server_context import EngineClient, ServerContext
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
 from pagellm_openai.chat_template import ChatTemplates
+from pagellm_openai.field_policy import check_best_of
 from pagellm_openai.protocol import ChatTemplateRequest, SamplingRequest
 
 
@@ -169,6 +170,7 @@ class ServingContext:
                 "(--max-num-seqs).",
                 param="n",
             )
+        check_best_of(request.best_of, request.n)
         if request.stream_options is not None and not request.stream:
             raise bad_request(
                 "stream_options is only allowed with stream=true.", param="stream_options"
@@ -208,7 +210,9 @@ class ServingContext:
             return None
         result: dict[int, float] = {}
         for key, value in bias.items():
-            token = int(key) if key.lstrip("-").isdigit() else None
+            # ASCII digits only: str.isdigit() takes "²", which int() refuses.
+            digits = key.removeprefix("-")
+            token = int(key) if digits.isascii() and digits.isdecimal() else None
             if token is None or not 0 <= token < self.vocab_size:
                 raise bad_request(
                     f"logit_bias key {key!r} is not a token id of the vocabulary "

@@ -179,6 +179,23 @@ def test_add_special_tokens_adds_the_tokenizers_own_to_the_rendering(plain: Serv
     assert chat.usage.prompt_tokens == len(rendered) + 1
 
 
+def test_completions_add_special_tokens_false_leaves_the_bos_out(plain: Server, hf: Any):
+    client = plain.client()
+
+    def prompt_ids(**extra: Any) -> list[int]:
+        completion = client.completions.create(
+            model=MODEL_NAME,
+            prompt="The colour is",
+            max_tokens=1,
+            temperature=0,
+            extra_body={"return_token_ids": True, **extra},
+        )
+        return completion.choices[0].prompt_token_ids  # type: ignore[attr-defined]
+
+    assert prompt_ids() == hf.encode("The colour is")
+    assert prompt_ids(add_special_tokens=False) == hf.encode("The colour is")[1:]
+
+
 def test_continue_final_message_with_add_generation_prompt_is_refused(plain: Server):
     both = {"messages": PREFILL, "continue_final_message": True, "add_generation_prompt": True}
     for path in ("/tokenize", CHAT):
