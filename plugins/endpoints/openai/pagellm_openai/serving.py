@@ -85,7 +85,7 @@ class ServingContext:
     def response_id(prefix: str, request: SamplingRequest, raw: Request) -> str:
         """``prefix`` and the request's id: the client's ``X-Request-Id`` header, else its
         ``request_id`` field, else the one the server made (vLLM's precedence)."""
-        if "x-request-id" in raw.headers or request.request_id is None:
+        if raw.headers.get("x-request-id") or request.request_id is None:
             return f"{prefix}-{raw.state.request_id}"
         return f"{prefix}-{request.request_id}"
 
@@ -107,6 +107,8 @@ class ServingContext:
                 )
             return prompt
         limit = self.max_model_len - output_tokens
+        if limit < 1:
+            return prompt  # the output alone fills the context: output_budget refuses it
         if keep == -1:
             keep = limit
         if not 1 <= keep <= limit:

@@ -324,6 +324,7 @@ def test_truncate_prompt_tokens_keeps_the_last_or_the_first_tokens(plain: Server
         ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
         ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
         ({"truncate_prompt_tokens": MAX_MODEL_LEN - 1}, "truncate_prompt_tokens"),  # no room for 2
+        ({"truncate_prompt_tokens": 5, "max_tokens": MAX_MODEL_LEN}, "max_tokens"),
         ({"truncation_side": "right"}, "truncation_side"),
         ({"truncate_prompt_tokens": 3, "truncation_side": "middle"}, "truncation_side"),
     ],
