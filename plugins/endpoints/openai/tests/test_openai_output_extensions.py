@@ -128,6 +128,10 @@ def streamed_token_ids(chunks: list[dict]) -> dict[int, list[int]]:
     return ids
 
 
+def chat_text(chunks: list[dict]) -> str:
+    return "".join(ch["delta"]["content"] or "" for c in chunks for ch in c["choices"])
+
+
 # ---------------------------------------------------------------- prompt logprobs
 
 
@@ -138,16 +142,14 @@ def test_prompt_logprobs_come_on_the_completion_choice_and_at_the_top_of_a_chat(
         prompt=PROMPT, max_tokens=2, extra_body={"prompt_logprobs": 2}, **GREEDY
     )
     [choice] = out.choices
-    positions = choice.prompt_logprobs  # type: ignore[attr-defined]
+    positions = choice.prompt_logprobs
     assert len(positions) == len(ids) == out.usage.prompt_tokens and positions[0] is None
     for token, position in zip(ids[1:], positions[1:], strict=True):
         assert next(iter(position)) == str(token)  # the prompt's own token first
         assert 2 <= len(position) <= 3 and all(lp["logprob"] <= 0 for lp in position.values())
         assert {1, 2} <= {lp["rank"] for lp in position.values()}
-    assert (
-        client.completions.create(prompt=PROMPT, max_tokens=2, **GREEDY).choices[0].prompt_logprobs
-        is None
-    )  # type: ignore[attr-defined]
+    unasked = client.completions.create(prompt=PROMPT, max_tokens=2, **GREEDY).choices[0]
+    assert unasked.prompt_logprobs is None
 
     # Echo's logprobs of the prompt are the same numbers.
     echoed = client.completions.create(
@@ -166,12 +168,12 @@ def test_prompt_logprobs_come_on_the_completion_choice_and_at_the_top_of_a_chat(
     chat = client.chat.completions.create(
         messages=HELLO, max_tokens=2, extra_body={"prompt_logprobs": 1}, **GREEDY
     )
-    chat_positions = chat.prompt_logprobs  # type: ignore[attr-defined]
+    chat_positions = chat.prompt_logprobs
     assert len(chat_positions) == chat.usage.prompt_tokens and chat_positions[0] is None
     assert (
         client.chat.completions.create(messages=HELLO, max_tokens=1, **GREEDY).prompt_logprobs
         is None
-    )  # type: ignore[attr-defined]
+    )
     body = {"messages": HELLO, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 1}
     roles, first_delta, *_ = sse_chunks(plain, CHAT, body)
     assert "prompt_logprobs" not in roles and first_delta["prompt_logprobs"] == chat_positions
@@ -198,32 +200,28 @@ def test_return_token_ids_gives_the_prompt_and_choice_token_ids_streamed_or_not(
     extra = {"return_token_ids": True, "ignore_eos": True}
     out = client.completions.create(prompt=PROMPT, max_tokens=5, extra_body=extra, **GREEDY)
     [choice] = out.choices
-    assert choice.prompt_token_ids == tokenize(plain, prompt=PROMPT)  # type: ignore[attr-defined]
-    assert len(choice.token_ids) == 5 and detokenize(plain, choice.token_ids) == choice.text  # type: ignore[attr-defined]
-    assert (
-        client.completions.create(prompt=PROMPT, max_tokens=1, **GREEDY).choices[0].token_ids
-        is None
-    )  # type: ignore[attr-defined]
+    assert choice.prompt_token_ids == tokenize(plain, prompt=PROMPT)
+    assert len(choice.token_ids) == 5 and detokenize(plain, choice.token_ids) == choice.text
+    unasked = client.completions.create(prompt=PROMPT, max_tokens=1, **GREEDY).choices[0]
+    assert unasked.token_ids is None and unasked.prompt_token_ids is None
 
     chunks = sse_chunks(
         plain, COMPLETIONS, {"prompt": PROMPT, "max_tokens": 5, "temperature": 0, **extra}
     )
-    assert streamed_token_ids(chunks) == {0: choice.token_ids}  # type: ignore[attr-defined]
+    assert streamed_token_ids(chunks) == {0: choice.token_ids}
     with_prompt = [c for c in chunks if "prompt_token_ids" in c["choices"][0]]
-    assert (
-        with_prompt == chunks[:1]
-        and with_prompt[0]["choices"][0]["prompt_token_ids"] == choice.prompt_token_ids
-    )  # type: ignore[attr-defined]
+    assert with_prompt == chunks[:1]
+    assert with_prompt[0]["choices"][0]["prompt_token_ids"] == choice.prompt_token_ids
 
     chat = client.chat.completions.create(messages=HELLO, max_tokens=5, extra_body=extra, **GREEDY)
-    assert chat.prompt_token_ids == tokenize(plain, messages=HELLO)  # type: ignore[attr-defined]
+    assert chat.prompt_token_ids == tokenize(plain, messages=HELLO)
     [reply] = chat.choices
-    assert detokenize(plain, reply.token_ids) == reply.message.content  # type: ignore[attr-defined]
+    assert detokenize(plain, reply.token_ids) == reply.message.content
     chunks = sse_chunks(
         plain, CHAT, {"messages": HELLO, "max_tokens": 5, "temperature": 0, **extra}
     )
-    assert [c.get("prompt_token_ids") for c in chunks[:2]] == [chat.prompt_token_ids, None]  # type: ignore[attr-defined]
-    assert streamed_token_ids(chunks) == {0: reply.token_ids}  # type: ignore[attr-defined]
+    assert [c.get("prompt_token_ids") for c in chunks[:2]] == [chat.prompt_token_ids, None]
+    assert streamed_token_ids(chunks) == {0: reply.token_ids}
 
 
 def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(plain: Server, details: Server):
@@ -232,7 +230,7 @@ def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(plain: Server, de
     [choice] = client.completions.create(
         prompt=PROMPT, max_tokens=3, logprobs=2, echo=True, extra_body=extra, **GREEDY
     ).choices
-    ids = choice.prompt_token_ids + choice.token_ids  # type: ignore[attr-defined]
+    ids = choice.prompt_token_ids + choice.token_ids
     lp = choice.logprobs
     assert lp.tokens == [f"token_id:{t}" for t in ids]
     assert choice.text.startswith(PROMPT)  # the text stays text
@@ -270,8 +268,8 @@ def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(plain: Server, de
     # The server's --return-tokens-as-token-ids is the default a request may turn off.
     kwargs = dict(prompt=PROMPT, max_tokens=2, logprobs=0, **GREEDY)
     served = details.client()
-    assert served.completions.create(**kwargs).choices[0].logprobs.tokens[0].startswith("token_id:")  # type: ignore[call-overload]
-    off = served.completions.create(extra_body={"return_tokens_as_token_ids": False}, **kwargs)  # type: ignore[call-overload]
+    assert served.completions.create(**kwargs).choices[0].logprobs.tokens[0].startswith("token_id:")
+    off = served.completions.create(extra_body={"return_tokens_as_token_ids": False}, **kwargs)
     assert not off.choices[0].logprobs.tokens[0].startswith("token_id:")
 
 
@@ -286,7 +284,7 @@ def test_truncate_prompt_tokens_keeps_the_last_or_the_first_tokens(plain: Server
         prompt=PROMPT, max_tokens=4, echo=True, extra_body=extra, **GREEDY
     )
     [choice] = cut.choices
-    assert cut.usage.prompt_tokens == 4 and choice.prompt_token_ids == ids[-4:]  # type: ignore[attr-defined]
+    assert cut.usage.prompt_tokens == 4 and choice.prompt_token_ids == ids[-4:]
     assert choice.text.startswith(detokenize(plain, ids[-4:]))
     alone = client.completions.create(
         prompt=ids[-4:],
@@ -294,11 +292,11 @@ def test_truncate_prompt_tokens_keeps_the_last_or_the_first_tokens(plain: Server
         extra_body={"ignore_eos": True, "return_token_ids": True},
         **GREEDY,
     )
-    assert choice.token_ids == alone.choices[0].token_ids  # type: ignore[attr-defined]
+    assert choice.token_ids == alone.choices[0].token_ids
     right = client.completions.create(
         prompt=PROMPT, max_tokens=1, extra_body={**extra, "truncation_side": "right"}, **GREEDY
     )
-    assert right.choices[0].prompt_token_ids == ids[:4]  # type: ignore[attr-defined]
+    assert right.choices[0].prompt_token_ids == ids[:4]
 
     # -1: as many as the context leaves room for beside max_tokens.
     long = "word " * (MAX_MODEL_LEN + 20)
@@ -308,7 +306,7 @@ def test_truncate_prompt_tokens_keeps_the_last_or_the_first_tokens(plain: Server
     assert fitted.usage.prompt_tokens == MAX_MODEL_LEN - 4
 
     chat = client.chat.completions.create(messages=HELLO, max_tokens=2, extra_body=extra, **GREEDY)
-    assert chat.prompt_token_ids == tokenize(plain, messages=HELLO)[-4:]  # type: ignore[attr-defined]
+    assert chat.prompt_token_ids == tokenize(plain, messages=HELLO)[-4:]
     body = {
         "messages": HELLO,
         "max_tokens": 2,
@@ -364,7 +362,7 @@ def test_allowed_token_ids_and_bad_words_hold_streamed_or_not(plain: Server):
         extra_body=extra,
     )
     for choice in sampled.choices:
-        assert len(choice.token_ids) == 12 and set(choice.token_ids) <= set(allowed)  # type: ignore[attr-defined]
+        assert len(choice.token_ids) == 12 and set(choice.token_ids) <= set(allowed)
     body = {"messages": HELLO, "max_tokens": 12, "temperature": 1.5, "seed": 2, **extra}
     [streamed] = streamed_token_ids(sse_chunks(plain, CHAT, body)).values()
     assert len(streamed) == 12 and set(streamed) <= set(allowed)
@@ -374,11 +372,11 @@ def test_allowed_token_ids_and_bad_words_hold_streamed_or_not(plain: Server):
     [greedy] = client.completions.create(
         prompt=PROMPT, max_tokens=8, extra_body=plain_extra, **GREEDY
     ).choices
-    word, token = one_token_word(plain, greedy.token_ids)  # type: ignore[attr-defined]
+    word, token = one_token_word(plain, greedy.token_ids)
     [clean] = client.completions.create(
         prompt=PROMPT, max_tokens=8, extra_body={**plain_extra, "bad_words": [word]}, **GREEDY
     ).choices
-    assert token not in clean.token_ids  # type: ignore[attr-defined]
+    assert token not in clean.token_ids
     body = {"messages": HELLO, "max_tokens": 8, "temperature": 0, **plain_extra}
     [chat_greedy] = streamed_token_ids(sse_chunks(plain, CHAT, body)).values()
     word, token = one_token_word(plain, chat_greedy)
@@ -398,35 +396,32 @@ def test_allowed_token_ids_and_bad_words_hold_streamed_or_not(plain: Server):
 def test_min_tokens_ignore_eos_and_skip_special_tokens_change_the_output(plain: Server):
     client = plain.client()
     forced_eos = {"logit_bias": {str(IM_END): 100}, "max_tokens": 6, **GREEDY}
-    stops = client.completions.create(prompt=PROMPT, **forced_eos)  # type: ignore[call-overload]
+    stops = client.completions.create(prompt=PROMPT, **forced_eos)
     assert (stops.usage.completion_tokens, stops.choices[0].finish_reason) == (1, "stop")
     held = client.chat.completions.create(
         messages=HELLO, extra_body={"min_tokens": 3, "return_token_ids": True}, **forced_eos
-    )  # type: ignore[call-overload]
+    )
     [reply] = held.choices
-    assert reply.token_ids[-1] == IM_END and IM_END not in reply.token_ids[:3]  # type: ignore[attr-defined]
-    assert len(reply.token_ids) == 4 and reply.finish_reason == "stop"  # type: ignore[attr-defined]
+    assert reply.token_ids[-1] == IM_END and IM_END not in reply.token_ids[:3]
+    assert len(reply.token_ids) == 4 and reply.finish_reason == "stop"
     ignored = client.completions.create(
         prompt=PROMPT, extra_body={"ignore_eos": True, "skip_special_tokens": False}, **forced_eos
-    )  # type: ignore[call-overload]
+    )
     assert (ignored.usage.completion_tokens, ignored.choices[0].finish_reason) == (6, "length")
     assert ignored.choices[0].text == "<|im_end|>" * 6
 
     forced_start = {"logit_bias": {str(IM_START): 100}, "max_tokens": 3, **GREEDY}
-    skipped = client.chat.completions.create(messages=HELLO, **forced_start)  # type: ignore[call-overload]
+    skipped = client.chat.completions.create(messages=HELLO, **forced_start)
     assert skipped.choices[0].message.content == "" and skipped.usage.completion_tokens == 3
     body = {"messages": HELLO, "skip_special_tokens": False, **forced_start}
     chunks = sse_chunks(plain, CHAT, body)
-    assert (
-        "".join(ch["delta"]["content"] or "" for c in chunks for ch in c["choices"])
-        == "<|im_start|>" * 3
-    )
+    assert chat_text(chunks) == "<|im_start|>" * 3
 
 
 def test_include_stop_str_in_output_keeps_the_stop_string(plain: Server):
     client = plain.client()
     kwargs = dict(prompt=PROMPT, max_tokens=16, extra_body={"ignore_eos": True}, **GREEDY)
-    text = client.completions.create(**kwargs).choices[0].text  # type: ignore[call-overload]
+    text = client.completions.create(**kwargs).choices[0].text
     stop = text[len(text) // 2 : len(text) // 2 + 3]
     assert stop.strip(), text
     kept = text[: text.index(stop)] + stop
@@ -449,19 +444,18 @@ def test_spaces_between_special_tokens_join_or_separate_special_tokens(details: 
     }
     kwargs = dict(model=MODEL_NAME, prompt="Hi", max_tokens=6, temperature=1.0, seed=3)
     client = details.client()
-    [spaced] = client.completions.create(extra_body=extra, **kwargs).choices  # type: ignore[call-overload]
+    [spaced] = client.completions.create(extra_body=extra, **kwargs).choices
     [joined] = client.completions.create(
         extra_body={**extra, "spaces_between_special_tokens": False}, **kwargs
-    ).choices  # type: ignore[call-overload]
-    tokens = [names[t] for t in spaced.token_ids]  # type: ignore[attr-defined]
-    assert joined.token_ids == spaced.token_ids  # type: ignore[attr-defined]
+    ).choices
+    tokens = [names[t] for t in spaced.token_ids]
+    assert joined.token_ids == spaced.token_ids
     assert spaced.text == "".join(" " + name for name in tokens)
     assert joined.text == " " + "".join(tokens)
     body = {"messages": HELLO, "max_tokens": 6, "temperature": 1.0, "seed": 3, **extra}
     chunks = sse_chunks(details, CHAT, {**body, "spaces_between_special_tokens": False})
     [ids] = streamed_token_ids(chunks).values()
-    text = "".join(ch["delta"]["content"] or "" for c in chunks for ch in c["choices"])
-    assert text == " " + "".join(names[t] for t in ids)
+    assert chat_text(chunks) == " " + "".join(names[t] for t in ids)
 
 
 # ---------------------------------------------------------------- request ids
@@ -489,12 +483,12 @@ def test_concurrent_requests_sharing_an_id_are_each_served_their_own_output(plai
     expected = [
         client.completions.create(prompt=p, extra_body={"ignore_eos": True}, **kwargs)
         .choices[0]
-        .text  # type: ignore[call-overload]
+        .text
         for p in prompts
     ]
 
     async def one(client: openai.AsyncOpenAI, prompt: str, same: dict) -> tuple[str, str]:
-        stream = await client.completions.create(prompt=prompt, stream=True, **same, **kwargs)  # type: ignore[call-overload]
+        stream = await client.completions.create(prompt=prompt, stream=True, **same, **kwargs)
         ids, text = set(), ""
         async for chunk in stream:
             ids.add(chunk.id)
@@ -535,7 +529,7 @@ def test_continuous_usage_stats_put_each_choice_usage_on_every_chunk(plain: Serv
         "stream_options": options,
     }
     chunks = sse_chunks(plain, COMPLETIONS, body)
-    lengths = [len(tokenize(plain, prompt=p)) for p in body["prompt"]]  # type: ignore[union-attr]
+    lengths = [len(tokenize(plain, prompt=p)) for p in body["prompt"]]
     *choice_chunks, last = chunks
     so_far: dict[int, int] = {}
     for chunk in choice_chunks:
@@ -572,7 +566,7 @@ def test_prompt_tokens_details_count_the_prefix_cache_hits(plain: Server, detail
     kwargs = dict(prompt=prompt, max_tokens=1, **GREEDY)
 
     def cached(**more: object) -> int:
-        out = client.completions.create(**kwargs, **more)  # type: ignore[call-overload]
+        out = client.completions.create(**kwargs, **more)
         return out.usage.prompt_tokens_details.cached_tokens
 
     first = cached(extra_body={"cache_salt": "details-1"})
@@ -583,7 +577,7 @@ def test_prompt_tokens_details_count_the_prefix_cache_hits(plain: Server, detail
     messages = [{"role": "user", "content": prompt}]
     chat_kwargs = dict(messages=messages, max_tokens=1, **GREEDY)
     chats = [
-        client.chat.completions.create(extra_body={"cache_salt": salt}, **chat_kwargs)  # type: ignore[call-overload]
+        client.chat.completions.create(extra_body={"cache_salt": salt}, **chat_kwargs)
         for salt in ("chat-a", "chat-a", "chat-b")
     ]
     hits = [c.usage.prompt_tokens_details.cached_tokens for c in chats]
@@ -598,5 +592,5 @@ def test_prompt_tokens_details_count_the_prefix_cache_hits(plain: Server, detail
         "cached_tokens": hits[1]
     }
 
-    plain_out = plain.client().completions.create(**kwargs)  # type: ignore[call-overload]
+    plain_out = plain.client().completions.create(**kwargs)
     assert plain_out.usage.prompt_tokens_details is None
