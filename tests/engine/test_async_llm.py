@@ -197,6 +197,11 @@ def test_bad_request_raises_value_error_and_the_engine_keeps_serving(engine, ref
         with pytest.raises(ValueError, match="already running"):
             await collect(engine, PROMPTS[0], GREEDY, "dup")
         await good.aclose()
+        fanned = engine.generate(PROMPTS[0], msgspec.structs.replace(LONG, n=2), "fan")
+        await fanned.__anext__()
+        with pytest.raises(ValueError, match="already running"):  # its engine requests' id
+            await collect(engine, PROMPTS[0], GREEDY, "0_fan")
+        await fanned.aclose()
         outputs = await collect(engine, PROMPTS[0], GREEDY, "after-bad")
         await assert_all_blocks_free(engine)
         return outputs

@@ -62,3 +62,38 @@ def test_a_streamed_n2_choice_ends_once_while_its_sibling_goes_on(tokenizer):
                     finishes[completion.index] = finishes.get(completion.index, 0) + 1
     assert finishes == {0: 1, 1: 1}
     assert not processor.requests
+
+
+@pytest.fixture(scope="module")
+def wordpiece_decoded(smollm2_tokenizer_dir, tmp_path_factory):
+    """SmolLM2's tokenizer with a WordPiece decoder, which puts a space between tokens (special
+    ones included), as BERT-style tokenizers do."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    directory = tmp_path_factory.mktemp("wordpiece_decoded")
+    for path in Path(smollm2_tokenizer_dir).glob("tokenizer*"):
+        shutil.copy(path, directory)
+    spec = json.loads((directory / "tokenizer.json").read_text())
+    spec["decoder"] = {"type": "WordPiece", "prefix": "##", "cleanup": False}
+    (directory / "tokenizer.json").write_text(json.dumps(spec))
+    return AutoTokenizer.from_pretrained(directory)
+
+
+def test_without_spaces_between_special_tokens_adjacent_ones_are_joined(wordpiece_decoded):
+    from pagellm.engine.detokenizer import make_detokenizer
+
+    start, end = wordpiece_decoded.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+    output = [start, end, HELLO, start, end, end]
+    prompt = wordpiece_decoded.encode("Hi", add_special_tokens=False)
+
+    def text(**params: bool) -> str:
+        detok = make_detokenizer(wordpiece_decoded, prompt, SamplingParams(**params))
+        return "".join(detok.update([t]) for t in output)
+
+    spaced = " <|im_start|> <|im_end|> Hello <|im_start|> <|im_end|> <|im_end|>"
+    assert text(skip_special_tokens=False) == spaced
+    joined = " <|im_start|><|im_end|> Hello <|im_start|><|im_end|><|im_end|>"
+    assert text(skip_special_tokens=False, spaces_between_special_tokens=False) == joined
+    assert text(spaces_between_special_tokens=False) == text() == " Hello"

@@ -470,9 +470,23 @@ COMMON_FIELDS = {
     "min_tokens": _small_or_odd_int(),
     "ignore_eos": st.booleans(),
     "stream": st.booleans(),
-    "stream_options": st.one_of(st.none(), st.fixed_dictionaries({"include_usage": st.booleans()})),
+    "stream_options": st.one_of(
+        st.none(),
+        st.fixed_dictionaries(
+            {"include_usage": st.booleans()}, optional={"continuous_usage_stats": st.booleans()}
+        ),
+    ),
     "skip_special_tokens": st.booleans(),
     "include_stop_str_in_output": st.booleans(),
+    "spaces_between_special_tokens": st.booleans(),
+    "allowed_token_ids": st.lists(_small_or_odd_int(), max_size=3),
+    "bad_words": st.lists(TEXT, max_size=2),
+    "prompt_logprobs": _small_or_odd_int(),
+    "return_token_ids": st.booleans(),
+    "return_tokens_as_token_ids": st.one_of(st.none(), st.booleans()),
+    "truncate_prompt_tokens": _small_or_odd_int(),
+    "truncation_side": st.sampled_from(["left", "right", "middle"]),
+    "request_id": TEXT,
     "model": st.one_of(st.just(MODEL_NAME), TEXT),
     "unknown_field": _any_json(),
 }

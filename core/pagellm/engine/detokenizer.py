@@ -4,6 +4,10 @@ Fast path: the tokenizers library's streaming decoder (``DecodeStream``), primed
 the prompt so the first output token gets its leading space right. Fallback (slow tokenizers, or
 ``spaces_between_special_tokens=False``): decode a short window of recent tokens and emit the part
 that grew, holding back while the window ends in an incomplete UTF-8 sequence (U+FFFD).
+
+``spaces_between_special_tokens=False`` (with special tokens kept) is vLLM's: a special token right
+after another comes as its bare text, without the space a decoder may put between them (WordPiece
+decoders do; byte-level BPE ones put none, so it changes nothing there).
 """
 
 from __future__ import annotations
@@ -38,6 +42,13 @@ class IncrementalDetokenizer:
         self.token_ids: list[int] = whole + tail
         self.prefix_offset = 0
         self.read_offset = len(whole)
+        joins_specials = not params.spaces_between_special_tokens and not params.skip_special_tokens
+        self.special_texts: dict[int, str] = (
+            {i: t.content for i, t in tokenizer.added_tokens_decoder.items()}
+            if joins_specials and hasattr(tokenizer, "added_tokens_decoder")
+            else {}
+        )
+        self.after_special = False
 
     def _decode(self, ids: list[int]) -> str:
         kwargs = {"skip_special_tokens": self.skip_special_tokens}
@@ -47,6 +58,12 @@ class IncrementalDetokenizer:
 
     def _step(self, token_id: int) -> str:
         self.token_ids.append(token_id)
+        special = self.special_texts.get(token_id)
+        after_special, self.after_special = self.after_special, special is not None
+        if special is not None and after_special:
+            # Its bare text; the window restarts at it, so what follows is decoded after it.
+            self.prefix_offset, self.read_offset = len(self.token_ids) - 1, len(self.token_ids)
+            return special
         prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
         new_text = self._decode(self.token_ids[self.prefix_offset :])
         if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
@@ -86,7 +103,8 @@ Detokenizer = IncrementalDetokenizer | FastIncrementalDetokenizer
 def make_detokenizer(
     tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams
 ) -> Detokenizer:
-    fast = getattr(tokenizer, "is_fast", False) and params.spaces_between_special_tokens
+    spaces = params.spaces_between_special_tokens or params.skip_special_tokens
+    fast = getattr(tokenizer, "is_fast", False) and spaces
     if fast:
         try:
             return FastIncrementalDetokenizer(tokenizer, prompt_token_ids, params)

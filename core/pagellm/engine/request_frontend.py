@@ -34,9 +34,14 @@ class RequestFrontend:
 
     def _add_request(self, request_id: str, prompt: ProcessedPrompt, priority: int) -> list[str]:
         """Send the request's engine requests and follow them; returns their ids."""
-        if request_id in self.output_processor.requests:
-            raise ValueError(f"A request with id {request_id!r} is already running.")
         engine_requests = fan_out(request_id, prompt.params)
+        followed = self.output_processor
+        # An n > 1 request's engine ids ("0_x", ...) may be another request's own id: refused too,
+        # or the engine's outputs would reach the wrong request.
+        if request_id in followed.requests or any(
+            engine_id in followed.engine_to_request for engine_id, _ in engine_requests
+        ):
+            raise ValueError(f"A request with id {request_id!r} is already running.")
         requests = self.processor.make_requests(prompt, engine_requests, priority)
         self._check_capacity(len(requests))
         self.output_processor.add_request(request_id, prompt, engine_requests)

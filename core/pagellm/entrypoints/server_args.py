@@ -98,6 +98,19 @@ class ServerArgs:
         "with HTTP 400 otherwise.",
         action="store_true",
     )
+    # OpenAI responses: vLLM's output extensions.
+    enable_prompt_tokens_details: bool = _option(
+        False,
+        "Report usage.prompt_tokens_details.cached_tokens (prompt tokens found in the prefix "
+        "cache) in completions and chat completions.",
+        action="store_true",
+    )
+    return_tokens_as_token_ids: bool = _option(
+        False,
+        "Write the tokens of logprobs as 'token_id:N' unless a request's "
+        "return_tokens_as_token_ids says otherwise.",
+        action="store_true",
+    )
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:

@@ -9,7 +9,8 @@ from fastapi.responses import Response
 
 from pagellm.entrypoints.http_errors import bad_request
 from pagellm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from pagellm_openai.generation import respond
+from pagellm_openai.generation import Answer, respond
+from pagellm_openai.logprobs import prompt_logprobs_json, token_name, token_text
 from pagellm_openai.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -38,34 +39,33 @@ def _prompts(ctx: ServingContext, request: CompletionRequest) -> list[Prompt]:
 
 
 class _Logprobs:
-    """Builds the completions API's logprobs object, keeping text offsets across stream chunks."""
+    """Builds the completions API's logprobs object, keeping text offsets across stream chunks.
+    A position's ``top_logprobs`` lists its own token first, then the top ones; with
+    ``return_tokens_as_token_ids`` tokens are named ``token_id:N`` (offsets stay in the text)."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, as_ids: bool) -> None:
         self.tokenizer = tokenizer
+        self.as_ids = as_ids
         self.offset = 0
 
-    def token_text(self, token_id: int, position: PositionLogprobs | None) -> str:
-        entry = position.get(token_id) if position else None
-        if entry is not None and entry.decoded_token is not None:
-            return entry.decoded_token
-        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else ""
+    def _name(self, token_id: int, position: PositionLogprobs | None) -> str:
+        if self.as_ids:
+            return f"token_id:{token_id}"
+        return token_text(self.tokenizer, token_id, position)
 
     def build(
         self, token_ids: list[int], positions: list[PositionLogprobs | None]
     ) -> CompletionLogprobs:
         result = CompletionLogprobs()
         for token_id, position in zip(token_ids, positions, strict=False):
-            text = self.token_text(token_id, position)
+            text = token_text(self.tokenizer, token_id, position)
             entry = position.get(token_id) if position else None
-            result.tokens.append(text)
+            result.tokens.append(token_name(text, token_id, self.as_ids))
             result.token_logprobs.append(entry.logprob if entry is not None else None)
             result.top_logprobs.append(
                 None
                 if position is None
-                else {
-                    self.token_text(t, position): lp.logprob
-                    for t, lp in sorted(position.items(), key=lambda kv: kv[1].rank or 0)
-                }
+                else {self._name(t, position): lp.logprob for t, lp in position.items()}
             )
             result.text_offset.append(self.offset)
             self.offset += len(text)
@@ -73,13 +73,18 @@ class _Logprobs:
 
 
 class _Choice:
-    """One choice of a completion, across the chunks of a stream: the echo goes first, and the
-    logprobs' text offsets continue from chunk to chunk."""
+    """One choice of a completion, across the chunks of a stream: the echo goes first, the
+    logprobs' text offsets continue from chunk to chunk, and the prompt's fields (vLLM's
+    ``prompt_logprobs``, ``prompt_token_ids``) come with its first chunk."""
 
-    def __init__(self, tokenizer: Any, echo: bool, logprobs: bool) -> None:
+    def __init__(
+        self, tokenizer: Any, echo: bool, logprobs: _Logprobs | None, token_ids: bool
+    ) -> None:
         self.tokenizer = tokenizer
-        self.logprobs = _Logprobs(tokenizer) if logprobs else None
+        self.logprobs = logprobs
         self.echo_pending = echo
+        self.token_ids = token_ids
+        self.first = True
 
     def fields(
         self,
@@ -88,7 +93,8 @@ class _Choice:
         completion: CompletionOutput,
         prompt_logprobs: list[PositionLogprobs | None] | None,
     ) -> dict[str, Any]:
-        """The choice as a dict in `CompletionChoice`'s field order (a stream chunk's choice)."""
+        """The choice as a dict in `CompletionChoice`'s field order (a stream chunk's choice);
+        the fields of vLLM's only when asked."""
         text = completion.text
         ids = completion.token_ids
         positions: list[PositionLogprobs | None] = list(completion.logprobs or [])
@@ -99,40 +105,56 @@ class _Choice:
             text = (self.tokenizer.decode(prompt_ids) if prompt is None else prompt) + text
             ids = list(prompt_ids) + ids
             positions = list(prompt_logprobs or [None] * len(prompt_ids)) + positions
-        return {
+        fields: dict[str, Any] = {
             "index": index,
             "text": text,
             "logprobs": self.logprobs.build(ids, positions) if self.logprobs is not None else None,
             "finish_reason": completion.finish_reason,
             "stop_reason": completion.stop_reason,
         }
+        first, self.first = self.first, False
+        if self.token_ids:
+            fields["token_ids"] = completion.token_ids
+        if first and prompt_logprobs is not None:
+            fields["prompt_logprobs"] = prompt_logprobs_json(prompt_logprobs)
+        if first and self.token_ids:
+            fields["prompt_token_ids"] = output.prompt_token_ids
+        return fields
 
 
 async def create_completion(
     ctx: ServingContext, request: CompletionRequest, raw: Request
 ) -> Response:
     model = ctx.model_name(request.model)
-    prompts = _prompts(ctx, request)
-    echo_logprobs = request.logprobs if request.echo else None
+    reserved = request.max_tokens or DEFAULT_MAX_TOKENS  # what truncation leaves room for
+    prompts = [ctx.truncate(p, request, reserved) for p in _prompts(ctx, request)]
     params = [
         ctx.sampling_params(
             request,
             ctx.output_budget(p, request.max_tokens, DEFAULT_MAX_TOKENS, "max_tokens", "prompt"),
             logprobs=request.logprobs,
-            prompt_logprobs=echo_logprobs,
+            echo_logprobs=request.logprobs if request.echo else None,
         )
         for p in prompts
     ]
     if request.echo and ctx.engine.tokenizer is None:
         raise bad_request("echo needs a tokenizer, and this server runs without one.", param="echo")
-    request_id = f"cmpl-{raw.state.request_id}"
+    request_id = ctx.response_id("cmpl", request, raw)
     generators = [
         ctx.generate(p, sp, request_id if len(prompts) == 1 else f"{request_id}-{i}", request)
         for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
     ]
     n = request.n
-    tokenizer, with_logprobs = ctx.engine.tokenizer, request.logprobs is not None
-    choices = [_Choice(tokenizer, request.echo, with_logprobs) for _ in range(len(prompts) * n)]
+    tokenizer, as_ids = ctx.engine.tokenizer, ctx.tokens_as_ids(request)
+    choices = [
+        _Choice(
+            tokenizer,
+            request.echo,
+            _Logprobs(tokenizer, as_ids) if request.logprobs is not None else None,
+            request.return_token_ids,
+        )
+        for _ in range(len(prompts) * n)
+    ]
     # Streamed, prompt logprobs come with a prompt's first output only; every choice echoes them.
     prompt_logprobs: dict[int, list[PositionLogprobs | None] | None] = {}
 
@@ -145,18 +167,19 @@ async def create_completion(
         index = i * n + c.index
         return CompletionChoice(**choices[index].fields(index, output, c, output.prompt_logprobs))
 
-    def final_body(result: list[CompletionChoice], usage: UsageInfo) -> CompletionResponse:
+    def final_body(
+        result: list[CompletionChoice], outputs: list[RequestOutput], usage: UsageInfo
+    ) -> CompletionResponse:
         return CompletionResponse(id=request_id, model=model, choices=result, usage=usage)
 
-    return await respond(
-        raw,
-        request,
-        generators,
+    answer = Answer(
         request_id=request_id,
         object_name="text_completion",
         model=model,
-        num_prompt_tokens=sum(len(p.token_ids) for p in prompts),
+        prompt_lengths=[len(p.token_ids) for p in prompts],
         stream_choice=stream_choice,
         final_choice=final_choice,
         final_body=final_body,
+        prompt_tokens_details=ctx.enable_prompt_tokens_details,
     )
+    return await respond(raw, request, generators, answer)

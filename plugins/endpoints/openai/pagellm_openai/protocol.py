@@ -62,6 +62,8 @@ class _Request(BaseModel):
 
 class StreamOptions(RefusedStreamOptions, _Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+    """vLLM's: with ``include_usage``, every chunk carries the usage of its choice so far."""
 
 
 # OpenAI's fields that take null for their default (the official clients send null for None).
@@ -104,6 +106,21 @@ class SamplingRequest(AcceptedNoOps, RefusedFields, _Request):
     """Lower runs first when the server schedules by priority (``--scheduling-policy priority``)."""
     cache_salt: Text | None = None
     """Requests of different salts share no prefix-cache blocks."""
+    request_id: Text | None = None
+    """The response's id (after ``cmpl-``/``chatcmpl-``) unless an ``X-Request-Id`` header says."""
+    allowed_token_ids: list[TokenId] | None = None
+    bad_words: list[Text] | None = None
+    spaces_between_special_tokens: bool = True
+    prompt_logprobs: int | None = None
+    """Logprobs of each prompt token and the top ``prompt_logprobs`` (0 to MAX_LOGPROBS)."""
+    return_token_ids: bool = False
+    """``prompt_token_ids`` and each choice's ``token_ids`` in the response (and chunks)."""
+    return_tokens_as_token_ids: bool | None = None
+    """Logprobs' tokens as ``token_id:N`` (None: the server's ``--return-tokens-as-token-ids``)."""
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT64_MAX)
+    """Keep only this many prompt tokens (-1: as many as the context leaves room for)."""
+    truncation_side: Literal["left", "right"] | None = None
+    """Which end truncation cuts: "left" (the default) keeps the last tokens, "right" the first."""
 
 
 class CompletionRequest(RefusedCompletionFields, SamplingRequest):
@@ -223,10 +240,28 @@ def _now() -> int:
     return int(time.time())
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+    """With ``--enable-prompt-tokens-details``: the prompt tokens found in the prefix cache."""
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's ``Logprob``: one token of a prompt position's ``prompt_logprobs`` entry."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per prompt token: None for the first, then token id -> its logprob (the prompt's token first).
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
 
 
 class CompletionLogprobs(BaseModel):
@@ -242,6 +277,9 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -281,6 +319,7 @@ class ChatChoice(BaseModel):
     logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -290,6 +329,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class DeltaMessage(BaseModel):
@@ -303,6 +344,7 @@ class ChatStreamChoice(BaseModel):
     logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -312,6 +354,8 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class ModelPermission(BaseModel):

@@ -3,14 +3,22 @@ must pass before it reaches the engine (each refusal is an HTTP 400 naming the p
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
+from fastapi import Request
+
 from pagellm.entrypoints.http_errors import bad_request
 from pagellm.entrypoints.server_context import EngineClient, ServerContext
 from pagellm.outputs import RequestOutput
-from pagellm.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
+from pagellm.sampling_params import (
+    MAX_LOGPROBS,
+    RequestOutputKind,
+    SamplingParams,
+    SamplingParamsError,
+)
 from pagellm_openai.chat_template import ChatTemplates
 from pagellm_openai.field_policy import check_best_of
 from pagellm_openai.protocol import ChatTemplateRequest, SamplingRequest
@@ -44,6 +52,10 @@ class ServingContext:
     max_sequences_per_request: int
     """Prompts × n one HTTP request may ask for (``--max-sequences-per-request``)."""
     chat_templates: ChatTemplates
+    enable_prompt_tokens_details: bool = False
+    """``usage.prompt_tokens_details`` in responses (``--enable-prompt-tokens-details``)."""
+    return_tokens_as_token_ids: bool = False
+    """The default of the requests' ``return_tokens_as_token_ids``."""
 
     @classmethod
     def from_server(cls, server: ServerContext) -> ServingContext:
@@ -60,14 +72,63 @@ class ServingContext:
             chat_templates=ChatTemplates(
                 server.args.chat_template, server.args.trust_request_chat_template
             ),
+            enable_prompt_tokens_details=server.args.enable_prompt_tokens_details,
+            return_tokens_as_token_ids=server.args.return_tokens_as_token_ids,
         )
 
     def generate(
         self, prompt: Prompt, params: SamplingParams, request_id: str, request: SamplingRequest
     ) -> AsyncGenerator[RequestOutput, None]:
-        """The engine's outputs for ``prompt``, with the request's priority and cache salt."""
+        """The engine's outputs for ``prompt``, with the request's priority and cache salt.
+
+        The engine request's id is ``request_id`` and a random suffix: clients choose request
+        ids (``X-Request-Id``, ``request_id``), and two requests that share one both run."""
         engine_input = prompt.engine_input(request.cache_salt)
-        return self.engine.generate(engine_input, params, request_id, request.priority)
+        engine_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
+        return self.engine.generate(engine_input, params, engine_id, request.priority)
+
+    @staticmethod
+    def response_id(prefix: str, request: SamplingRequest, raw: Request) -> str:
+        """``prefix`` and the request's id: the client's ``X-Request-Id`` header, else its
+        ``request_id`` field, else the one the server made (vLLM's precedence)."""
+        if raw.headers.get("x-request-id") or request.request_id is None:
+            return f"{prefix}-{raw.state.request_id}"
+        return f"{prefix}-{request.request_id}"
+
+    def tokens_as_ids(self, request: SamplingRequest) -> bool:
+        """Whether logprobs name their tokens ``token_id:N``: the request says, else the server."""
+        if request.return_tokens_as_token_ids is None:
+            return self.return_tokens_as_token_ids
+        return request.return_tokens_as_token_ids
+
+    def truncate(self, prompt: Prompt, request: SamplingRequest, output_tokens: int) -> Prompt:
+        """``prompt`` cut to ``request.truncate_prompt_tokens`` tokens (its last ones, or its
+        first with ``truncation_side="right"``), leaving room for ``output_tokens``."""
+        keep = request.truncate_prompt_tokens
+        if keep is None:
+            if request.truncation_side is not None:
+                raise bad_request(
+                    "truncation_side only applies with truncate_prompt_tokens.",
+                    param="truncation_side",
+                )
+            return prompt
+        limit = self.max_model_len - output_tokens
+        if limit < 1:
+            return prompt  # the output alone fills the context: output_budget refuses it
+        if keep == -1:
+            keep = limit
+        if not 1 <= keep <= limit:
+            raise bad_request(
+                f"truncate_prompt_tokens={request.truncate_prompt_tokens} must be -1 (as many "
+                f"as fit) or from 1 to max_model_len ({self.max_model_len}) - the tokens to "
+                f"generate ({output_tokens}) = {limit}.",
+                param="truncate_prompt_tokens",
+            )
+        ids = prompt.token_ids
+        if len(ids) <= keep:
+            return prompt
+        kept = ids[:keep] if request.truncation_side == "right" else ids[-keep:]
+        return Prompt(None, kept)  # the text no longer matches: echo decodes the kept tokens
 
     def check_num_sequences(self, num_prompts: int, n: int) -> None:
         """One request may not ask for more sequences than ``--max-sequences-per-request``."""
@@ -162,8 +223,10 @@ class ServingContext:
         request: SamplingRequest,
         max_tokens: int,
         logprobs: int | None,
-        prompt_logprobs: int | None = None,
+        echo_logprobs: int | None = None,
     ) -> SamplingParams:
+        """The engine's parameters for ``request``; ``echo_logprobs``: the prompt logprobs an
+        echo needs when the request asks for none itself."""
         if request.n > self.max_num_seqs:
             raise bad_request(
                 f"n={request.n} is larger than this server's limit of {self.max_num_seqs} "
@@ -171,10 +234,31 @@ class ServingContext:
                 param="n",
             )
         check_best_of(request.best_of, request.n)
-        if request.stream_options is not None and not request.stream:
+        options = request.stream_options
+        if options is not None and not request.stream:
             raise bad_request(
                 "stream_options is only allowed with stream=true.", param="stream_options"
             )
+        if options is not None and options.continuous_usage_stats and not options.include_usage:
+            raise bad_request(
+                "stream_options.continuous_usage_stats needs stream_options.include_usage=true.",
+                param="stream_options",
+            )
+        if request.return_tokens_as_token_ids and logprobs is None:
+            raise bad_request(
+                "return_tokens_as_token_ids only changes logprobs: ask for logprobs too.",
+                param="return_tokens_as_token_ids",
+            )
+        prompt_logprobs = request.prompt_logprobs
+        if prompt_logprobs is not None and not 0 <= prompt_logprobs <= MAX_LOGPROBS:
+            raise bad_request(
+                f"prompt_logprobs={prompt_logprobs} is not supported: from 0 to {MAX_LOGPROBS} "
+                "(the server's limit, the same as for logprobs; -1, every token of the "
+                "vocabulary, is not supported).",
+                param="prompt_logprobs",
+            )
+        if prompt_logprobs is None:
+            prompt_logprobs = echo_logprobs
         try:
             return SamplingParams(
                 n=request.n,
@@ -187,6 +271,8 @@ class ServingContext:
                 frequency_penalty=request.frequency_penalty or 0.0,
                 repetition_penalty=request.repetition_penalty or 1.0,
                 logit_bias=self._logit_bias(request.logit_bias),
+                allowed_token_ids=request.allowed_token_ids,
+                bad_words=request.bad_words or None,
                 stop=request.stop or None,
                 stop_token_ids=request.stop_token_ids,
                 include_stop_str_in_output=request.include_stop_str_in_output,
@@ -196,6 +282,7 @@ class ServingContext:
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=request.skip_special_tokens,
+                spaces_between_special_tokens=request.spaces_between_special_tokens,
                 output_kind=(
                     RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
                 ),

@@ -53,31 +53,43 @@ def sse(event: BaseModel | dict) -> bytes:
 
 def chunk_writer(request_id: str, object_name: str, model: str) -> Callable[..., bytes]:
     """Frames one stream's chunks as events: the response's fields (``CompletionResponse``,
-    ``ChatCompletionChunk``) as a dict, no model per chunk; ``created`` is the stream's start."""
+    ``ChatCompletionChunk``) as a dict, no model per chunk; ``created`` is the stream's start;
+    ``fields``: more top-level fields (vLLM's ``prompt_token_ids``, ...)."""
     created = int(time.time())
 
-    def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> bytes:
-        return sse(
-            {
-                "id": request_id,
-                "object": object_name,
-                "created": created,
-                "model": model,
-                "choices": choices,
-                "usage": usage,
-            }
-        )
+    def chunk(
+        choices: list[dict[str, Any]],
+        usage: dict[str, Any] | None = None,
+        fields: dict[str, Any] | None = None,
+    ) -> bytes:
+        event = {
+            "id": request_id,
+            "object": object_name,
+            "created": created,
+            "model": model,
+            "choices": choices,
+            "usage": usage,
+        }
+        if fields:
+            event.update(fields)
+        return sse(event)
 
     return chunk
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    """`UsageInfo`'s fields, as a dict (for stream chunks)."""
-    return {
+def usage(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None
+) -> dict[str, Any]:
+    """`UsageInfo`'s fields, as a dict (for stream chunks); ``prompt_tokens_details`` only with
+    ``cached_tokens``."""
+    fields: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if cached_tokens is not None:
+        fields["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return fields
 
 
 class Started(Generic[T]):
