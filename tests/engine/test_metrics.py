@@ -11,12 +11,8 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagellm.metrics.loggers import (
-    LoggingStatLogger,
-    PrometheusStatLogger,
-    build_stat_loggers,
-    metrics_response,
-)
+from pagellm.metrics.loggers import LoggingStatLogger, build_stat_loggers
+from pagellm.metrics.prometheus import PrometheusStatLogger, metrics_response
 from pagellm.metrics.registry import stat_loggers
 from pagellm.metrics.stats import FinishedRequestStats, IterationStats, SchedulerStats
 from pagellm.plugins import PluginError

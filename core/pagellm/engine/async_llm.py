@@ -49,6 +49,8 @@ class AsyncLLM(RequestFrontend):
         self._timings = RequestTimings()
         self._log_task: asyncio.Task[None] | None = None
         self.core_client = AsyncMPClient(config, self._on_outputs, self._on_dead)
+        num_gpu_blocks = self.core_client.ready.num_blocks
+        self._each_stat_logger(lambda s: s.log_engine_initialized(config, num_gpu_blocks))
 
     @classmethod
     def from_engine_args(
@@ -78,7 +80,9 @@ class AsyncLLM(RequestFrontend):
         engine_ids = self._add_request(request_id, processed, priority)
         queue = self._streams[request_id] = RequestOutputCollector(processed.params.output_kind)
         if self.stat_loggers:
-            self._timings.start(request_id, engine_ids, len(processed.token_ids))
+            self._timings.start(
+                request_id, engine_ids, len(processed.token_ids), processed.params.max_tokens
+            )
         finished = False
         try:
             while not finished:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import time
 from collections.abc import Iterable
 
 import msgspec
@@ -102,9 +103,15 @@ class EngineCore:
         try:
             runner_output = self.executor.execute_model(scheduler_output)
         except Exception:
-            return self._fail_step(scheduler_output)
-        self.num_failed_steps_in_a_row = 0
-        return self.scheduler.update_from_output(runner_output)
+            outputs = self._fail_step(scheduler_output)
+        else:
+            self.num_failed_steps_in_a_row = 0
+            outputs = self.scheduler.update_from_output(runner_output)
+        # The front end's timing metrics: when the tokens came, and the requests' state changes.
+        outputs.timestamp = time.monotonic()
+        if self.scheduler.events:
+            outputs.events = self.scheduler.take_events()
+        return outputs
 
     def _fail_step(self, out: SchedulerOutput) -> EngineCoreOutputs:
         """A step raised: the workers forget what it touched, and the scheduler fails the request
@@ -135,6 +142,7 @@ class EngineCore:
             self._last_step,
             num_running_reqs=len(sched.running),
             num_waiting_reqs=len(sched.waiting),
+            num_deferred_reqs=len(sched.quarantine),
             kv_cache_usage=kv.usage,
             num_free_blocks=kv.num_free_blocks,
             num_total_blocks=kv.block_pool.num_blocks - 1,  # the null block is never handed out
@@ -150,7 +158,7 @@ class EngineCore:
         stats = self.make_scheduler_stats()
         return {
             "num_running": stats.num_running_reqs,
-            "num_waiting": stats.num_waiting_reqs,
+            "num_waiting": stats.num_waiting_reqs + stats.num_deferred_reqs,
             "num_free_blocks": stats.num_free_blocks,
             "num_total_blocks": stats.num_total_blocks,
             "kv_cache_usage": stats.kv_cache_usage,
