@@ -310,13 +310,16 @@ BYTES_PER_BLOCK = (
 
 @pytest.fixture(scope="module")
 def served(tiny_models):
-    """An `AsyncLLM` reporting to a `PrometheusStatLogger`, with a KV cache of six blocks."""
+    """An `AsyncLLM` reporting to a `PrometheusStatLogger`, with a KV cache of six blocks, every
+    one followed for the residency metrics."""
     prometheus = PrometheusStatLogger(model_name="tiny")
     args = EngineArgs(
         tiny_models["llama3"],
         max_model_len=64,
         block_size=BLOCK_SIZE,
         kv_cache_memory=NUM_BLOCKS * BYTES_PER_BLOCK,
+        kv_cache_metrics=True,
+        kv_cache_metrics_sample=1.0,
     )
     engine = AsyncLLM.from_engine_args(args, [prometheus])
     yield engine, prometheus
@@ -444,3 +447,20 @@ def test_completions_too_long_to_share_the_kv_cache_are_preempted_and_counted(se
     m = exposition(prometheus)
     assert m[("pagellm:num_requests_running", ())] == m[("pagellm:num_requests_waiting", ())] == 0
     assert m[("pagellm:kv_cache_usage_perc", ())] == 0
+
+
+def test_an_evicted_cached_block_reports_its_residency(served):
+    engine, prometheus = served
+    assert asyncio.run(engine.reset_prefix_cache())
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    prompt = list(range(200, 240))  # two full blocks cached, found by the next two runs
+    with Moves(prometheus) as moved:
+        for i in range(3):
+            run(engine, prompt, params, f"resident-{i}")
+        # 62 tokens: four blocks, three free and never cached, then the oldest cached one.
+        run(engine, list(range(300, 360)), params, "evicting")
+    for name in ("lifetime", "idle_before_evict", "reuse_gap"):
+        assert moved[f"pagellm:kv_block_{name}_seconds_count"] == 1, name
+    lifetime = moved["pagellm:kv_block_lifetime_seconds_sum"]
+    assert 0 < moved["pagellm:kv_block_idle_before_evict_seconds_sum"] < lifetime
+    assert 0 < moved["pagellm:kv_block_reuse_gap_seconds_sum"] < lifetime

@@ -1,7 +1,7 @@
-"""vLLM's metrics under ``pagellm:`` on a real ``pagellm serve``: every name docs/serving.md lists
-is on ``/metrics`` (and nothing undocumented is), and real requests (one with ``max_tokens``, one
-with ``n=2``, one whose two completions cannot share the tiny KV cache and get preempted) move
-the counters and histograms by what they did."""
+"""vLLM's metrics under ``pagellm:`` on a real ``pagellm serve`` (with ``--kv-cache-metrics``):
+every name docs/serving.md lists is on ``/metrics`` (and nothing undocumented is), and real
+requests (one with ``max_tokens``, one with ``n=2``, one whose two completions cannot share the
+tiny KV cache and get preempted) move the counters and histograms by what they did."""
 
 from __future__ import annotations
 
@@ -41,6 +41,7 @@ def server(
 ) -> Iterator[Server]:
     args = ("--max-model-len", "64", "--block-size", str(BLOCK_SIZE))
     args += ("--kv-cache-memory", str(NUM_BLOCKS * BYTES_PER_BLOCK))
+    args += ("--kv-cache-metrics", "--kv-cache-metrics-sample", "1")  # serves kv_block_*
     specs = {"tiny_cache": ({"VLLM_PLUGINS": "openai,admin"}, args)}
     with started_servers(model_dir, tmp_path_factory.mktemp("server_logs"), specs) as running:
         yield running["tiny_cache"]

@@ -15,6 +15,7 @@ from pagellm.executor.abstract import Executor
 from pagellm.executor.uniproc import UniProcExecutor
 from pagellm.kv_cache.hashing import make_block_hasher
 from pagellm.kv_cache.manager import KVCacheManager, cdiv
+from pagellm.kv_cache.residency import KVBlockResidency
 from pagellm.metrics.stats import SchedulerStats
 from pagellm.platforms import current_platform
 from pagellm.request import EngineCoreRequest, Request, RequestStatus
@@ -45,8 +46,14 @@ class EngineCore:
         gc.collect()
         gc.freeze()
         block_size = config.cache.block_size
+        observability = config.observability
+        self.kv_block_residency = (
+            KVBlockResidency(observability.kv_cache_metrics_sample)
+            if observability.kv_cache_metrics
+            else None
+        )
         self.kv_cache_manager = KVCacheManager(
-            block_size, num_blocks, config.cache.enable_prefix_caching
+            block_size, num_blocks, config.cache.enable_prefix_caching, self.kv_block_residency
         )
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
         self.block_hasher = (
@@ -94,11 +101,13 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         self.num_steps += 1
         scheduled, requests = scheduler_output.num_scheduled_tokens, self.scheduler.requests
+        residency = self.kv_block_residency
         self._last_step = SchedulerStats(
             num_scheduled_reqs=len(scheduled),
             num_scheduled_tokens=scheduler_output.total_num_scheduled_tokens,
             # The scheduler has already advanced num_computed_tokens past this step's tokens.
             num_context_tokens=sum(requests[r].num_computed_tokens for r in scheduled),
+            kv_block_evictions=residency.take_evictions() if residency is not None else [],
         )
         try:
             runner_output = self.executor.execute_model(scheduler_output)

@@ -44,6 +44,10 @@ _ITL_BUCKETS_S = [
 _TOKEN_BUCKETS = [float(m * 10**e) for e in range(6) for m in (1, 2, 5)]
 _ITERATION_TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 _N_BUCKETS = [1, 2, 5, 10, 20]
+_RESIDENCY_BUCKETS_S = [
+    0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0,
+    10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0,
+]  # fmt: skip
 
 WAITING_REASONS = ("capacity", "deferred")
 PROMPT_TOKEN_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
@@ -53,13 +57,17 @@ PROMPT_TOKEN_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfe
 class PrometheusStatLogger(StatLoggerBase):
     """Prometheus metrics in a registry of its own (``self.registry``), so that several instances
     can live in one process; expose them with `metrics_response`. Every metric carries a
-    ``model_name`` label, and all but ``cache_config_info`` (which needs the started engine) are
-    exposed, at zero, from the start."""
+    ``model_name`` label, and all but those that need the started engine's configuration
+    (``cache_config_info``, the ``kv_block_*`` residency histograms of ``--kv-cache-metrics``)
+    are exposed, at zero, from the start."""
 
     def __init__(self, model_name: str = "") -> None:
         super().__init__(model_name)
         registry = self.registry = prom.CollectorRegistry()
         self._cache_config_info: prom.Gauge | None = None
+        # With --kv-cache-metrics: lifetime, idle time before eviction, reuse gaps.
+        self._kv_block_residency: tuple[prom.Histogram, prom.Histogram, prom.Histogram] | None
+        self._kv_block_residency = None
 
         def labelled(
             kind: type[_Metric], name: str, doc: str, label: str, values: tuple[str, ...]
@@ -206,6 +214,27 @@ class PrometheusStatLogger(StatLoggerBase):
             registry=self.registry,
         )
         self._cache_config_info.labels(self.model_name, *info.values()).set(1)
+        if config.observability.kv_cache_metrics and self._kv_block_residency is None:
+            self._kv_block_residency = tuple(  # type: ignore[assignment]
+                prom.Histogram(
+                    name, doc, ["model_name"], buckets=_RESIDENCY_BUCKETS_S, registry=self.registry
+                ).labels(self.model_name)
+                for name, doc in (
+                    (
+                        "pagellm:kv_block_lifetime_seconds",
+                        "Sampled KV blocks: time from allocation to eviction.",
+                    ),
+                    (
+                        "pagellm:kv_block_idle_before_evict_seconds",
+                        "Sampled KV blocks: time from the last use to eviction.",
+                    ),
+                    (
+                        "pagellm:kv_block_reuse_gap_seconds",
+                        "Sampled KV blocks: time between consecutive prefix-cache hits (the "
+                        "last few of each block).",
+                    ),
+                )
+            )
 
     def record(
         self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None
@@ -227,6 +256,13 @@ class PrometheusStatLogger(StatLoggerBase):
         self._preemptions.inc(delta(s.num_preemptions, last.num_preemptions))
         if s.num_steps != last.num_steps:  # stats sent without a step (after an abort) repeat it
             self._iteration_tokens.observe(s.num_scheduled_tokens)
+            if self._kv_block_residency is not None:
+                lifetime, idle, reuse_gap = self._kv_block_residency
+                for eviction in s.kv_block_evictions:
+                    lifetime.observe(eviction.lifetime_s)
+                    idle.observe(eviction.idle_s)
+                    for gap in eviction.reuse_gaps_s:
+                        reuse_gap.observe(gap)
         self._last = s
 
     def _record_iteration(self, it: IterationStats) -> None:

@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from pagellm.kv_cache.residency import KVBlockEviction
+
 if TYPE_CHECKING:
     from pagellm.config import EngineConfig
 
@@ -49,6 +51,8 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     num_deferred_reqs: int = 0
     """Requests set apart after a failed step, each waiting for its turn to run alone (vLLM's
     waiting reason "deferred": held back by a transient constraint, not by a lack of room)."""
+    kv_block_evictions: list[KVBlockEviction] = []
+    """Sampled cached blocks the last step evicted (with ``--kv-cache-metrics``)."""
 
 
 @dataclass
