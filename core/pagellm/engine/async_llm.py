@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
@@ -74,6 +75,7 @@ class AsyncLLM(RequestFrontend):
         iterating or is cancelled, the request is aborted in the engine (its KV blocks freed).
         Raises `EngineDeadError` if the engine process dies.
         """
+        arrival = time.monotonic()  # the metrics' latencies include the tokenization
         self.core_client.raise_if_dead()
         processed = self.processor.process(prompt, params)
         self._start_background_tasks()
@@ -81,7 +83,11 @@ class AsyncLLM(RequestFrontend):
         queue = self._streams[request_id] = RequestOutputCollector(processed.params.output_kind)
         if self.stat_loggers:
             self._timings.start(
-                request_id, engine_ids, len(processed.token_ids), processed.params.max_tokens
+                request_id,
+                engine_ids,
+                len(processed.token_ids),
+                processed.params.max_tokens,
+                arrival,
             )
         finished = False
         try:

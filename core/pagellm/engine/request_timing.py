@@ -83,12 +83,14 @@ class RequestTimings:
         request_id: str,
         engine_ids: list[str],
         num_prompt_tokens: int,
-        max_tokens: int | None = None,
+        max_tokens: int | None,
+        arrival: float,
     ) -> None:
-        now = time.monotonic()
+        """Follow a user request that came at ``arrival`` (`time.monotonic()`, before it was
+        tokenized and sent to the engine core) and runs as ``engine_ids``."""
         self._requests[request_id] = UserRequestTiming(engine_ids)
         for engine_id in engine_ids:
-            self._completions[engine_id] = CompletionTiming(now, num_prompt_tokens, max_tokens)
+            self._completions[engine_id] = CompletionTiming(arrival, num_prompt_tokens, max_tokens)
 
     def step(
         self, engine_outputs: EngineCoreOutputs, results: list[RequestOutput]

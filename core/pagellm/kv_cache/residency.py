@@ -38,8 +38,9 @@ class _Followed:
 
 
 class KVBlockResidency:
-    """The block pool calls `allocated`, `hit` and `reallocated`; the engine core takes the
-    evictions with each step's stats (`take_evictions`)."""
+    """The block pool calls `reallocated` for each block it hands out, `hit` for each prefix-cache
+    hit and `reset` when its cache is emptied; the engine core takes the evictions with each
+    step's stats (`take_evictions`)."""
 
     def __init__(
         self,
