@@ -132,6 +132,13 @@ class LoadConfig(_Config):
     load_format: LoadFormat = "auto"
 
 
+class ObservabilityConfig(_Config):
+    kv_cache_metrics: bool = False
+    """Sample KV blocks' residency (lifetime, idle time before eviction, reuse gaps) for metrics."""
+    kv_cache_metrics_sample: float = Field(default=0.01, gt=0.0, le=1.0)
+    """The fraction of allocated blocks followed when ``kv_cache_metrics`` is on."""
+
+
 class EngineConfig(_Config):
     model: ModelConfig
     cache: CacheConfig
@@ -144,3 +151,4 @@ class EngineConfig(_Config):
     """The attention backend's registered name, chosen by the platform unless the user forced one."""
     quantization: str | None
     """The quantization method's registered name, or None for dense weights."""
+    observability: ObservabilityConfig = Field(default_factory=ObservabilityConfig)

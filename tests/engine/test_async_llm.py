@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 
 import msgspec
 import pytest
@@ -405,7 +406,8 @@ def test_a_completion_ending_before_its_sibling_is_reported_once_when_it_ends(ki
     processor, timings = OutputProcessor(None), RequestTimings()
     engine_requests = fan_out("r", params)
     processor.add_request("r", ProcessedPrompt(None, [5, 6, 7], params), engine_requests)
-    timings.start("r", [engine_id for engine_id, _ in engine_requests], num_prompt_tokens=3)
+    engine_ids = [engine_id for engine_id, _ in engine_requests]
+    timings.start("r", engine_ids, num_prompt_tokens=3, max_tokens=4, arrival=time.monotonic())
     length = int(FinishReason.LENGTH)
     steps = [
         [EngineCoreOutput("0_r", [11]), EngineCoreOutput("1_r", [12])],
@@ -413,13 +415,18 @@ def test_a_completion_ending_before_its_sibling_is_reported_once_when_it_ends(ki
         [EngineCoreOutput("1_r", [15])],
         [EngineCoreOutput("1_r", [16], finish_reason=length)],
     ]
-    finished_per_step = []
+    finished_per_step, user_requests_per_step = [], []
     for step in steps:
-        outputs = EngineCoreOutputs(outputs=step)
+        outputs = EngineCoreOutputs(outputs=step, timestamp=time.monotonic())
         results, _ = processor.process_outputs(outputs)
         stats = timings.step(outputs, results)
         finished_per_step.append(
             [(f.finish_reason, f.num_generation_tokens) for f in stats.finished]
         )
+        user_requests_per_step.append(
+            [(u.n, u.max_num_generation_tokens) for u in stats.finished_user_requests]
+        )
     assert finished_per_step == [[], [("length", 2)], [], [("length", 4)]]
+    # The user request is reported once, when its last completion ends.
+    assert user_requests_per_step == [[], [], [], [(2, 4)]]
     assert timings.abort("r") is None  # nothing left behind

@@ -99,3 +99,29 @@ def test_steps_that_keep_failing_stop_the_engine(tiny_models, monkeypatch):
             llm.generate([POISONED] * 3, GREEDY, use_tqdm=False)
     finally:
         faults.uninstall()
+
+
+def test_requests_set_apart_after_a_failed_step_are_waiting_deferred(llm, injected):
+    """vLLM's waiting reason "deferred": the requests of a failed step wait for their turn to run
+    alone; the Prometheus gauges count them as waiting, apart from those short of room."""
+    from pagellm.metrics.prometheus import PrometheusStatLogger, metrics_response
+
+    injected()
+    engine = llm.llm_engine
+    for i, prompt in enumerate([*PROMPTS[:2], POISONED]):
+        engine.add_request(f"deferred-{i}", prompt, GREEDY)
+    engine.step()  # the three run together, and the step raises
+    core = engine.engine_core
+    stats = core.make_scheduler_stats()
+    assert (stats.num_deferred_reqs, stats.num_waiting_reqs, stats.num_running_reqs) == (3, 0, 0)
+    assert core.get_state()["num_waiting"] == 3
+    prometheus = PrometheusStatLogger("tiny")
+    prometheus.record(stats, None)
+    body = metrics_response(prometheus)[0].decode()
+    assert 'pagellm:num_requests_waiting{model_name="tiny"} 3.0' in body
+    assert 'pagellm:num_requests_waiting_by_reason{model_name="tiny",reason="deferred"} 3.0' in body
+    assert 'pagellm:num_requests_waiting_by_reason{model_name="tiny",reason="capacity"} 0.0' in body
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert core.make_scheduler_stats().num_deferred_reqs == 0
+    assert _all_blocks_free(llm)

@@ -7,6 +7,7 @@ import pytest
 from pagellm.kv_cache.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
 from pagellm.kv_cache.hashing import hash_block_tokens, make_block_hasher
 from pagellm.kv_cache.manager import KVCacheManager
+from pagellm.kv_cache.residency import KVBlockEviction, KVBlockResidency
 from pagellm.request import Request
 from pagellm.sampling_params import SamplingParams
 
@@ -121,6 +122,51 @@ def test_freed_hashed_blocks_go_to_tail_unhashed_to_head():
     assert pool.get_cached_block(b"h1") is None
     assert pool.get_cached_block(b"h2") is b2
     check_pool(pool)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 10.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_residency_reports_a_sampled_cached_block_when_it_is_evicted():
+    clock = Clock()
+    # Follow the first block, not the second; when reused, the first again; at last neither.
+    draws = iter([0.0, 0.9, 0.9, 0.0, 0.9, 0.9])
+    residency = KVBlockResidency(0.5, clock=clock, draw=lambda: next(draws))
+    pool = BlockPool(3, residency)
+    followed, unfollowed = pool.get_new_blocks(2)
+    pool.cache_full_blocks([followed, unfollowed], [b"f", b"u"], 0, 2)
+    pool.free_blocks([followed, unfollowed])
+    for now in (11.0, 13.0, 16.5):  # three prefix-cache hits
+        clock.now = now
+        pool.touch([followed])
+        pool.free_blocks([followed])
+    assert residency.take_evictions() == []
+    clock.now = 20.0
+    assert pool.get_new_blocks(2) == [unfollowed, followed]  # both evicted, one followed
+    assert residency.take_evictions() == [
+        KVBlockEviction(lifetime_s=10.0, idle_s=3.5, reuse_gaps_s=[2.0, 3.5])
+    ]
+    assert residency.take_evictions() == []
+    # Handed out again without a cached prefix (never registered): not an eviction.
+    pool.free_blocks([followed, unfollowed])
+    pool.get_new_blocks(2)
+    assert residency.take_evictions() == []
+
+
+def test_residency_forgets_every_block_when_the_prefix_cache_is_reset():
+    residency = KVBlockResidency(1.0)
+    pool = BlockPool(3, residency)
+    blocks = pool.get_new_blocks(2)
+    pool.cache_full_blocks(blocks, [b"a", b"b"], 0, 2)
+    pool.free_blocks(blocks)
+    assert pool.reset_prefix_cache()
+    pool.get_new_blocks(2)
+    assert residency.take_evictions() == []
 
 
 def test_prefix_hit_on_free_cached_block_revives_it():

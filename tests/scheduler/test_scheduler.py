@@ -4,6 +4,7 @@ caching, and a property-based simulation of random add / step / abort interleavi
 from __future__ import annotations
 
 import os
+import time
 from collections import Counter
 
 import pytest
@@ -15,7 +16,7 @@ from pagellm.kv_cache.hashing import make_block_hasher
 from pagellm.kv_cache.manager import KVCacheManager, cdiv
 from pagellm.request import FinishReason, Request, RequestStatus
 from pagellm.sampling_params import SamplingParams
-from pagellm.scheduler.output import ModelRunnerOutput
+from pagellm.scheduler.output import ModelRunnerOutput, RequestEventType
 from pagellm.scheduler.scheduler import Scheduler
 
 SAMPLED = 7  # the token the fake model samples unless a test says otherwise
@@ -270,6 +271,30 @@ def test_preempted_request_resumes_and_finishes_with_all_its_tokens():
             assert request.output_token_ids == [SAMPLED] * 3
         assert num_free(sched) == usable_blocks(sched)
         assert sched.requests == {}
+
+
+def test_request_events_report_the_queueing_and_the_first_scheduling_only():
+    sched = make_scheduler(block_size=2, num_blocks=5, enable_caching=False, max_model_len=16)
+    before = time.monotonic()
+    for request_id, prompt in (("a", [1, 2, 3, 4]), ("b", [5, 6, 7, 8])):
+        sched.add_request(make_request(request_id, prompt, max_tokens=3, block_size=2))
+    queued = sched.take_events()
+    assert [(e.request_id, e.type) for e in queued] == [
+        ("a", RequestEventType.QUEUED),
+        ("b", RequestEventType.QUEUED),
+    ]
+    assert sched.take_events() == []  # taken once
+    step(sched)
+    scheduled = sched.take_events()
+    assert [(e.request_id, e.type) for e in scheduled] == [
+        ("a", RequestEventType.SCHEDULED),
+        ("b", RequestEventType.SCHEDULED),
+    ]
+    assert before <= queued[-1].timestamp <= scheduled[0].timestamp <= time.monotonic()
+    drain(sched)
+    # "b" was preempted and scheduled again: its queue time ended at its first scheduling.
+    assert sched.num_preemptions == 1
+    assert sched.take_events() == []
 
 
 def _priority_scenario(policy):

@@ -30,6 +30,7 @@ from pagellm.config import (
     LoadConfig,
     LoadFormat,
     ModelConfig,
+    ObservabilityConfig,
     ParallelConfig,
     SchedulerConfig,
 )
@@ -102,6 +103,10 @@ class EngineArgs:
     """No tokenizer: prompts must be token ids and outputs carry no text."""
     multiprocess_engine: bool = False
     """LLM: run the engine core in a background process (the API server always does)."""
+    kv_cache_metrics: bool = False
+    """Sample KV cache blocks for the residency metrics (lifetime, idle before eviction, reuse)."""
+    kv_cache_metrics_sample: Annotated[float, Field(gt=0.0, le=1.0)] = 0.01
+    """The fraction of allocated KV cache blocks --kv-cache-metrics follows."""
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
@@ -222,6 +227,10 @@ class EngineArgs:
             compilation=CompilationConfig(enforce_eager=self.enforce_eager),
             attention_backend=backend.name,
             quantization=self.quantization,
+            observability=ObservabilityConfig(
+                kv_cache_metrics=self.kv_cache_metrics,
+                kv_cache_metrics_sample=self.kv_cache_metrics_sample,
+            ),
         )
         platform.check_and_update_config(config)
         return config

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
@@ -49,6 +50,8 @@ class AsyncLLM(RequestFrontend):
         self._timings = RequestTimings()
         self._log_task: asyncio.Task[None] | None = None
         self.core_client = AsyncMPClient(config, self._on_outputs, self._on_dead)
+        num_gpu_blocks = self.core_client.ready.num_blocks
+        self._each_stat_logger(lambda s: s.log_engine_initialized(config, num_gpu_blocks))
 
     @classmethod
     def from_engine_args(
@@ -72,13 +75,20 @@ class AsyncLLM(RequestFrontend):
         iterating or is cancelled, the request is aborted in the engine (its KV blocks freed).
         Raises `EngineDeadError` if the engine process dies.
         """
+        arrival = time.monotonic()  # the metrics' latencies include the tokenization
         self.core_client.raise_if_dead()
         processed = self.processor.process(prompt, params)
         self._start_background_tasks()
         engine_ids = self._add_request(request_id, processed, priority)
         queue = self._streams[request_id] = RequestOutputCollector(processed.params.output_kind)
         if self.stat_loggers:
-            self._timings.start(request_id, engine_ids, len(processed.token_ids))
+            self._timings.start(
+                request_id,
+                engine_ids,
+                len(processed.token_ids),
+                processed.params.max_tokens,
+                arrival,
+            )
         finished = False
         try:
             while not finished:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import time
 from collections.abc import Iterable
 
 import msgspec
@@ -14,6 +15,7 @@ from pagellm.executor.abstract import Executor
 from pagellm.executor.uniproc import UniProcExecutor
 from pagellm.kv_cache.hashing import make_block_hasher
 from pagellm.kv_cache.manager import KVCacheManager, cdiv
+from pagellm.kv_cache.residency import KVBlockResidency
 from pagellm.metrics.stats import SchedulerStats
 from pagellm.platforms import current_platform
 from pagellm.request import EngineCoreRequest, Request, RequestStatus
@@ -44,8 +46,14 @@ class EngineCore:
         gc.collect()
         gc.freeze()
         block_size = config.cache.block_size
+        observability = config.observability
+        self.kv_block_residency = (
+            KVBlockResidency(observability.kv_cache_metrics_sample)
+            if observability.kv_cache_metrics
+            else None
+        )
         self.kv_cache_manager = KVCacheManager(
-            block_size, num_blocks, config.cache.enable_prefix_caching
+            block_size, num_blocks, config.cache.enable_prefix_caching, self.kv_block_residency
         )
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
         self.block_hasher = (
@@ -93,18 +101,26 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         self.num_steps += 1
         scheduled, requests = scheduler_output.num_scheduled_tokens, self.scheduler.requests
+        residency = self.kv_block_residency
         self._last_step = SchedulerStats(
             num_scheduled_reqs=len(scheduled),
             num_scheduled_tokens=scheduler_output.total_num_scheduled_tokens,
             # The scheduler has already advanced num_computed_tokens past this step's tokens.
             num_context_tokens=sum(requests[r].num_computed_tokens for r in scheduled),
+            kv_block_evictions=residency.take_evictions() if residency is not None else [],
         )
         try:
             runner_output = self.executor.execute_model(scheduler_output)
         except Exception:
-            return self._fail_step(scheduler_output)
-        self.num_failed_steps_in_a_row = 0
-        return self.scheduler.update_from_output(runner_output)
+            outputs = self._fail_step(scheduler_output)
+        else:
+            self.num_failed_steps_in_a_row = 0
+            outputs = self.scheduler.update_from_output(runner_output)
+        # The front end's timing metrics: when the tokens came, and the requests' state changes.
+        outputs.timestamp = time.monotonic()
+        if self.scheduler.events:
+            outputs.events = self.scheduler.take_events()
+        return outputs
 
     def _fail_step(self, out: SchedulerOutput) -> EngineCoreOutputs:
         """A step raised: the workers forget what it touched, and the scheduler fails the request
@@ -135,6 +151,7 @@ class EngineCore:
             self._last_step,
             num_running_reqs=len(sched.running),
             num_waiting_reqs=len(sched.waiting),
+            num_deferred_reqs=len(sched.quarantine),
             kv_cache_usage=kv.usage,
             num_free_blocks=kv.num_free_blocks,
             num_total_blocks=kv.block_pool.num_blocks - 1,  # the null block is never handed out
@@ -150,7 +167,7 @@ class EngineCore:
         stats = self.make_scheduler_stats()
         return {
             "num_running": stats.num_running_reqs,
-            "num_waiting": stats.num_waiting_reqs,
+            "num_waiting": stats.num_waiting_reqs + stats.num_deferred_reqs,
             "num_free_blocks": stats.num_free_blocks,
             "num_total_blocks": stats.num_total_blocks,
             "kv_cache_usage": stats.kv_cache_usage,

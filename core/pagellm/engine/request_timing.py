@@ -1,40 +1,74 @@
-"""Front-end timestamps of running requests, turned into the `IterationStats` the stat loggers get:
-time to first token, inter-token latencies, and one `FinishedRequestStats` per ended completion."""
+"""Timestamps of running requests, turned into the `IterationStats` the stat loggers get: time to
+first token and inter-token latencies per step, one `FinishedRequestStats` per ended completion
+and one `FinishedUserRequestStats` per ended user request.
+
+Client-side times (arrival, time to first token, end to end) are on this process's clock; the
+engine-side ones (queued, first scheduled, each token) are the engine core's timestamps, carried by
+its outputs and request events (see `pagellm.metrics.stats`).
+"""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
 
-from pagellm.metrics.stats import FinishedRequestStats, IterationStats
+from pagellm.metrics.stats import FinishedRequestStats, FinishedUserRequestStats, IterationStats
 from pagellm.outputs import RequestOutput
-from pagellm.scheduler.output import EngineCoreOutputs
+from pagellm.scheduler.output import EngineCoreOutputs, RequestEventType
 
 
 @dataclass(slots=True)
 class CompletionTiming:
-    """One engine request (one completion of a user request); times are `time.monotonic()`."""
+    """One engine request (one completion of a user request)."""
 
     arrival: float
+    """This process's `time.monotonic()` when the request came."""
     num_prompt_tokens: int
+    max_tokens: int | None
+    # The engine core's clock; None until it happened.
+    queued: float | None = None
+    scheduled: float | None = None
     first_token: float | None = None
     last_token: float = 0.0
+    ttft: float | None = None
     num_generation_tokens: int = 0
-    num_itls: int = 0
+    num_cached_tokens: int = 0
 
     def finished(self, reason: str, now: float) -> FinishedRequestStats:
-        first = self.first_token
+        first, scheduled, last = self.first_token, self.scheduled, self.last_token
+        num_generated = self.num_generation_tokens
         return FinishedRequestStats(
             finish_reason=reason,
             e2e_latency_s=now - self.arrival,
             num_prompt_tokens=self.num_prompt_tokens,
-            num_generation_tokens=self.num_generation_tokens,
-            ttft_s=None if first is None else first - self.arrival,
-            # The inter-token latencies add up to the time from the first token to the last.
-            mean_itl_s=(self.last_token - first) / self.num_itls
-            if self.num_itls and first is not None
+            num_generation_tokens=num_generated,
+            ttft_s=self.ttft,
+            mean_itl_s=(last - first) / (num_generated - 1)
+            if first is not None and num_generated > 1
+            else None,
+            num_cached_tokens=self.num_cached_tokens,
+            max_tokens=self.max_tokens,
+            queue_time_s=scheduled - self.queued
+            if scheduled is not None and self.queued is not None
+            else None,
+            prefill_time_s=first - scheduled
+            if first is not None and scheduled is not None
+            else None,
+            decode_time_s=last - first if first is not None else None,
+            inference_time_s=last - scheduled
+            if first is not None and scheduled is not None
             else None,
         )
+
+
+@dataclass(slots=True)
+class UserRequestTiming:
+    engine_ids: list[str]
+    max_num_generation_tokens: int = 0
+    """Over its completions that ended so far."""
+
+    def finished(self) -> FinishedUserRequestStats:
+        return FinishedUserRequestStats(len(self.engine_ids), self.max_num_generation_tokens)
 
 
 class RequestTimings:
@@ -42,21 +76,38 @@ class RequestTimings:
 
     def __init__(self) -> None:
         self._completions: dict[str, CompletionTiming] = {}
-        self._engine_ids: dict[str, list[str]] = {}
+        self._requests: dict[str, UserRequestTiming] = {}
 
-    def start(self, request_id: str, engine_ids: list[str], num_prompt_tokens: int) -> None:
-        now = time.monotonic()
-        self._engine_ids[request_id] = engine_ids
+    def start(
+        self,
+        request_id: str,
+        engine_ids: list[str],
+        num_prompt_tokens: int,
+        max_tokens: int | None,
+        arrival: float,
+    ) -> None:
+        """Follow a user request that came at ``arrival`` (`time.monotonic()`, before it was
+        tokenized and sent to the engine core) and runs as ``engine_ids``."""
+        self._requests[request_id] = UserRequestTiming(engine_ids)
         for engine_id in engine_ids:
-            self._completions[engine_id] = CompletionTiming(now, num_prompt_tokens)
+            self._completions[engine_id] = CompletionTiming(arrival, num_prompt_tokens, max_tokens)
 
     def step(
         self, engine_outputs: EngineCoreOutputs, results: list[RequestOutput]
     ) -> IterationStats:
         """One engine step's stats: its new tokens, and the completions its ``results`` end."""
         now = time.monotonic()
+        engine_now = engine_outputs.timestamp
         stats = IterationStats()
         completions = self._completions
+        for event in engine_outputs.events:  # state changes only: few, and before the tokens
+            timing = completions.get(event.request_id)
+            if timing is None:
+                continue
+            if event.type == RequestEventType.QUEUED:
+                timing.queued = event.timestamp
+            elif event.type == RequestEventType.SCHEDULED:
+                timing.scheduled = event.timestamp
         for out in engine_outputs.outputs:
             timing = completions.get(out.request_id)
             num_new = len(out.new_token_ids)
@@ -64,16 +115,21 @@ class RequestTimings:
                 continue
             stats.num_generation_tokens += num_new
             if timing.first_token is None:
-                timing.first_token = now
-                stats.ttfts_s.append(now - timing.arrival)
+                timing.first_token = engine_now
+                timing.ttft = now - timing.arrival
+                timing.num_cached_tokens = out.num_cached_tokens
+                stats.ttfts_s.append(timing.ttft)
                 stats.num_prompt_tokens += timing.num_prompt_tokens
+                stats.num_cached_prompt_tokens += out.num_cached_tokens
             else:
-                stats.itls_s.append(now - timing.last_token)
-                timing.num_itls += 1
-            timing.last_token = now
+                stats.itls_s.append(engine_now - timing.last_token)
+            timing.last_token = engine_now
             timing.num_generation_tokens += num_new
         for output in results:
-            engine_ids = self._engine_ids.get(output.request_id, [])
+            request = self._requests.get(output.request_id)
+            if request is None:
+                continue
+            engine_ids = request.engine_ids
             for completion in output.outputs:
                 # A completion that ended before its siblings is reported then (delta outputs
                 # name its finish once; cumulative ones again, but its timing is gone by then).
@@ -81,17 +137,32 @@ class RequestTimings:
                     timing = completions.pop(engine_ids[completion.index], None)
                     if timing is not None:
                         stats.finished.append(timing.finished(completion.finish_reason, now))
+                        request.max_num_generation_tokens = max(
+                            request.max_num_generation_tokens, timing.num_generation_tokens
+                        )
             if output.finished:
                 self._forget(output.request_id)
+                stats.finished_user_requests.append(request.finished())
         return stats
 
     def abort(self, request_id: str) -> IterationStats | None:
         """The stats of an aborted request's completions that had not ended (None: none)."""
+        request = self._requests.get(request_id)
+        if request is None:
+            return None
         now = time.monotonic()
-        finished = [t.finished("abort", now) for t in self._forget(request_id)]
-        return IterationStats(finished=finished) if finished else None
+        timings = self._forget(request_id)
+        for t in timings:
+            request.max_num_generation_tokens = max(
+                request.max_num_generation_tokens, t.num_generation_tokens
+            )
+        return IterationStats(
+            finished=[t.finished("abort", now) for t in timings],
+            finished_user_requests=[request.finished()],
+        )
 
     def _forget(self, request_id: str) -> list[CompletionTiming]:
-        engine_ids = self._engine_ids.pop(request_id, [])
+        request = self._requests.pop(request_id, None)
+        engine_ids = request.engine_ids if request is not None else []
         timings = (self._completions.pop(e, None) for e in engine_ids)
         return [t for t in timings if t is not None]

@@ -97,7 +97,7 @@ def build_app(engine: AsyncLLM, args: ServerArgs, stat_loggers: list[StatLoggerB
     """The app serving ``engine`` (which reports to ``stat_loggers``): core routes, then the
     allowed endpoint plugins' routes. The app owns the engine: when it shuts down (after uvicorn's
     graceful shutdown), it gives the engine what is left until ``app.state.shutdown_deadline``."""
-    from pagellm.metrics.loggers import PrometheusStatLogger, metrics_response
+    from pagellm.metrics.prometheus import PrometheusStatLogger, metrics_response
     from pagellm.platforms import current_platform_name
 
     @asynccontextmanager

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
+from pagellm.kv_cache.residency import KVBlockResidency
+
 
 class KVCacheBlock:
     __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free", "is_null")
@@ -78,7 +80,8 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, residency: KVBlockResidency | None = None) -> None:
+        """``residency``: follows sampled blocks for the residency metrics (None: off)."""
         if num_blocks < 2:
             raise ValueError(
                 f"The KV cache needs at least 2 blocks (one is the null block), got {num_blocks}."
@@ -89,6 +92,7 @@ class BlockPool:
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
         self.cached_block_hash_to_block: dict[bytes, KVCacheBlock] = {}
+        self.residency = residency
 
     def get_num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks
@@ -104,8 +108,11 @@ class BlockPool:
         if num_blocks > self.get_num_free_blocks():
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool.")
         blocks = []
+        residency = self.residency
         for _ in range(num_blocks):
             block = self.free_block_queue.popleft()
+            if residency is not None:
+                residency.reallocated(block.block_id, block.block_hash is not None)
             self.uncache(block)
             block.ref_cnt = 1
             blocks.append(block)
@@ -125,6 +132,8 @@ class BlockPool:
             if block.ref_cnt == 0 and not block.is_null:
                 self.free_block_queue.remove(block)
             block.ref_cnt += 1
+            if self.residency is not None:
+                self.residency.hit(block.block_id)
 
     def cache_full_blocks(
         self, blocks: list[KVCacheBlock], block_hashes: list[bytes], num_cached: int, num_full: int
@@ -162,4 +171,6 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self.cached_block_hash_to_block.clear()
+        if self.residency is not None:
+            self.residency.reset()
         return True

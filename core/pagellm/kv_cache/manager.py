@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagellm.kv_cache.block_pool import BlockPool, KVCacheBlock
+from pagellm.kv_cache.residency import KVBlockResidency
 from pagellm.request import Request
 
 
@@ -25,10 +26,16 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, block_size: int, num_blocks: int, enable_caching: bool) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        num_blocks: int,
+        enable_caching: bool,
+        residency: KVBlockResidency | None = None,
+    ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks)
+        self.block_pool = BlockPool(num_blocks, residency)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 import msgspec
@@ -74,5 +75,26 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     new_prompt_logprobs: list[SampleLogprobs] | None = None
 
 
+class RequestEventType(enum.IntEnum):
+    QUEUED = 1
+    """The engine core took the request in (it waits to be scheduled)."""
+    SCHEDULED = 2
+    """It was scheduled for the first time (a resumption after a preemption is not reported)."""
+
+
+class RequestEvent(msgspec.Struct, array_like=True):
+    """A change of a request's state in the engine core, for the front end's timing metrics (queue,
+    prefill, inference time). Made only when the state changes, never per step or token."""
+
+    request_id: str
+    type: RequestEventType
+    timestamp: float
+    """The engine core's `time.monotonic()`."""
+
+
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
     outputs: list[EngineCoreOutput] = []
+    timestamp: float = 0.0
+    """When the step that made them ended (the engine core's `time.monotonic()`; 0: no step)."""
+    events: list[RequestEvent] = []
+    """The request events since the previous step's outputs."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections import deque
 from collections.abc import Iterable
 
@@ -27,6 +28,8 @@ from pagellm.scheduler.output import (
     EngineCoreOutputs,
     ModelRunnerOutput,
     NewRequestData,
+    RequestEvent,
+    RequestEventType,
     SchedulerOutput,
 )
 from pagellm.scheduler.policy import SchedulingPolicy, scheduling_policies
@@ -50,6 +53,8 @@ class Scheduler:
         self.probe: Request | None = None
         # Requests the workers dropped after a failed step: sent whole when next scheduled.
         self.resend: set[str] = set()
+        # Queued and first-scheduled events since `take_events` (for the front end's metrics).
+        self.events: list[RequestEvent] = []
 
     # ---------------------------------------------------------------- requests in and out
 
@@ -60,6 +65,14 @@ class Scheduler:
         request.max_tokens = min(request.max_tokens or room, room)
         self.requests[request.request_id] = request
         self.waiting.add(request)
+        self.events.append(
+            RequestEvent(request.request_id, RequestEventType.QUEUED, time.monotonic())
+        )
+
+    def take_events(self) -> list[RequestEvent]:
+        """The request events since the last call."""
+        events, self.events = self.events, []
+        return events
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
         """End requests from outside the step loop (abort); unknown or finished ids are ignored
@@ -152,6 +165,7 @@ class Scheduler:
         # 2. Waiting requests, unless this step had to preempt (the cache is short of room).
         scheduled_resumed: list[Request] = []
         if not preempted and self.probe is None:
+            now = time.monotonic()
             while len(self.waiting) and token_budget > 0 and len(self.running) < cfg.max_num_seqs:
                 request = self.waiting.peek()
                 hits, num_hit_tokens = kv.get_computed_blocks(request)
@@ -165,6 +179,10 @@ class Scheduler:
                 if blocks is None:
                     break
                 self.waiting.pop()
+                if request.status == RequestStatus.WAITING:  # its first scheduling
+                    self.events.append(
+                        RequestEvent(request.request_id, RequestEventType.SCHEDULED, now)
+                    )
                 resumed = request.status == RequestStatus.PREEMPTED
                 resumed = resumed and request.request_id not in self.resend
                 request.status = RequestStatus.RUNNING
