@@ -463,3 +463,19 @@ def test_load_counts_generation_requests_in_flight(plain: Server):
     while plain.get("/load").json()["server_load"] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert plain.get("/load").json() == {"server_load": 0}
+
+
+def test_the_compatibility_tables_routes_are_served_as_it_says(plain: Server):
+    """docs/serving.md's route table: each ✓ route answers (any status but 404/405, e.g. 400 for
+    an empty body), each other route is a 404."""
+    from test_openai_support_table import routes
+
+    checked = routes()
+    assert len(checked) > 20
+    for method, path, served in checked:
+        response = httpx.request(method, f"{plain.url}{path}", json={}, timeout=30)
+        if served:
+            assert response.status_code not in (404, 405), (method, path, response.text)
+        else:
+            assert response.status_code == 404, (method, path, response.status_code)
+    _still_serving(plain)
