@@ -9,10 +9,9 @@ import re
 from pathlib import Path
 
 import pytest
-from pydantic import BaseModel
-
 from pagellm_openai import field_policy
 from pagellm_openai.protocol import ChatCompletionRequest, CompletionRequest, StreamOptions
+from pydantic import BaseModel
 
 SERVING_MD = Path(__file__).resolve().parents[4] / "docs" / "serving.md"
 SECTION = "## vLLM compatibility: request fields, routes, metrics"
