@@ -13,7 +13,7 @@ import functools
 import logging
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -233,6 +233,6 @@ class CudaPlatform(Platform):
         cls, forward: Callable[[], torch.Tensor], pool: object
     ) -> tuple[Callable[[], None], torch.Tensor]:
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        with torch.cuda.graph(graph, pool=cast(Any, pool)):  # the handle of graph_pool
             output = forward()
         return graph.replay, output

@@ -66,6 +66,7 @@ async def create_chat_completion(
     ctx.check_num_sequences(1, request.n)
     prompt, role = ctx.chat_prompt(request)
     echo = echoed_text(request, role) if request.echo else ""
+    requested: int | None
     if request.max_completion_tokens is not None:
         requested, param = request.max_completion_tokens, "max_completion_tokens"
     else:

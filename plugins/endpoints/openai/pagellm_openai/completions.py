@@ -32,10 +32,10 @@ def _prompts(ctx: ServingContext, request: CompletionRequest) -> list[Prompt]:
         raise bad_request("prompt is empty.", param="prompt")
     ctx.check_num_sequences(1 if isinstance(prompt[0], int) else len(prompt), request.n)
     if isinstance(prompt[0], int):
-        return [ctx.token_prompt(prompt)]  # type: ignore[arg-type]
+        return [ctx.token_prompt(prompt)]
     if isinstance(prompt[0], str):
-        return [ctx.text_prompt(p, request.add_special_tokens) for p in prompt]  # type: ignore[arg-type]
-    return [ctx.token_prompt(p) for p in prompt]  # type: ignore[arg-type]
+        return [ctx.text_prompt(p, request.add_special_tokens) for p in prompt]
+    return [ctx.token_prompt(p) for p in prompt]
 
 
 class _Logprobs:
