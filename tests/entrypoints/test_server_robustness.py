@@ -488,7 +488,6 @@ COMMON_FIELDS = {
     "truncation_side": st.sampled_from(["left", "right", "middle"]),
     "request_id": TEXT,
     "model": st.one_of(st.just(MODEL_NAME), TEXT),
-    "unknown_field": _any_json(),
 }
 PROMPT = st.one_of(
     TEXT,
@@ -528,6 +527,11 @@ CHAT_BODY = st.fixed_dictionaries(
         "logprobs": st.booleans(),
         "top_logprobs": _small_or_odd_int(),
         "add_generation_prompt": st.booleans(),
+        "continue_final_message": st.booleans(),
+        "echo": st.booleans(),
+        "add_special_tokens": st.booleans(),
+        "chat_template_kwargs": _any_json(),
+        "documents": _any_json(),
     },
 )
 TOKENIZE_BODY = st.fixed_dictionaries(
@@ -549,6 +553,13 @@ REQUESTS = st.one_of(
     st.tuples(st.just("/v1/chat/completions"), CHAT_BODY),
     st.tuples(st.just("/tokenize"), TOKENIZE_BODY),
     st.tuples(st.just("/detokenize"), DETOKENIZE_BODY),
+    st.tuples(st.just("/invocations"), st.one_of(COMPLETION_BODY, CHAT_BODY)),
+    # Unknown fields are refused before anything else: a variant of their own, so that the
+    # other bodies reach the deeper checks.
+    st.tuples(
+        st.sampled_from(["/v1/completions", "/v1/chat/completions", "/tokenize"]),
+        st.fixed_dictionaries({"prompt": PROMPT, "unknown_field": _any_json()}),
+    ),
     st.tuples(st.sampled_from(["/v1/completions", "/v1/chat/completions"]), _any_json()),
 )
 
