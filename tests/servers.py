@@ -35,17 +35,29 @@ MODEL_NAME = "tiny"
 IDLE_TIMEOUT_S = 30
 
 
+def _missing_first_party() -> list[Path]:
+    missing = []
+    for dist, project in FIRST_PARTY.items():
+        try:
+            importlib.metadata.distribution(dist)
+        except importlib.metadata.PackageNotFoundError:
+            missing.append(project)
+    return missing
+
+
 @pytest.fixture(scope="module")
 def endpoint_packages() -> Iterator[None]:
     """The first-party endpoint packages unless installed already; the test package always, from
     this checkout (an install left by another checkout must not stand in for it)."""
-    missing = []
-    for dist in FIRST_PARTY:
-        try:
-            importlib.metadata.distribution(dist)
-        except importlib.metadata.PackageNotFoundError:
-            missing.append(dist)
-    with editable_installs([*(FIRST_PARTY[d] for d in missing), DUMMY_ENDPOINT]):
+    with editable_installs([*_missing_first_party(), DUMMY_ENDPOINT]):
+        yield
+
+
+@pytest.fixture(scope="module")
+def first_party_endpoints() -> Iterator[None]:
+    """The first-party endpoint packages unless installed already (``make install-test`` installs
+    them): for the tests that serve no test plugin."""
+    with editable_installs(_missing_first_party()):
         yield
 
 

@@ -11,11 +11,11 @@ from collections.abc import Iterator
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from servers import (  # noqa: F401 (endpoint_packages and model_dir are fixtures)
+from servers import (  # noqa: F401 (first_party_endpoints and model_dir are fixtures)
     MODEL_NAME,
     ROOT,
     Server,
-    endpoint_packages,
+    first_party_endpoints,
     model_dir,
     started_servers,
 )
@@ -35,7 +35,7 @@ Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 @pytest.fixture(scope="module")
 def server(
-    endpoint_packages: None,  # noqa: F811
+    first_party_endpoints: None,  # noqa: F811
     model_dir: str,  # noqa: F811
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Server]:

@@ -14,12 +14,12 @@ from typing import Any
 import openai
 import pytest
 
-from servers import (  # noqa: F401 (endpoint_packages and model_dir are fixtures)
+from servers import (  # noqa: F401 (first_party_endpoints and model_dir are fixtures)
     MAX_MODEL_LEN,
     MAX_NUM_SEQS,
     MODEL_NAME,
     Server,
-    endpoint_packages,
+    first_party_endpoints,
     model_dir,
     started_servers,
 )
@@ -112,7 +112,7 @@ def harmless_cases() -> list[tuple[str, str, Any]]:
 
 @pytest.fixture(scope="module")
 def server(
-    endpoint_packages: None,  # noqa: F811
+    first_party_endpoints: None,  # noqa: F811
     model_dir: str,  # noqa: F811
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Server]:

@@ -25,11 +25,11 @@ import httpx
 import openai
 import pytest
 
-from servers import (  # noqa: F401 (endpoint_packages and model_dir are fixtures)
+from servers import (  # noqa: F401 (first_party_endpoints and model_dir are fixtures)
     MAX_MODEL_LEN,
     MODEL_NAME,
     Server,
-    endpoint_packages,
+    first_party_endpoints,
     model_dir,
     started_servers,
 )
@@ -56,7 +56,7 @@ def wordpiece_tokenizer(model_dir: str, tmp_path_factory: pytest.TempPathFactory
 
 @pytest.fixture(scope="module")
 def servers(
-    endpoint_packages: None,  # noqa: F811
+    first_party_endpoints: None,  # noqa: F811
     model_dir: str,  # noqa: F811
     wordpiece_tokenizer: str,
     tmp_path_factory: pytest.TempPathFactory,
