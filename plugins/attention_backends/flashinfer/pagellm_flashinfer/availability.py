@@ -89,7 +89,9 @@ def unavailable_reason(env: Environment) -> str | None:
     if _version_tuple(env.version) < MIN_VERSION:
         return f"flashinfer-python {env.version} is too old (needs >= {wanted}; {INSTALL_HINT})"
     if not env.has_tvm_ffi:
-        return "flashinfer needs apache-tvm-ffi, which is not installed (pip install apache-tvm-ffi)"
+        return (
+            "flashinfer needs apache-tvm-ffi, which is not installed (pip install apache-tvm-ffi)"
+        )
     if not env.has_prebuilt_kernels:
         if env.nvcc is None:
             return (

@@ -211,7 +211,9 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
         meta.index = self._index(common, graph.kv_indptr)
         meta.plan(meta, meta.planned_with)
 
-    def _plan_graph(self, graph: GraphDecode, meta: FlashInferMetadata, params: LayerParams) -> None:
+    def _plan_graph(
+        self, graph: GraphDecode, meta: FlashInferMetadata, params: LayerParams
+    ) -> None:
         plan_graph_decode(self._flashinfer, graph, meta.index, params, self.kv_cache_spec)
         self._issued_copies()
 
