@@ -65,7 +65,9 @@ class AttentionMetadataBuilder(ABC):
         with ``cudagraph_support`` are asked."""
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs.")
 
-    def prepare_cudagraph_replay(self, attn_metadata: Any, common: CommonAttentionMetadata) -> None:
+    def prepare_cudagraph_replay(  # noqa: B027 (optional hook: most backends need nothing)
+        self, attn_metadata: Any, common: CommonAttentionMetadata
+    ) -> None:
         """Called before every replay of a graph captured with ``attn_metadata`` (what
         `build_for_cudagraph` returned), with the step's padded batch: ``common``'s device tensors
         are the persistent buffers, already holding the step's contents, and its host values are
