@@ -7,8 +7,10 @@ models against TRITON_ATTN (teacher-forced) and with graphs against eager; and k
 (printed, not asserted: speed belongs to benchmarks).
 
 Run on the device machine with ``pytest -m gpu -s plugins/attention_backends/flashinfer/tests``.
-The kernel modules the tests use are compiled first, together (a few minutes with an empty JIT
-cache; set ``FLASHINFER_WORKSPACE_BASE`` to a directory that outlives the run to reuse them).
+The kernel modules the tests use (and those tests/e2e/test_gpu_models.py's bf16 models need,
+which the CUDA platform then runs on FLASHINFER) are compiled first, together, in one parallel
+ninja run: minutes with an empty JIT cache, so run this file before the others, and set
+``FLASHINFER_WORKSPACE_BASE`` to a directory that outlives the run to reuse them.
 """
 
 from __future__ import annotations
@@ -64,6 +66,9 @@ def compiled() -> None:
     major, minor = torch.cuda.get_device_capability()
     backend = prefill_backend((major, minor), torch.version.cuda)
     specs = {(DTYPES[d], head, window is not None) for d, head, _, _, window in CONFIGS}
+    # With flashinfer installed, the CUDA platform picks FLASHINFER for the bf16 models of
+    # tests/e2e/test_gpu_models.py too; its Mistral (head 64, a window) is the one more kind.
+    specs.add((torch.bfloat16, 64, True))
     modules = [m for spec in sorted(specs, key=str) for m in modules_for(backend, *spec)]
     started = time.perf_counter()
     built = compile_missing(flashinfer, modules)
