@@ -558,8 +558,8 @@ def llm(model: str, backend: str, **kwargs):
     )
 
 
-def release(engine) -> None:
-    del engine
+def release_gpu_memory() -> None:
+    """After the last reference to an engine is gone."""
     gc.collect()
     torch.cuda.empty_cache()
 
@@ -576,7 +576,8 @@ def generate(model: str, backend: str, **kwargs) -> list[tuple[list[int], list[f
         tokens = list(o.outputs[0].token_ids)
         lps = [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, tokens, strict=True)]
         result.append((tokens, lps))
-    release(engine)
+    del engine, outputs
+    release_gpu_memory()
     return result
 
 
@@ -595,7 +596,8 @@ def teacher_forced(model: str, backend: str, generations) -> list[list[tuple[int
         scores.append(
             [(pos[t].rank, pos[t].logprob) for pos, t in zip(positions, tokens, strict=True)]
         )
-    release(engine)
+    del engine, outputs
+    release_gpu_memory()
     return scores
 
 
