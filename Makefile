@@ -11,8 +11,10 @@ install:
 
 # The first-party plugin packages. The GPU ones install on a CPU machine too: the CUDA platform
 # stays inactive, and the Triton kernels are tested in Triton's interpreter (TRITON_INTERPRET=1).
+# pagellm-flashinfer installs without its library (the [flashinfer] extra): CI tests its selection
+# reasons, registration and metadata builder with the library absent.
 PLUGINS = plugins/cuda_platform plugins/attention_backends/triton \
-	plugins/endpoints/openai plugins/endpoints/admin
+	plugins/attention_backends/flashinfer plugins/endpoints/openai plugins/endpoints/admin
 
 install-test: install
 	$(PIP) install -q -e '.[test,lint]'

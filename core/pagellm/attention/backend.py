@@ -65,6 +65,17 @@ class AttentionMetadataBuilder(ABC):
         with ``cudagraph_support`` are asked."""
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs.")
 
+    def prepare_cudagraph_replay(  # noqa: B027 (optional hook: most backends need nothing)
+        self, attn_metadata: Any, common: CommonAttentionMetadata
+    ) -> None:
+        """Called before every replay of a graph captured with ``attn_metadata`` (what
+        `build_for_cudagraph` returned), with the step's padded batch: ``common``'s device tensors
+        are the persistent buffers, already holding the step's contents, and its host values are
+        the step's own. Host-side planning the graph cannot do goes here, such as rewriting, in
+        place, index buffers the captured kernels read; launch shapes must stay as captured. The
+        default does nothing: kernels that read ``seq_lens`` and the block table on the device
+        need nothing more."""
+
 
 class AttentionImpl(ABC):
     def __init__(

@@ -184,6 +184,7 @@ class ModelRunner:
         self, plan: StepPlan, common: CommonAttentionMetadata, graph: CapturedGraph | None
     ) -> torch.Tensor:
         if graph is not None:
+            self.attn_builder.prepare_cudagraph_replay(graph.attn_metadata, common)
             graph.replay()
             return graph.hidden[: plan.num_tokens]
         inputs, n = self.buffers.device_tensors, plan.num_tokens

@@ -1,0 +1,1 @@
+"""pagellm-flashinfer: the FLASHINFER attention backend (paged attention with FlashInfer's kernels)."""

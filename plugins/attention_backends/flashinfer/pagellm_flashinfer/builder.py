@@ -1,0 +1,256 @@
+"""FLASHINFER's per-step metadata: the paged batch in FlashInfer's arrays, and the wrapper that
+serves the step, planned once for all layers.
+
+The builder knows the KV cache but not the layers' query heads and softmax scale, which
+``plan`` needs: the first layer to run in a step plans with its own (`FlashInferMetadata.
+ensure_planned`), the other layers check theirs are the same. A captured graph's metadata is
+planned by the forward passes run before its capture, then again before every replay
+(`prepare_cudagraph_replay`), with the layer parameters of the first plan.
+
+Host arrays live in pinned buffers that every plan's copies read from; before they are
+rewritten, the builder waits for the copies issued by the previous plan (recorded by an event,
+normally long done), which also covers the pinned buffers FlashInfer's wrappers reuse.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from pagellm.attention.backend import AttentionMetadataBuilder, CommonAttentionMetadata
+from pagellm.kv_cache.spec import KVCacheSpec
+from pagellm_flashinfer.jit_cache import compile_missing, modules_for
+from pagellm_flashinfer.paged_kv import PagedKVIndex, fill_page_counts, gather_page_indices
+from pagellm_flashinfer.planning import (
+    KV_LAYOUT,
+    GraphDecode,
+    LayerParams,
+    plan_decode,
+    plan_graph_decode,
+    plan_prefill,
+    prefill_backend,
+)
+
+
+@dataclass
+class FlashInferMetadata:
+    num_actual_tokens: int
+    slot_mapping: torch.Tensor
+    index: PagedKVIndex
+    decode_only: bool
+    """Served by a decode wrapper (eager, or a captured graph's); otherwise by the prefill one."""
+    wrapper: Any
+    plan: Callable[[FlashInferMetadata, LayerParams], None]
+    pads_with_null_slots: bool = False
+    """A captured graph's batch: padding tokens have slot -1, which the layers write to the null
+    block's first slot (no row reads the null block)."""
+    planned_with: LayerParams | None = None
+
+    def ensure_planned(self, params: LayerParams) -> None:
+        if self.planned_with is None:
+            self.plan(self, params)
+            self.planned_with = params
+        elif params != self.planned_with:
+            raise ValueError(
+                f"FLASHINFER plans one step for all attention layers, which must share their "
+                f"query heads, softmax scale and window: {params} differs from {self.planned_with}"
+            )
+
+
+class _HostArrays:
+    """Staging for one step's ``qo_indptr``, ``kv_indptr`` and ``kv_last_page_len``, grown to
+    the largest batch seen."""
+
+    def __init__(self, pin: bool) -> None:
+        self.pin = pin
+        self.rows = 0
+        self._allocate(16)
+
+    def _allocate(self, rows: int) -> None:
+        def empty(n: int) -> torch.Tensor:
+            return torch.zeros(n, dtype=torch.int32, pin_memory=self.pin)
+
+        self.rows = rows
+        self.qo_indptr, self.kv_indptr = empty(rows + 1), empty(rows + 1)
+        self.kv_last_page_len = empty(rows)
+
+    def views(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if rows > self.rows:
+            self._allocate(max(rows, 2 * self.rows))
+        return self.qo_indptr[: rows + 1], self.kv_indptr[: rows + 1], self.kv_last_page_len[:rows]
+
+
+@dataclass
+class _GraphStorage:
+    """The device index buffers of every captured graph (each takes views)."""
+
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    kv_last_page_len: torch.Tensor
+
+
+class FlashInferMetadataBuilder(AttentionMetadataBuilder):
+    workspace_bytes: ClassVar[int] = 256 << 20
+    """FlashInfer's float workspace (split-KV partial outputs), shared by every wrapper: their
+    runs follow one another on one stream."""
+    graph_int_workspace_bytes: ClassVar[int] = 1 << 20
+    """The schedule buffer shared by the graphs' decode wrappers (each is planned right before
+    its replay); a schedule of 512 rows takes tens of KB."""
+
+    def __init__(self, kv_cache_spec: KVCacheSpec, device: torch.device) -> None:
+        super().__init__(kv_cache_spec, device)
+        # Imported here, not at module level, so that selection can explain a missing library.
+        import flashinfer
+
+        self._flashinfer = flashinfer
+        capability = None
+        if device.type == "cuda":
+            major, minor = torch.cuda.get_device_capability(device)
+            capability = (major, minor)
+        self.prefill_backend = prefill_backend(capability, torch.version.cuda)
+        spec = kv_cache_spec
+        compile_missing(
+            flashinfer,
+            modules_for(
+                self.prefill_backend, spec.dtype, spec.head_size, spec.sliding_window is not None
+            ),
+        )
+        # Allocated here, before the profiling run, so that the KV cache sizing counts them.
+        self._workspace = torch.zeros(self.workspace_bytes, dtype=torch.uint8, device=device)
+        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self._workspace, KV_LAYOUT, backend=self.prefill_backend
+        )
+        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self._workspace, KV_LAYOUT, use_tensor_cores=True
+        )
+        on_gpu = device.type == "cuda"
+        self._host = _HostArrays(pin=on_gpu)
+        self._kv_indptr = torch.zeros(self._host.rows + 1, dtype=torch.int32, device=device)
+        self._copies_done = torch.cuda.Event() if on_gpu else None
+        self._graphs: dict[int, GraphDecode] = {}
+        self._graph_storage: _GraphStorage | None = None
+        self._graph_int_workspace: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------ eager steps
+
+    def build(self, common: CommonAttentionMetadata) -> FlashInferMetadata:
+        if self._kv_indptr.shape[0] < common.num_reqs + 1:
+            self._kv_indptr = torch.zeros(
+                max(common.num_reqs, 2 * self._kv_indptr.shape[0]) + 1,
+                dtype=torch.int32,
+                device=self.device,
+            )
+        index = self._index(common, self._kv_indptr[: common.num_reqs + 1])
+        decode_only = common.max_query_len == 1
+        return FlashInferMetadata(
+            num_actual_tokens=common.num_actual_tokens,
+            slot_mapping=common.slot_mapping,
+            index=index,
+            decode_only=decode_only,
+            wrapper=self._decode if decode_only else self._prefill,
+            plan=self._plan_decode if decode_only else self._plan_prefill,
+        )
+
+    def _index(self, common: CommonAttentionMetadata, kv_indptr: torch.Tensor) -> PagedKVIndex:
+        """The step's arrays; ``kv_indptr`` is the device buffer the page gather reads."""
+        if self._copies_done is not None:
+            self._copies_done.synchronize()
+        qo_indptr, kv_indptr_host, last_page_len = self._host.views(common.num_reqs)
+        qo_indptr.copy_(common.query_start_loc_cpu)
+        num_pages = fill_page_counts(
+            common.seq_lens_cpu.numpy(),
+            self.kv_cache_spec.block_size,
+            kv_indptr_host.numpy(),
+            last_page_len.numpy(),
+        )
+        kv_indptr.copy_(kv_indptr_host, non_blocking=True)
+        kv_indices = gather_page_indices(common.block_table, kv_indptr, num_pages)
+        self._issued_copies()
+        return PagedKVIndex(
+            qo_indptr, kv_indptr_host, last_page_len, kv_indices, common.max_query_len
+        )
+
+    def _issued_copies(self) -> None:
+        if self._copies_done is not None:
+            self._copies_done.record()
+
+    def _plan_prefill(self, meta: FlashInferMetadata, params: LayerParams) -> None:
+        plan_prefill(meta.wrapper, meta.index, params, self.kv_cache_spec)
+        self._issued_copies()
+
+    def _plan_decode(self, meta: FlashInferMetadata, params: LayerParams) -> None:
+        plan_decode(meta.wrapper, meta.index, params, self.kv_cache_spec)
+        self._issued_copies()
+
+    # ------------------------------------------------------------------ CUDA graphs
+
+    def build_for_cudagraph(self, common: CommonAttentionMetadata) -> FlashInferMetadata:
+        num_rows = common.seq_lens.shape[0]
+        graph = self._graph(num_rows, num_rows * common.block_table.shape[1])
+        return FlashInferMetadata(
+            num_actual_tokens=common.slot_mapping.shape[0],
+            slot_mapping=common.slot_mapping,
+            index=self._index(common, graph.kv_indptr),
+            decode_only=True,
+            wrapper=graph.wrapper,
+            plan=functools.partial(self._plan_graph, graph),
+            pads_with_null_slots=True,
+        )
+
+    def prepare_cudagraph_replay(
+        self, attn_metadata: FlashInferMetadata, common: CommonAttentionMetadata
+    ) -> None:
+        meta = attn_metadata
+        if meta.planned_with is None:
+            raise RuntimeError("FLASHINFER: a graph was captured before any layer planned it")
+        graph = self._graphs[meta.index.num_rows]
+        meta.index = self._index(common, graph.kv_indptr)
+        meta.plan(meta, meta.planned_with)
+
+    def _plan_graph(
+        self, graph: GraphDecode, meta: FlashInferMetadata, params: LayerParams
+    ) -> None:
+        plan_graph_decode(self._flashinfer, graph, meta.index, params, self.kv_cache_spec)
+        self._issued_copies()
+
+    def _graph(self, num_rows: int, max_pages: int) -> GraphDecode:
+        if num_rows in self._graphs:
+            return self._graphs[num_rows]
+        storage = self._graph_storage
+        if (
+            storage is None
+            or storage.kv_last_page_len.shape[0] < num_rows
+            or storage.kv_indices.shape[0] < max_pages
+        ):
+            # Captures go largest first, so this normally happens once; graphs captured before
+            # keep the storage they took views of.
+            def zeros(n: int) -> torch.Tensor:
+                return torch.zeros(n, dtype=torch.int32, device=self.device)
+
+            storage = _GraphStorage(zeros(num_rows + 1), zeros(max_pages), zeros(num_rows))
+            self._graph_storage = storage
+        if self._graph_int_workspace is None:
+            self._graph_int_workspace = torch.zeros(
+                self.graph_int_workspace_bytes, dtype=torch.uint8, device=self.device
+            )
+        graph = GraphDecode(
+            wrapper=self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self._workspace,
+                KV_LAYOUT,
+                use_cuda_graph=True,
+                use_tensor_cores=True,
+                paged_kv_indptr_buffer=storage.kv_indptr[: num_rows + 1],
+                paged_kv_indices_buffer=storage.kv_indices[:max_pages],
+                paged_kv_last_page_len_buffer=storage.kv_last_page_len[:num_rows],
+            ),
+            kv_indptr=storage.kv_indptr[: num_rows + 1],
+            kv_indices=storage.kv_indices[:max_pages],
+            kv_last_page_len=storage.kv_last_page_len[:num_rows],
+        )
+        graph.wrapper.reset_workspace_buffer(self._workspace, self._graph_int_workspace)
+        self._graphs[num_rows] = graph
+        return graph

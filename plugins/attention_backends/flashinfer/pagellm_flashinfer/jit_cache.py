@@ -1,0 +1,87 @@
+"""FlashInfer's kernels are compiled on first use (nvcc through ninja) into its JIT cache, where
+later starts find them. This module names the modules a model needs and builds those missing
+in one parallel ninja run, when the metadata builder is made (in the engine's start-up, before
+the model loads), so that no step waits for the compiler.
+
+The cache is FlashInfer's: ``$FLASHINFER_WORKSPACE_BASE/.cache/flashinfer/<version>/<arch>/``
+(``FLASHINFER_WORKSPACE_BASE`` defaults to the home directory), read when flashinfer is first
+imported; set it to share or move the cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class KernelModule:
+    """One of FlashInfer's batch attention modules: the paged prefill kernels of one backend
+    (``"fa2"`` or ``"fa3"``), specialised for a dtype, a head size and whether a window is
+    applied. The tensor-core decode wrapper runs the ``"fa2"`` one."""
+
+    backend: str
+    dtype: torch.dtype
+    head_size: int
+    sliding_window: bool
+
+    def spec(self, flashinfer: ModuleType) -> Any:
+        """The module's JIT spec, built with the arguments the wrappers' ``plan`` uses."""
+        return flashinfer.jit.gen_batch_prefill_module(
+            self.backend,
+            self.dtype,  # queries
+            self.dtype,  # keys / values
+            self.dtype,  # output
+            torch.int32,  # index arrays
+            self.head_size,  # query / key head size
+            self.head_size,  # value head size
+            0,  # no rotary embedding inside attention (the model applies it)
+            self.sliding_window,
+            False,  # no logit soft-capping
+            False,  # no float16 QK reduction
+        )
+
+
+def modules_for(
+    prefill_backend: str, dtype: torch.dtype, head_size: int, sliding_window: bool
+) -> list[KernelModule]:
+    """The prefill backend's module and the decode wrapper's (the same one when prefill runs
+    on ``"fa2"``)."""
+    backends = dict.fromkeys([prefill_backend, "fa2"])
+    return [KernelModule(b, dtype, head_size, sliding_window) for b in backends]
+
+
+def cache_dir(flashinfer: ModuleType) -> str:
+    return str(flashinfer.jit.env.FLASHINFER_JIT_DIR)
+
+
+def compile_missing(flashinfer: ModuleType, modules: list[KernelModule]) -> int:
+    """Build the modules not yet in the JIT cache, together; returns how many were built. Logs
+    the time it took, or that the cache had them all."""
+    specs = [module.spec(flashinfer) for module in modules]
+    missing = [spec for spec in specs if not spec.is_compiled]
+    where = cache_dir(flashinfer)
+    if not missing:
+        logger.info("FlashInfer: %d kernel modules found in the JIT cache %s", len(specs), where)
+        return 0
+    logger.info(
+        "FlashInfer: compiling %d kernel modules (first use; cached in %s for later starts)",
+        len(missing),
+        where,
+    )
+    started = time.perf_counter()
+    flashinfer.jit.build_jit_specs(missing)
+    logger.info(
+        "FlashInfer: compiled %d kernel modules in %.1f s: %s",
+        len(missing),
+        time.perf_counter() - started,
+        ", ".join(spec.name for spec in missing),
+    )
+    return len(missing)

@@ -1,0 +1,413 @@
+"""A stand-in for the ``flashinfer`` package on the CPU, where the real one cannot run (its
+kernels need an NVIDIA GPU and nvcc). It records every call the backend makes and computes
+attention from what it was planned with, by FlashInfer's documented semantics, in float64:
+
+- row ``i``'s pages are ``kv_indices[kv_indptr[i]:kv_indptr[i+1]]``, its length
+  ``(pages - 1) * page_size + kv_last_page_len[i]`` (0 without pages); queries
+  ``qo_indptr[i]:qo_indptr[i+1]`` (decode: one per row), aligned to the end of the row (causal);
+  ``window_left`` keys before each query are visible (-1: all); query head ``h`` reads KV head
+  ``h // (num_qo_heads // num_kv_heads)``;
+- a wrapper made with ``use_cuda_graph=True`` keeps its index arrays in the buffers it was given:
+  ``plan`` copies into them, ``fast_decode_plan`` does not (the caller writes them), and ``run``
+  reads them, as a replayed graph would.
+
+So a test that gets the right attention out of the backend checks the arrays it built, and the
+recorded calls show how it planned.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
+from typing import Any
+
+import torch
+
+__version__ = "0.6.13"
+
+
+def _snapshot(value: Any) -> Any:
+    return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+@dataclass
+class Call:
+    name: str
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+@dataclass
+class Recorder:
+    calls: list[Call] = field(default_factory=list)
+
+    def record(self, name: str, *args: Any, **kwargs: Any) -> None:
+        self.calls.append(
+            Call(
+                name,
+                tuple(_snapshot(a) for a in args),
+                {k: _snapshot(v) for k, v in kwargs.items()},
+            )
+        )
+
+    def named(self, name: str) -> list[Call]:
+        return [c for c in self.calls if c.name == name]
+
+
+log = Recorder()
+"""Every call of the module, in order (tests clear it)."""
+
+
+@dataclass
+class Plan:
+    qo_indptr: torch.Tensor | None  # None: one query per row (decode)
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    kv_last_page_len: torch.Tensor
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    causal: bool
+    window_left: int
+    sm_scale: float | None
+
+
+def attend(plan: Plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out):
+    num_rows = plan.kv_last_page_len.shape[0]
+    group = plan.num_qo_heads // plan.num_kv_heads
+    scale = plan.sm_scale if plan.sm_scale is not None else 1 / math.sqrt(plan.head_dim)
+    out.zero_()
+    for row in range(num_rows):
+        start, end = int(plan.kv_indptr[row]), int(plan.kv_indptr[row + 1])
+        pages = plan.kv_indices[start:end].long()
+        kv_len = 0 if end == start else (end - start - 1) * plan.page_size
+        kv_len += int(plan.kv_last_page_len[row]) if end > start else 0
+        if plan.qo_indptr is None:
+            q0, q1 = row, row + 1
+        else:
+            q0, q1 = int(plan.qo_indptr[row]), int(plan.qo_indptr[row + 1])
+        if kv_len == 0 or q1 == q0:
+            continue
+        keys = k_cache[pages].reshape(-1, plan.num_kv_heads, plan.head_dim)[:kv_len].double()
+        values = v_cache[pages].reshape(-1, plan.num_kv_heads, plan.head_dim)[:kv_len].double()
+        keys = keys.repeat_interleave(group, dim=1)
+        values = values.repeat_interleave(group, dim=1)
+        queries = q[q0:q1].double()
+        scores = torch.einsum("qhd,khd->hqk", queries, keys) * scale
+        q_pos = torch.arange(kv_len - (q1 - q0), kv_len).unsqueeze(1)
+        k_pos = torch.arange(kv_len).unsqueeze(0)
+        visible = torch.ones_like(scores[0], dtype=torch.bool)
+        if plan.causal:
+            visible &= k_pos <= q_pos
+        if plan.window_left >= 0:
+            visible &= k_pos >= q_pos - plan.window_left
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        out[q0:q1] = torch.einsum("hqk,khd->qhd", probs, values).to(out.dtype)
+    return out
+
+
+class _Wrapper:
+    kind = "wrapper"
+
+    def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD", **kwargs):
+        if kv_layout != "NHD":
+            raise ValueError(f"the fake only lays pages out as NHD, not {kv_layout}")
+        log.record(f"{self.kind}.__init__", float_workspace_buffer, kv_layout, **kwargs)
+        self.kwargs = kwargs
+        self.plan_args: Plan | None = None
+
+    def reset_workspace_buffer(self, float_workspace_buffer, int_workspace_buffer) -> None:
+        log.record(
+            f"{self.kind}.reset_workspace_buffer", float_workspace_buffer, int_workspace_buffer
+        )
+        self.int_workspace = int_workspace_buffer
+
+    def run(self, q: torch.Tensor, paged_kv_cache, *, out: torch.Tensor) -> torch.Tensor:
+        log.record(f"{self.kind}.run", q.shape, out.shape)
+        if self.plan_args is None:
+            raise RuntimeError("run before plan")
+        k_cache, v_cache = paged_kv_cache
+        return attend(self._arrays(), q, k_cache, v_cache, out)
+
+    def _arrays(self) -> Plan:
+        assert self.plan_args is not None
+        return self.plan_args
+
+
+class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
+    kind = "prefill"
+
+    def plan(
+        self,
+        qo_indptr,
+        paged_kv_indptr,
+        paged_kv_indices,
+        paged_kv_last_page_len,
+        num_qo_heads,
+        num_kv_heads,
+        head_dim_qk,
+        page_size,
+        *,
+        causal=False,
+        sm_scale=None,
+        window_left=-1,
+        q_data_type="float16",
+        kv_data_type=None,
+        non_blocking=True,
+        max_token_per_sequence=None,
+    ) -> None:
+        log.record(
+            "prefill.plan",
+            qo_indptr,
+            paged_kv_indptr,
+            paged_kv_indices,
+            paged_kv_last_page_len,
+            num_qo_heads,
+            num_kv_heads,
+            head_dim_qk,
+            page_size,
+            causal=causal,
+            sm_scale=sm_scale,
+            window_left=window_left,
+            q_data_type=q_data_type,
+            kv_data_type=kv_data_type,
+            non_blocking=non_blocking,
+            max_token_per_sequence=max_token_per_sequence,
+        )
+        self.plan_args = Plan(
+            qo_indptr.clone(),
+            paged_kv_indptr.clone(),
+            paged_kv_indices.clone(),
+            paged_kv_last_page_len.clone(),
+            num_qo_heads,
+            num_kv_heads,
+            head_dim_qk,
+            page_size,
+            causal,
+            window_left,
+            sm_scale,
+        )
+
+
+class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
+    kind = "decode"
+
+    def __init__(
+        self,
+        float_workspace_buffer,
+        kv_layout="NHD",
+        use_cuda_graph=False,
+        use_tensor_cores=False,
+        paged_kv_indptr_buffer=None,
+        paged_kv_indices_buffer=None,
+        paged_kv_last_page_len_buffer=None,
+    ):
+        super().__init__(
+            float_workspace_buffer,
+            kv_layout,
+            use_cuda_graph=use_cuda_graph,
+            use_tensor_cores=use_tensor_cores,
+        )
+        self.is_cuda_graph_enabled = use_cuda_graph
+        self.buffers = (
+            paged_kv_indptr_buffer,
+            paged_kv_indices_buffer,
+            paged_kv_last_page_len_buffer,
+        )
+        if use_cuda_graph and any(b is None for b in self.buffers):
+            raise ValueError("a CUDA-graph wrapper needs its three index buffers")
+
+    def plan(
+        self,
+        indptr,
+        indices,
+        last_page_len,
+        num_qo_heads,
+        num_kv_heads,
+        head_dim,
+        page_size,
+        *,
+        pos_encoding_mode="NONE",
+        window_left=-1,
+        q_data_type="float16",
+        kv_data_type=None,
+        sm_scale=None,
+        non_blocking=True,
+    ) -> None:
+        log.record(
+            "decode.plan",
+            indptr,
+            indices,
+            last_page_len,
+            num_qo_heads,
+            num_kv_heads,
+            head_dim,
+            page_size,
+            pos_encoding_mode=pos_encoding_mode,
+            window_left=window_left,
+            q_data_type=q_data_type,
+            kv_data_type=kv_data_type,
+            sm_scale=sm_scale,
+            non_blocking=non_blocking,
+        )
+        if self.is_cuda_graph_enabled:
+            indptr_buf, indices_buf, last_buf = self.buffers
+            if last_page_len.shape[0] != last_buf.shape[0]:
+                raise ValueError("a CUDA-graph wrapper's batch size is fixed")
+            indptr_buf.copy_(indptr)
+            last_buf.copy_(last_page_len)
+            indices_buf[: indices.shape[0]].copy_(indices)
+        self._planned(
+            indptr,
+            indices,
+            last_page_len,
+            num_qo_heads,
+            num_kv_heads,
+            head_dim,
+            page_size,
+            window_left,
+            sm_scale,
+        )
+
+    def _planned(self, indptr, indices, last, heads, kv_heads, dim, page, window, scale) -> None:
+        self.plan_args = Plan(
+            None,
+            indptr.clone(),
+            indices.clone(),
+            last.clone(),
+            heads,
+            kv_heads,
+            dim,
+            page,
+            False,
+            window,
+            scale,
+        )
+
+    def _arrays(self) -> Plan:
+        plan = super()._arrays()
+        if not self.is_cuda_graph_enabled:
+            return plan
+        indptr_buf, indices_buf, last_buf = self.buffers
+        num_pages = int(indptr_buf[-1])
+        return Plan(
+            None,
+            indptr_buf,
+            indices_buf[:num_pages],
+            last_buf,
+            plan.num_qo_heads,
+            plan.num_kv_heads,
+            plan.head_dim,
+            plan.page_size,
+            False,
+            plan.window_left,
+            plan.sm_scale,
+        )
+
+
+def fast_decode_plan(
+    self: BatchDecodeWithPagedKVCacheWrapper,
+    indptr,
+    indices,
+    last_page_len,
+    num_qo_heads,
+    num_kv_heads,
+    head_dim,
+    page_size,
+    *,
+    pos_encoding_mode="NONE",
+    window_left=-1,
+    q_data_type=None,
+    kv_data_type=None,
+    sm_scale=None,
+    non_blocking=True,
+) -> None:
+    log.record(
+        "fast_decode_plan",
+        indptr,
+        indices,
+        last_page_len,
+        num_qo_heads,
+        num_kv_heads,
+        head_dim,
+        page_size,
+        pos_encoding_mode=pos_encoding_mode,
+        window_left=window_left,
+        q_data_type=q_data_type,
+        kv_data_type=kv_data_type,
+        sm_scale=sm_scale,
+        non_blocking=non_blocking,
+    )
+    if self.plan_args is None:
+        raise RuntimeError("fast_decode_plan needs a first plan (it reuses the loaded module)")
+    self._planned(
+        indptr,
+        indices,
+        last_page_len,
+        num_qo_heads,
+        num_kv_heads,
+        head_dim,
+        page_size,
+        window_left,
+        sm_scale,
+    )
+
+
+@dataclass
+class FakeSpec:
+    name: str
+    is_compiled: bool
+
+
+class _Jit:
+    """``flashinfer.jit``: module specs, a JIT cache whose content tests choose, and builds."""
+
+    def __init__(self) -> None:
+        self.env = SimpleNamespace(FLASHINFER_JIT_DIR=Path("/fake/flashinfer/cached_ops"))
+        self.compiled: set[str] = set()
+
+    def gen_batch_prefill_module(self, backend, dtype_q, dtype_kv, dtype_o, dtype_idx, *rest):
+        head_qk, head_vo, pos_encoding, sliding, soft_cap, fp16_qk = rest
+        name = (
+            f"batch_prefill_{backend}_{str(dtype_q).removeprefix('torch.')}_"
+            f"{str(dtype_idx).removeprefix('torch.')}_head_{head_qk}_{head_vo}_swa_{sliding}"
+        )
+        if (dtype_kv, dtype_o, pos_encoding, soft_cap, fp16_qk) != (
+            dtype_q,
+            dtype_q,
+            0,
+            False,
+            False,
+        ):
+            name += "_unexpected"
+        return FakeSpec(name, name in self.compiled)
+
+    def build_jit_specs(self, specs: list[FakeSpec]) -> None:
+        log.record("jit.build_jit_specs", [s.name for s in specs])
+        self.compiled.update(s.name for s in specs)
+
+
+jit = _Jit()
+
+
+@contextmanager
+def installed() -> Iterator[ModuleType]:
+    """This module as ``flashinfer`` in ``sys.modules``, its log and JIT cache empty."""
+    module = sys.modules[__name__]
+    log.calls.clear()
+    jit.compiled.clear()
+    previous = sys.modules.get("flashinfer")
+    sys.modules["flashinfer"] = module
+    try:
+        yield module
+    finally:
+        if previous is None:
+            del sys.modules["flashinfer"]
+        else:
+            sys.modules["flashinfer"] = previous

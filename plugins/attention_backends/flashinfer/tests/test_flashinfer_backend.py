@@ -1,0 +1,551 @@
+"""FLASHINFER on the CPU: selection with the library absent, the package's registration, and the
+metadata builder and attention layer against hand-checked arrays and a float64 reference.
+
+FlashInfer's kernels need an NVIDIA GPU, so the builder and the layers run here against
+`fake_flashinfer`, a stand-in put in ``sys.modules`` that records the calls it gets and attends
+from what it was planned with, by FlashInfer's documented semantics: the right output means the
+right index arrays. The real library is checked on the GPU (``test_flashinfer_gpu.py``).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import logging
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from types import ModuleType
+
+import fake_flashinfer
+import numpy as np
+import pytest
+import torch
+from pagellm_flashinfer import plugin
+from pagellm_flashinfer.availability import Environment, unavailable_reason
+from pagellm_flashinfer.backend import FlashInferBackend, FlashInferImpl
+from pagellm_flashinfer.builder import FlashInferMetadataBuilder
+from pagellm_flashinfer.jit_cache import modules_for
+from pagellm_flashinfer.paged_kv import fill_page_counts, gather_page_indices
+from pagellm_flashinfer.planning import prefill_backend, window_left
+
+from pagellm.attention.backend import CommonAttentionMetadata
+from pagellm.attention.registry import attention_backends
+from pagellm.attention.selector import NoAttentionBackendError, select_attention_backend
+from pagellm.kv_cache.spec import KVCacheSpec
+
+CUDA_RANKING = ["FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "TORCH_SDPA"]
+"""The CUDA platform's (`pagellm_cuda.platform.CudaPlatform.attention_backend_ranking`)."""
+
+
+@pytest.fixture
+def fake() -> Iterator[ModuleType]:
+    with fake_flashinfer.installed() as module:
+        yield module
+
+
+@pytest.fixture(autouse=True)
+def small_workspaces(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(FlashInferMetadataBuilder, "workspace_bytes", 1 << 10)
+    monkeypatch.setattr(FlashInferMetadataBuilder, "graph_int_workspace_bytes", 1 << 10)
+
+
+# ---------------------------------------------------------------------------- steps
+
+
+@dataclass
+class Step:
+    """A step's inputs, the context before it already in the cache; unwritten slots are NaN."""
+
+    common: CommonAttentionMetadata
+    query: torch.Tensor  # [T, H * D], a column slice of a fused QKV projection
+    key: torch.Tensor  # [T, Hkv * D]
+    value: torch.Tensor
+    kv_cache: torch.Tensor  # [2, num_blocks, block_size, Hkv, D]
+    keys: list[torch.Tensor]  # each real row's whole sequence [seq_len, Hkv, D]
+    values: list[torch.Tensor]
+    query_lens: list[int]
+    num_heads: int
+
+    @property
+    def head_size(self) -> int:
+        return self.kv_cache.shape[-1]
+
+
+def make_step(
+    rows: list[tuple[int, int]],
+    *,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_size: int = 8,
+    block_size: int = 4,
+    padding_rows: int = 0,
+    block_cols: int | None = None,
+    seed: int = 0,
+) -> Step:
+    """``rows`` are (cached context, new tokens); padding rows (one token, seq_len 0, slot -1)
+    follow, as in a padded CUDA-graph batch."""
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [c + n for c, n in rows] + [0] * padding_rows
+    query_lens = [n for _, n in rows] + [1] * padding_rows
+    pages = [math.ceil(s / block_size) for s in seq_lens]
+    num_blocks = sum(pages) + 3  # block 0 is the null block, and two spare ones
+    free = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    width = block_cols or max(max(pages), 1)
+    block_table = torch.zeros(len(seq_lens), width, dtype=torch.int32)
+    kv_cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_size), float("nan"))
+    keys, values, new_k, new_v, slots = [], [], [], [], []
+    for row, ((ctx, _), seq_len) in enumerate(zip(rows, seq_lens, strict=False)):
+        block_table[row, : pages[row]] = torch.tensor(free[: pages[row]], dtype=torch.int32)
+        del free[: pages[row]]
+        k = torch.randn(seq_len, num_kv_heads, head_size, generator=gen)
+        v = torch.randn(seq_len, num_kv_heads, head_size, generator=gen)
+        keys.append(k)
+        values.append(v)
+        for pos in range(seq_len):
+            block, offset = int(block_table[row, pos // block_size]), pos % block_size
+            if pos < ctx:
+                kv_cache[0, block, offset], kv_cache[1, block, offset] = k[pos], v[pos]
+            else:
+                slots.append(block * block_size + offset)
+        new_k.append(k[ctx:])
+        new_v.append(v[ctx:])
+    for _ in range(padding_rows):
+        new_k.append(torch.randn(1, num_kv_heads, head_size, generator=gen))
+        new_v.append(torch.randn(1, num_kv_heads, head_size, generator=gen))
+        slots.append(-1)
+    num_tokens = sum(query_lens)
+    fused = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_size, generator=gen)
+    qsl = torch.tensor(np.concatenate([[0], np.cumsum(query_lens)]), dtype=torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    common = CommonAttentionMetadata(
+        num_reqs=len(seq_lens),
+        num_actual_tokens=num_tokens,
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        query_start_loc=qsl,
+        query_start_loc_cpu=qsl.clone(),
+        seq_lens=lens,
+        seq_lens_cpu=lens.clone(),
+        block_table=block_table,
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+    )
+    return Step(
+        common=common,
+        query=fused[:, : num_heads * head_size],
+        key=torch.cat(new_k).reshape(num_tokens, -1),
+        value=torch.cat(new_v).reshape(num_tokens, -1),
+        kv_cache=kv_cache,
+        keys=keys,
+        values=values,
+        query_lens=query_lens,
+        num_heads=num_heads,
+    )
+
+
+def reference(step: Step, scale: float, window: int | None) -> torch.Tensor:
+    """Float64 causal attention of each row's new queries over its whole sequence; padding
+    rows give zeros."""
+    head = step.head_size
+    q = step.query.reshape(-1, step.num_heads, head).double()
+    out = torch.zeros_like(q)
+    start = 0
+    for row, q_len in enumerate(step.query_lens):
+        if row < len(step.keys) and step.keys[row].shape[0]:
+            seq_len = step.keys[row].shape[0]
+            group = step.num_heads // step.keys[row].shape[1]
+            k = step.keys[row].double().repeat_interleave(group, dim=1)
+            v = step.values[row].double().repeat_interleave(group, dim=1)
+            scores = torch.einsum("qhd,khd->hqk", q[start : start + q_len], k) * scale
+            q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
+            k_pos = torch.arange(seq_len).unsqueeze(0)
+            visible = k_pos <= q_pos
+            if window is not None:
+                visible &= k_pos > q_pos - window
+            probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+            out[start : start + q_len] = torch.einsum("hqk,khd->qhd", probs, v)
+        start += q_len
+    return out
+
+
+def spec_of(step: Step, window: int | None = None) -> KVCacheSpec:
+    _, _, block_size, num_kv_heads, head_size = step.kv_cache.shape
+    return KVCacheSpec(block_size, num_kv_heads, head_size, torch.bfloat16, window)
+
+
+def impl_for(step: Step, window: int | None = None, scale: float | None = None) -> FlashInferImpl:
+    head = step.head_size
+    return FlashInferImpl(step.num_heads, head, scale or head**-0.5, step.kv_cache.shape[3], window)
+
+
+def attend(impl: FlashInferImpl, step: Step, meta) -> torch.Tensor:
+    out = impl.forward(step.query, step.key, step.value, step.kv_cache, meta)
+    return out.view(-1, step.num_heads, step.head_size)
+
+
+def assert_new_kv_written(step: Step) -> None:
+    slots = step.common.slot_mapping
+    live = slots >= 0
+    flat_k = step.kv_cache[0].reshape(-1, *step.kv_cache.shape[3:])
+    flat_v = step.kv_cache[1].reshape(-1, *step.kv_cache.shape[3:])
+    num_tokens = step.key.shape[0]
+    assert torch.equal(flat_k[slots[live]], step.key.view(num_tokens, *flat_k.shape[1:])[live])
+    assert torch.equal(flat_v[slots[live]], step.value.view(num_tokens, *flat_v.shape[1:])[live])
+
+
+# ---------------------------------------------------------------------------- index arrays
+
+
+def test_page_counts_and_indices_by_hand():
+    # Block size 4: 6 tokens (2 pages, 2 in the last), 9 (3 pages, 1), 8 (2 full pages), and a
+    # padding row (no page; last page length 1 so FlashInfer does not read 0 as a full page).
+    seq_lens = np.array([6, 9, 8, 0], dtype=np.int32)
+    kv_indptr = np.zeros(5, dtype=np.int32)
+    last = np.zeros(4, dtype=np.int32)
+    assert fill_page_counts(seq_lens, 4, kv_indptr, last) == 7
+    assert kv_indptr.tolist() == [0, 2, 5, 7, 7]
+    assert last.tolist() == [2, 1, 4, 1]
+    block_table = torch.tensor(
+        [[7, 3, 0, 0], [1, 9, 4, 0], [5, 2, 0, 0], [0, 0, 0, 0]], dtype=torch.int32
+    )
+    indices = gather_page_indices(block_table, torch.from_numpy(kv_indptr), 7)
+    assert indices.dtype == torch.int32
+    assert indices.tolist() == [7, 3, 1, 9, 4, 5, 2]
+    # Rows without pages anywhere, and no pages at all.
+    kv_indptr = torch.tensor([0, 0, 1, 1], dtype=torch.int32)
+    assert gather_page_indices(block_table[:3], kv_indptr, 1).tolist() == [1]
+    assert gather_page_indices(block_table[:3], torch.zeros(4, dtype=torch.int32), 0).numel() == 0
+
+
+def test_window_and_prefill_backend_choice():
+    assert window_left(None) == -1
+    assert window_left(128) == 127  # the query and the 127 positions before it
+    assert prefill_backend((9, 0), "12.4") == "fa3"
+    assert prefill_backend((9, 0), "13.0") == "fa3"
+    assert prefill_backend((9, 0), "12.2") == "fa2"
+    assert prefill_backend((8, 0), "12.4") == "fa2"
+    assert prefill_backend((10, 0), "12.8") == "fa2"
+    assert prefill_backend(None, None) == "fa2"
+
+
+def test_mixed_step_is_planned_once_on_the_prefill_wrapper_with_hand_checked_arrays(fake):
+    """A prompt, a decode and a chunk after cached context, in one step, block size 4."""
+    step = make_step([(0, 6), (8, 1), (4, 4)], num_heads=4, num_kv_heads=2, block_size=4)
+    bt = torch.tensor([[7, 3, 0], [1, 9, 4], [5, 2, 0]], dtype=torch.int32)
+    # The same batch with a hand-made block table (the layers are not run on it).
+    common = replace(step.common, block_table=bt)
+    builder = FlashInferMetadataBuilder(spec_of(step), torch.device("cpu"))
+    meta = builder.build(common)
+    assert not meta.decode_only
+    assert meta.index.qo_indptr.tolist() == [0, 6, 7, 11]
+    assert meta.index.kv_indptr.tolist() == [0, 2, 5, 7]
+    assert meta.index.kv_last_page_len.tolist() == [2, 1, 4]
+    assert meta.index.kv_indices.tolist() == [7, 3, 1, 9, 4, 5, 2]
+
+    meta = builder.build(step.common)
+    impl = impl_for(step)
+    for _ in range(3):  # three layers, one plan
+        out = attend(impl, step, meta)
+    (plan,) = fake.log.named("prefill.plan")
+    assert fake.log.named("decode.plan") == []
+    assert [t.tolist() for t in plan.args[:2]] == [[0, 6, 7, 11], [0, 2, 5, 7]]
+    assert plan.args[3].tolist() == [2, 1, 4]
+    assert plan.args[4:] == (4, 2, 8, 4)  # query heads, KV heads, head size, page size
+    assert plan.kwargs == dict(
+        causal=True,
+        sm_scale=8**-0.5,
+        window_left=-1,
+        q_data_type=torch.bfloat16,
+        kv_data_type=torch.bfloat16,
+        non_blocking=True,
+        max_token_per_sequence=6,
+    )
+    assert len(fake.log.named("prefill.run")) == 3
+    assert_new_kv_written(step)
+    torch.testing.assert_close(out.double(), reference(step, impl.scale, None))
+
+
+@pytest.mark.parametrize(
+    "rows",
+    [
+        [(0, 17)],  # one prompt over five blocks, the last one partial
+        [(0, 5), (0, 12), (0, 1)],  # prompts of every length, one of a single token
+        [(9, 7), (30, 2)],  # chunks after cached context
+        [(0, 9), (13, 1), (4, 4), (0, 3), (22, 1)],  # mixed, in no order
+        [(13, 1), (1, 1), (31, 1), (4, 1)],  # decode only
+    ],
+)
+@pytest.mark.parametrize("num_kv_heads, window", [(2, None), (1, None), (2, 5)])
+def test_forward_matches_reference(fake, rows, num_kv_heads, window):
+    step = make_step(rows, num_heads=4, num_kv_heads=num_kv_heads, block_size=4, seed=len(rows))
+    builder = FlashInferMetadataBuilder(spec_of(step, window), torch.device("cpu"))
+    meta = builder.build(step.common)
+    impl = impl_for(step, window)
+    out = attend(impl, step, meta)
+    decode_only = all(n == 1 for _, n in rows)
+    assert meta.decode_only == decode_only
+    (plan,) = fake.log.named("decode.plan" if decode_only else "prefill.plan")
+    assert plan.kwargs["window_left"] == window_left(window)
+    assert_new_kv_written(step)
+    torch.testing.assert_close(out.double(), reference(step, impl.scale, window))
+
+
+def test_layers_must_share_heads_scale_and_window(fake):
+    step = make_step([(3, 2)], num_heads=4, num_kv_heads=2)
+    builder = FlashInferMetadataBuilder(spec_of(step), torch.device("cpu"))
+    meta = builder.build(step.common)
+    attend(impl_for(step), step, meta)
+    with pytest.raises(ValueError, match="must share their query heads, softmax scale"):
+        attend(impl_for(step, scale=0.5), step, meta)
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        FlashInferImpl(6, 8, 0.3, 4, None)
+
+
+def test_eager_decode_uses_the_tensor_core_wrapper(fake):
+    step = make_step([(5, 1), (2, 1)])
+    builder = FlashInferMetadataBuilder(spec_of(step), torch.device("cpu"))
+    attend(impl_for(step), step, builder.build(step.common))
+    inits = {c.name: c for c in fake.log.calls if c.name.endswith("__init__")}
+    assert inits["decode.__init__"].kwargs == dict(use_cuda_graph=False, use_tensor_cores=True)
+    assert inits["prefill.__init__"].kwargs == dict(backend="fa2")  # no Hopper here
+    (plan,) = fake.log.named("decode.plan")
+    assert plan.args[0].tolist() == [0, 2, 3]
+    assert plan.args[2].tolist() == [2, 3]
+    assert plan.kwargs["pos_encoding_mode"] == "NONE"
+
+
+# ---------------------------------------------------------------------------- CUDA graphs
+
+
+class PersistentBuffers:
+    """The model runner's fixed-address step buffers, as a graph capture and replays see them."""
+
+    def __init__(self, rows: int, block_cols: int) -> None:
+        self.qsl = torch.arange(rows + 1, dtype=torch.int32)
+        self.seq_lens = torch.zeros(rows, dtype=torch.int32)
+        self.block_table = torch.zeros(rows, block_cols, dtype=torch.int32)
+        self.slot_mapping = torch.full((rows,), -1, dtype=torch.int64)
+        self.rows, self.block_cols = rows, block_cols
+
+    def common(self, max_seq_len: int, block_cols: int | None = None) -> CommonAttentionMetadata:
+        cols = block_cols or self.block_cols
+        return CommonAttentionMetadata(
+            num_reqs=self.rows,
+            num_actual_tokens=self.rows,
+            max_query_len=1,
+            max_seq_len=max_seq_len,
+            query_start_loc=self.qsl,
+            query_start_loc_cpu=self.qsl.clone(),
+            seq_lens=self.seq_lens,
+            seq_lens_cpu=self.seq_lens.clone(),
+            block_table=self.block_table[:, :cols],
+            slot_mapping=self.slot_mapping,
+        )
+
+    def stage(self, step: Step) -> CommonAttentionMetadata:
+        """Write a padded decode step into the buffers in place, as the runner does."""
+        c = step.common
+        self.seq_lens.copy_(c.seq_lens)
+        self.block_table.zero_()
+        self.block_table[:, : c.block_table.shape[1]] = c.block_table
+        self.slot_mapping.copy_(c.slot_mapping)
+        return self.common(c.max_seq_len, c.block_table.shape[1])
+
+
+def test_graph_metadata_is_planned_at_capture_and_replanned_before_each_replay(fake):
+    rows, block_cols, block_size = 4, 8, 4
+    buffers = PersistentBuffers(rows, block_cols)
+    first = make_step([(9, 1), (0, 1), (4, 1)], padding_rows=1, seed=1)
+    second = make_step([(2, 1), (14, 1), (7, 1)], padding_rows=1, seed=2)
+    num_blocks = max(first.kv_cache.shape[1], second.kv_cache.shape[1])
+    kv_cache = torch.zeros(2, num_blocks, block_size, 2, 8)
+    builder = FlashInferMetadataBuilder(spec_of(first), torch.device("cpu"))
+
+    # Capture: every row is padding, the block table at full width.
+    meta = builder.build_for_cudagraph(buffers.common(max_seq_len=block_cols * block_size))
+    assert meta.decode_only and meta.pads_with_null_slots
+    assert meta.index.kv_indptr.tolist() == [0, 0, 0, 0, 0]
+    assert meta.index.kv_last_page_len.tolist() == [1, 1, 1, 1]
+    (init,) = fake.log.named("decode.__init__")[1:]  # [0] is the eager decode wrapper
+    assert init.kwargs["use_cuda_graph"] and init.kwargs["use_tensor_cores"]
+    indptr_buf, indices_buf, last_buf = meta.wrapper.buffers
+    assert (indptr_buf.shape[0], indices_buf.shape[0], last_buf.shape[0]) == (5, 32, 4)
+    (reset,) = fake.log.named("decode.reset_workspace_buffer")
+    assert reset.args[1].numel() == FlashInferMetadataBuilder.graph_int_workspace_bytes
+    impl = impl_for(first)
+    zeros = torch.zeros(rows, first.num_heads * 8)
+    for _ in range(2):  # the warm-up passes before capture plan it
+        impl.forward(zeros, zeros[:, :16], zeros[:, :16], kv_cache, meta)
+    assert len(fake.log.named("decode.plan")) == 1
+    assert fake.log.named("fast_decode_plan") == []
+
+    for step in (first, second):
+        kv_cache.fill_(float("nan"))
+        kv_cache[:, : step.kv_cache.shape[1]] = step.kv_cache
+        step.kv_cache = kv_cache
+        common = buffers.stage(step)
+        builder.prepare_cudagraph_replay(meta, common)
+        # The "replay": the same metadata, no new plan, the wrapper reading its buffers.
+        out = attend(impl, step, meta)
+        assert len(fake.log.named("decode.plan")) == 1
+        expected = reference(step, impl.scale, None)
+        torch.testing.assert_close(out.double(), expected)
+        assert torch.equal(out[-1], torch.zeros_like(out[-1])), "the padding row reads nothing"
+        assert_new_kv_written(step)
+        # The padding token's K/V went to the null block's first slot.
+        assert torch.equal(kv_cache[0, 0, 0], step.key[-1].view(2, 8))
+
+    first_plan, second_plan = fake.log.named("fast_decode_plan")
+    # Second step, block size 4: 3 tokens (1 page, last 3), 15 (4 pages, last 3), 8 (2, last 4).
+    assert second_plan.args[0].tolist() == [0, 1, 5, 7, 7]
+    assert second_plan.args[2].tolist() == [3, 3, 4, 1]
+    assert second_plan.args[3:] == (4, 2, 8, 4)
+    assert indptr_buf.tolist() == [0, 1, 5, 7, 7]
+    assert last_buf.tolist() == [3, 3, 4, 1]
+    assert indices_buf[:7].tolist() == second_plan.args[1].tolist()
+    assert first_plan.args[0].tolist() == [0, 3, 4, 6, 6]
+
+
+def test_graphs_of_every_size_share_their_buffers_and_schedule_workspace(fake):
+    builder = FlashInferMetadataBuilder(KVCacheSpec(4, 2, 8, torch.bfloat16), torch.device("cpu"))
+    metas = [builder.build_for_cudagraph(PersistentBuffers(n, 6).common(24)) for n in (8, 4, 1)]
+    storage = [m.wrapper.buffers[1].data_ptr() for m in metas]
+    assert storage[0] == storage[1] == storage[2]
+    assert len({m.wrapper.int_workspace.data_ptr() for m in metas}) == 1
+
+
+# ---------------------------------------------------------------------------- JIT
+
+
+def test_kernel_modules_are_compiled_once_when_the_builder_is_made(fake, caplog):
+    spec = KVCacheSpec(16, 8, 128, torch.bfloat16, 4096)
+    with caplog.at_level(logging.INFO, logger="pagellm_flashinfer.jit_cache"):
+        FlashInferMetadataBuilder(spec, torch.device("cpu"))
+        FlashInferMetadataBuilder(spec, torch.device("cpu"))
+    (build,) = fake.log.named("jit.build_jit_specs")
+    assert build.args[0] == ["batch_prefill_fa2_bfloat16_int32_head_128_128_swa_True"]
+    assert "compiling 1 kernel modules" in caplog.text
+    assert "1 kernel modules found in the JIT cache /fake/flashinfer/cached_ops" in caplog.text
+    # On Hopper the prefill kernels are FA3's and decode runs FA2's: two modules, one build.
+    modules = modules_for("fa3", torch.float16, 64, False)
+    assert [(m.backend, m.head_size, m.sliding_window) for m in modules] == [
+        ("fa3", 64, False),
+        ("fa2", 64, False),
+    ]
+
+
+# ---------------------------------------------------------------------------- selection
+
+
+GOOD = Environment(
+    version="0.6.13",
+    has_tvm_ffi=True,
+    has_prebuilt_kernels=False,
+    nvcc="/usr/local/cuda/bin/nvcc",
+    ninja="/usr/bin/ninja",
+    capability=(9, 0),
+)
+
+
+@pytest.mark.parametrize(
+    "changes, reason",
+    [
+        ({}, None),
+        ({"version": "0.7.1+cu130"}, None),
+        (
+            {"version": None},
+            "flashinfer is not installed (pip install 'pagellm-flashinfer[flashinfer]')",
+        ),
+        ({"version": "0.6.3"}, "flashinfer-python 0.6.3 is too old (needs >= 0.6.13"),
+        ({"version": "0.2.14.post1"}, "flashinfer-python 0.2.14.post1 is too old"),
+        ({"has_tvm_ffi": False}, "flashinfer needs apache-tvm-ffi"),
+        (
+            {"nvcc": None},
+            "FlashInfer compiles its kernels with nvcc on first use and none was found",
+        ),
+        ({"ninja": None}, "FlashInfer compiles its kernels with ninja, which is not on PATH"),
+        ({"nvcc": None, "ninja": None, "has_prebuilt_kernels": True}, None),
+        ({"capability": None}, "no CUDA GPU is visible"),
+        ({"capability": (7, 5)}, "compute capability 7.5 is not supported (needs >= 8.0)"),
+    ],
+)
+def test_unavailable_reasons(changes, reason):
+    found = unavailable_reason(replace(GOOD, **changes))
+    if reason is None:
+        assert found is None
+    else:
+        assert found is not None and found.startswith(reason), found
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("flashinfer") is not None, reason="flashinfer is installed here"
+)
+def test_cuda_ranking_passes_over_flashinfer_with_its_reason_when_it_is_absent(caplog):
+    with caplog.at_level(logging.INFO, logger="pagellm.attention.selector"):
+        chosen = select_attention_backend(
+            requested=None,
+            ranking=CUDA_RANKING,
+            device_type="cuda",
+            head_size=128,
+            dtype=torch.bfloat16,
+            block_size=None,
+            sliding_window=None,
+        )
+    assert chosen.name in ("TRITON_ATTN", "TORCH_SDPA")
+    assert "FLASHINFER rejected: flashinfer is not installed" in caplog.text
+    with pytest.raises(NoAttentionBackendError, match="FLASHINFER: flashinfer is not installed"):
+        select_attention_backend(
+            requested="FLASHINFER",
+            ranking=CUDA_RANKING,
+            device_type="cuda",
+            head_size=128,
+            dtype=torch.bfloat16,
+            block_size=None,
+            sliding_window=None,
+        )
+
+
+def test_capabilities_refuse_what_flashinfer_does_not_build(monkeypatch):
+    monkeypatch.setattr(FlashInferBackend, "is_available", classmethod(lambda cls: None))
+
+    def reasons(**changes):
+        args = dict(
+            device_type="cuda",
+            head_size=128,
+            dtype=torch.bfloat16,
+            block_size=None,
+            sliding_window=None,
+        )
+        return FlashInferBackend.unsupported_reasons(**{**args, **changes})
+
+    assert reasons() == []
+    assert reasons(sliding_window=4096, block_size=32, dtype=torch.float16, head_size=64) == []
+    assert reasons(head_size=96) == ["head size 96 not supported (supports [64, 128, 256])"]
+    assert reasons(dtype=torch.float32) == [
+        "dtype float32 not supported (supports ['float16', 'bfloat16'])"
+    ]
+    assert reasons(block_size=24) == ["block_size 24 not supported (supports multiples of 16)"]
+    assert reasons(device_type="cpu") == ["device 'cpu' not supported (supports ['cuda'])"]
+    assert FlashInferBackend.get_kv_cache_shape(10, 16, 8, 128) == (2, 10, 16, 8, 128)
+    assert FlashInferBackend.cudagraph_support
+
+
+# ---------------------------------------------------------------------------- the package
+
+
+def test_the_package_registers_flashinfer_through_its_entry_point():
+    (entry,) = [
+        e
+        for e in importlib.metadata.entry_points(group="pagellm.attention_backends")
+        if e.name == "flashinfer"
+    ]
+    assert entry.value == "pagellm_flashinfer.plugin"
+    assert entry.dist is not None and entry.dist.name == "pagellm-flashinfer"
+    assert entry.load() is plugin
+    assert plugin.pagellm_attention_backends() == {
+        "FLASHINFER": "pagellm_flashinfer.backend:FlashInferBackend"
+    }
+    assert "FLASHINFER" in attention_backends.names()
+    assert attention_backends.get("FLASHINFER") is FlashInferBackend
+    extras = entry.dist.metadata.get_all("Provides-Extra") or []
+    assert "flashinfer" in extras
