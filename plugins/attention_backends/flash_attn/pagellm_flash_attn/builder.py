@@ -58,7 +58,7 @@ class FlashAttnMetadataBuilder(AttentionMetadataBuilder):
 
     def __init__(self, kv_cache_spec: KVCacheSpec, device: torch.device) -> None:
         super().__init__(kv_cache_spec, device)
-        capability = gpu_capability(device) if device.type == "cuda" else None
+        capability = gpu_capability(device)
         if capability is None:
             raise RuntimeError(f"FLASH_ATTN needs a CUDA GPU (the worker's device is {device})")
         spec = kv_cache_spec

@@ -51,9 +51,9 @@ def dist_version(distribution: str) -> str | None:
 
 
 def gpu_capability(device: torch.device | None = None) -> tuple[int, int] | None:
-    """The compute capability of ``device`` (default: the current CUDA device), or None without
-    a CUDA GPU. Initialises CUDA in this process."""
-    if not torch.cuda.is_available():
+    """The compute capability of ``device`` (default: the current CUDA device), or None when it
+    is not a CUDA GPU. Initialises CUDA in this process."""
+    if (device is not None and device.type != "cuda") or not torch.cuda.is_available():
         return None
     major, minor = torch.cuda.get_device_capability(device)
     return major, minor
