@@ -12,7 +12,7 @@ install:
 # The first-party plugin packages. The GPU ones install on a CPU machine too: the CUDA platform
 # stays inactive, and the Triton kernels are tested in Triton's interpreter (TRITON_INTERPRET=1).
 PLUGINS = plugins/cuda_platform plugins/attention_backends/triton \
-	plugins/endpoints/openai plugins/endpoints/admin
+	plugins/attention_backends/flash_attn plugins/endpoints/openai plugins/endpoints/admin
 
 install-test: install
 	$(PIP) install -q -e '.[test,lint]'

@@ -14,6 +14,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit 1
 python3 -m pip install -q --no-index --no-deps --no-build-isolation \
   -e . -e plugins/cuda_platform -e plugins/attention_backends/triton \
+  -e plugins/attention_backends/flash_attn \
   -e plugins/endpoints/openai -e plugins/endpoints/admin >"$OUT/install.log" 2>&1 \
   || { tail -20 "$OUT/install.log"; exit 1; }
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader

@@ -47,7 +47,11 @@ def candidates(
     usable, reasons = [], []
     for kernel in kernels:
         unavailable = kernel.unavailable_reason() or kernel.unsupported_gpu(capability)
-        why = [unavailable] if unavailable else kernel.unsupported_shape(capability, head_size, block_size)
+        why = (
+            [unavailable]
+            if unavailable
+            else kernel.unsupported_shape(capability, head_size, block_size)
+        )
         if why:
             reasons.extend(why)
         else:
@@ -71,7 +75,8 @@ def measured(
     ]
     exact = [m for m in mine if m.block_size == block_size]
     unrecorded = [m for m in mine if m.block_size is None]
-    return (exact or unrecorded or [None])[-1]
+    found = exact or unrecorded
+    return found[-1] if found else None
 
 
 def _pick(
@@ -97,7 +102,10 @@ def _pick(
         if (m := measured(k.name, phase, capability, block_size, measurements)) is not None
     ]
     if not scored:
-        return default, f"no {phase} measurement on {sm_name(capability)} at block size {block_size}"
+        return (
+            default,
+            f"no {phase} measurement on {sm_name(capability)} at block size {block_size}",
+        )
     scored.sort(key=lambda mk: mk[0].value, reverse=True)
     best, chosen = scored[0]
     others = ", ".join(f"{k.name} {m.value:,.0f}" for m, k in scored[1:])

@@ -19,7 +19,6 @@ from typing import Any
 
 import pytest
 import torch
-
 from pagellm_flash_attn.kernels import base, fa2, fa3, fa4
 from pagellm_flash_attn.kernels.fa4_setup import CACHE_ENABLED_VAR
 
@@ -116,7 +115,10 @@ def fake_fa4(recorder: Recorder) -> dict[str, types.ModuleType]:
         recorder.calls.append(dict(locals()))
         _check_half(recorder, q, k, v)
         _check_int32(
-            cu_seqlens_q=cu_seqlens_q, seqused_q=seqused_q, seqused_k=seqused_k, page_table=page_table
+            cu_seqlens_q=cu_seqlens_q,
+            seqused_q=seqused_q,
+            seqused_k=seqused_k,
+            page_table=page_table,
         )
         assert cu_seqlens_k is None and page_table is not None and cu_seqlens_q is not None
         batch = cu_seqlens_q.shape[0] - 1
@@ -262,7 +264,11 @@ def fake_fa2(recorder: Recorder) -> dict[str, types.ModuleType]:
     }
 
 
-FAKES = {"FA4": (fake_fa4, fa4, "4.0.0b36"), "FA3": (fake_fa3, fa3, "0.25.1"), "FA2": (fake_fa2, fa2, "2.8.3")}
+FAKES = {
+    "FA4": (fake_fa4, fa4, "4.0.0b36"),
+    "FA3": (fake_fa3, fa3, "0.25.1"),
+    "FA2": (fake_fa2, fa2, "2.8.3"),
+}
 
 
 def install(

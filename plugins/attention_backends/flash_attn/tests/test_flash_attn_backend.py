@@ -20,11 +20,6 @@ import pytest
 import torch
 from fake_providers import Recorder, install
 from paged_steps import Step, assert_new_kv_written, make_step, reference
-
-from pagellm import LLM, SamplingParams
-from pagellm.attention.backend import CommonAttentionMetadata
-from pagellm.attention.registry import attention_backends
-from pagellm.kv_cache.spec import KVCacheSpec
 from pagellm_flash_attn import backend as backend_module
 from pagellm_flash_attn import builder as builder_module
 from pagellm_flash_attn.backend import FlashAttnBackend
@@ -32,6 +27,11 @@ from pagellm_flash_attn.builder import FlashAttnMetadataBuilder, startup_line
 from pagellm_flash_attn.kernels import FA4Kernel, TritonDecodeKernel
 from pagellm_flash_attn.measurements import Measurement
 from pagellm_flash_attn.phases import DECODE_VAR, PREFILL_VAR, NoFlashKernel, choose_phases
+
+from pagellm import LLM, SamplingParams
+from pagellm.attention.backend import CommonAttentionMetadata
+from pagellm.attention.registry import attention_backends
+from pagellm.kv_cache.spec import KVCacheSpec
 
 H200 = (9, 0)
 BF16_TOL = 3e-2
@@ -112,7 +112,10 @@ def test_fa2_takes_pages_of_256_tokens_only(monkeypatch, gpu):
     gpu["capability"] = (8, 0)
     assert FlashAttnBackend.is_available() is None
     (why,) = reasons()
-    assert "FA2's paged KV takes block sizes in multiples of 256, not 16 (pass --block-size 256)" in why
+    assert (
+        "FA2's paged KV takes block sizes in multiples of 256, not 16 (pass --block-size 256)"
+        in why
+    )
     assert reasons(block_size=512) == []
 
 
@@ -149,9 +152,7 @@ def test_environment_overrides_the_choice_and_says_when_it_cannot(monkeypatch, g
     monkeypatch.setenv(PREFILL_VAR, "TRITON")
     with pytest.raises(NoFlashKernel, match="cannot serve prefill here; usable: \\['FA4'\\]"):
         choose_phases(H200, 128, 16)
-    assert reasons() == [
-        f"{PREFILL_VAR}=TRITON cannot serve prefill here; usable: ['FA4']"
-    ]
+    assert reasons() == [f"{PREFILL_VAR}=TRITON cannot serve prefill here; usable: ['FA4']"]
 
 
 def test_startup_line_names_each_phases_kernel_and_why(monkeypatch, gpu):
@@ -239,7 +240,9 @@ def test_triton_splits_long_decode_rows(monkeypatch, gpu):
     # 3 rows x 2 KV heads = 6 programs, more than the 4 the interpreter's "one SM" wants: no
     # split; with 16 programs an SM, 2 (the longest row, 601 keys, makes 2 shares of 256).
     assert builder.build(step.common()).decode_plan.num_splits == 1
-    monkeypatch.setattr(builder.decode_kernel.lib.backend.TritonAttentionMetadataBuilder, "programs_per_sm", 16)
+    monkeypatch.setattr(
+        builder.decode_kernel.lib.backend.TritonAttentionMetadataBuilder, "programs_per_sm", 16
+    )
     meta = builder.build(step.common())
     assert meta.prefill_kernel is None and meta.decode_plan.num_splits == 2
     run_layer(step, builder, meta=meta)
@@ -259,9 +262,7 @@ def test_fa3_serves_every_row_and_writes_into_its_output(monkeypatch, gpu):
     assert (call["fa_version"], call["num_splits"], call["window_size"]) == (3, 0, None)
 
 
-def test_fa2_gets_cumulative_key_lengths_and_decodes_through_the_kvcache_entry(
-    monkeypatch, gpu
-):
+def test_fa2_gets_cumulative_key_lengths_and_decodes_through_the_kvcache_entry(monkeypatch, gpu):
     recorder = install(monkeypatch, {"FA4": None, "FA3": None, "FA2": "2.8.3"})
     gpu["capability"] = (8, 0)
     step = make_step([(300, 9), (90, 1), (0, 5)], **KW, block_size=256)
@@ -365,7 +366,10 @@ def greedy_tokens(model: str, backend_name: str, passes: int = 1) -> tuple[list,
         attention_backend=backend_name,
     )
     results = [
-        [o.outputs[0].token_ids for o in llm.generate(shared_prefix_prompts(), GREEDY, use_tqdm=False)]
+        [
+            o.outputs[0].token_ids
+            for o in llm.generate(shared_prefix_prompts(), GREEDY, use_tqdm=False)
+        ]
         for _ in range(passes)
     ]
     return results, llm
@@ -377,7 +381,9 @@ def test_greedy_outputs_match_torch_sdpa_with_chunks_and_prefix_hits(
 ):
     """The engine on the CPU platform with FLASH_ATTN allowed there and float32 let through
     (the fake FA4 computes in float64 either way): the same tokens as TORCH_SDPA."""
-    recorder = install(monkeypatch, {"FA4": "4.0.0b36", "FA3": None, "FA2": None}, Recorder(allow_float32=True))
+    recorder = install(
+        monkeypatch, {"FA4": "4.0.0b36", "FA3": None, "FA2": None}, Recorder(allow_float32=True)
+    )
     monkeypatch.setattr(FlashAttnBackend, "supported_device_types", ("cuda", "cpu"))
     monkeypatch.setattr(
         FlashAttnBackend, "supported_dtypes", (torch.float16, torch.bfloat16, torch.float32)
@@ -414,9 +420,14 @@ def test_the_entry_point_registers_flash_attn():
     assert attention_backends.get("FLASH_ATTN") is FlashAttnBackend
     assert FlashAttnBackend.get_kv_cache_shape(10, 16, 8, 128) == (2, 10, 16, 8, 128)
     assert FlashAttnBackend.cudagraph_support
-    cli = "import sys; from pagellm.entrypoints.cli import main; raise SystemExit(main(sys.argv[1:]))"
+    cli = (
+        "import sys; from pagellm.entrypoints.cli import main; raise SystemExit(main(sys.argv[1:]))"
+    )
     proc = subprocess.run(
-        [sys.executable, "-c", cli, "plugins", "--json"], capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", cli, "plugins", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
     records = {r["name"]: r for r in json.loads(proc.stdout)["pagellm.attention_backends"]}

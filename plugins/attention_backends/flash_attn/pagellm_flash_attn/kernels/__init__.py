@@ -17,7 +17,8 @@ from .triton_decode import TritonDecodeKernel
 
 PROVIDERS: tuple[type[AttentionKernel], ...] = (FA4Kernel, FA3Kernel, FA2Kernel)
 """The FlashAttention builds, in the order preferred where no measurement decides."""
-KERNELS: dict[str, type[AttentionKernel]] = {k.name: k for k in (*PROVIDERS, TritonDecodeKernel)}
+_ALL: tuple[type[AttentionKernel], ...] = (*PROVIDERS, TritonDecodeKernel)
+KERNELS: dict[str, type[AttentionKernel]] = {k.name: k for k in _ALL}
 
 __all__ = [
     "KERNELS",

@@ -119,7 +119,9 @@ class AttentionKernel(ABC):
         """Why this kernel does not run on a GPU of ``capability``; None if it does."""
 
     @classmethod
-    def unsupported_shape(cls, capability: tuple[int, int], head_size: int, block_size: int) -> list[str]:
+    def unsupported_shape(
+        cls, capability: tuple[int, int], head_size: int, block_size: int
+    ) -> list[str]:
         """Why this kernel cannot serve a model's head and block sizes on a GPU it runs on."""
         return []
 

@@ -61,7 +61,9 @@ class FA2Kernel(AttentionKernel):
         return None
 
     @classmethod
-    def unsupported_shape(cls, capability: tuple[int, int], head_size: int, block_size: int) -> list[str]:
+    def unsupported_shape(
+        cls, capability: tuple[int, int], head_size: int, block_size: int
+    ) -> list[str]:
         reasons = []
         if not (8 <= head_size <= 256 and head_size % 8 == 0):
             reasons.append(f"FA2 takes head sizes 8..256 in multiples of 8, not {head_size}")

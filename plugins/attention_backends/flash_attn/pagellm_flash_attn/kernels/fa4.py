@@ -73,14 +73,18 @@ class FA4Kernel(AttentionKernel):
         return None
 
     @classmethod
-    def unsupported_shape(cls, capability: tuple[int, int], head_size: int, block_size: int) -> list[str]:
+    def unsupported_shape(
+        cls, capability: tuple[int, int], head_size: int, block_size: int
+    ) -> list[str]:
         # Half-precision loads are 16 bytes: head sizes in multiples of 8 elements.
         if capability[0] == 9 and not (8 <= head_size <= 256 and head_size % 8 == 0):
             return [f"FA4 on sm_90 takes head sizes 8..256 in multiples of 8, not {head_size}"]
         if capability[0] == 10 and not (
             (8 <= head_size <= 128 and head_size % 8 == 0) or head_size == 256
         ):
-            return [f"FA4 on sm_100 takes head sizes 8..128 in multiples of 8, and 256, not {head_size}"]
+            return [
+                f"FA4 on sm_100 takes head sizes 8..128 in multiples of 8, and 256, not {head_size}"
+            ]
         return []
 
     @classmethod

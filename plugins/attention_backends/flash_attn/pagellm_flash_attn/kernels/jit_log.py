@@ -27,8 +27,11 @@ _COMPILING_FUNCTIONS = (
 
 class JitLog:
     def __init__(self, interface: Any, cache_dir: Path | None) -> None:
-        caches = (getattr(getattr(interface, f, None), "compile_cache", None) for f in _COMPILING_FUNCTIONS)
-        self._caches = [c.cache for c in caches if isinstance(getattr(c, "cache", None), dict)]
+        self._caches: list[dict[Any, Any]] = []
+        for function in _COMPILING_FUNCTIONS:
+            cache = getattr(getattr(interface, function, None), "compile_cache", None)
+            if isinstance(getattr(cache, "cache", None), dict):
+                self._caches.append(cache.cache)  # type: ignore[union-attr]
         self.cache_dir = cache_dir
         self._on_disk = self._count_on_disk()
         self.compiled = 0

@@ -57,7 +57,9 @@ class TritonDecodeKernel(AttentionKernel):
         return None  # wherever Triton compiles
 
     @classmethod
-    def unsupported_shape(cls, capability: tuple[int, int], head_size: int, block_size: int) -> list[str]:
+    def unsupported_shape(
+        cls, capability: tuple[int, int], head_size: int, block_size: int
+    ) -> list[str]:
         head_sizes = cls.probe().backend.TritonAttentionBackend.supported_head_sizes
         if head_sizes is not None and head_size not in head_sizes:
             return [f"TRITON's tested head sizes are {list(head_sizes)}, not {head_size}"]
