@@ -17,9 +17,14 @@ def write_kv_cache(
     ``[num_blocks, block_size, kv_heads, head_size]``, where slot ``s`` is row ``s`` of the
     cache seen as ``[num_blocks * block_size, kv_heads, head_size]``.
 
-    ``padded_slots``: the padding tokens of a captured decode graph (slot -1), which a graph
-    cannot leave out (that would be a data-dependent shape), write into slot 0. It is in the
-    null block, which pads block tables but is never a row's context, so no kernel reads it."""
-    slots = slot_mapping.clamp(min=0) if padded_slots else slot_mapping
-    key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slots, key)
-    value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slots, value)
+    ``padded_slots``: ``slot_mapping`` holds -1 for the padding tokens of a captured decode
+    graph, which a graph cannot leave out (that would be a data-dependent shape). They copy
+    slot 0 (in the null block, which no request's K/V ever goes to) onto itself: the cache is
+    left as it was."""
+    for new, cache in ((key, key_cache), (value, value_cache)):
+        flat = cache.view(-1, *cache.shape[2:])
+        if padded_slots:
+            padding = (slot_mapping < 0)[:, None, None]
+            flat.index_copy_(0, slot_mapping.clamp(min=0), torch.where(padding, flat[0], new))
+        else:
+            flat.index_copy_(0, slot_mapping, new)
