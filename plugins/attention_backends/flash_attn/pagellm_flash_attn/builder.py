@@ -64,7 +64,6 @@ class FlashAttnMetadataBuilder(AttentionMetadataBuilder):
         spec = kv_cache_spec
         choice = choose_phases(capability, spec.head_size, spec.block_size)
         logger.info(startup_line(choice, capability, spec.block_size))
-        self.capability = capability
         self.prefill_kernel = choice.prefill(spec, device, capability)
         self.decode_kernel = (
             self.prefill_kernel

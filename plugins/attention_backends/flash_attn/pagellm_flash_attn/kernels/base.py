@@ -135,10 +135,11 @@ class AttentionKernel(ABC):
     def __init__(
         self, kv_cache_spec: KVCacheSpec, device: torch.device, capability: tuple[int, int]
     ) -> None:
+        """``capability``: the GPU's, which some kernels pick launch options by (FA4 splits
+        decode rows on sm_100 only)."""
         self.lib = self.probe()
         self.kv_cache_spec = kv_cache_spec
         self.device = device
-        self.capability = capability
 
     def plan_prefill(self, common: CommonAttentionMetadata) -> Any:
         """Per-step device arrays its `prefill` needs beyond the common ones (once per step)."""
