@@ -14,7 +14,8 @@ install:
 # pagellm-flashinfer installs without its library (the [flashinfer] extra): CI tests its selection
 # reasons, registration and metadata builder with the library absent.
 PLUGINS = plugins/cuda_platform plugins/attention_backends/triton \
-	plugins/attention_backends/flashinfer plugins/endpoints/openai plugins/endpoints/admin
+	plugins/attention_backends/flashinfer plugins/attention_backends/flash_attn \
+	plugins/endpoints/openai plugins/endpoints/admin
 
 install-test: install
 	$(PIP) install -q -e '.[test,lint]'

@@ -1,0 +1,1 @@
+"""pagellm-flash-attn: the FLASH_ATTN attention backend (paged attention on FlashAttention)."""
