@@ -47,10 +47,12 @@ test-triton-edges: $(TRITON_EDGES:%=build/triton/%/triton/__init__.py)
 			$(TRITON_KERNEL_TESTS) || exit 1; \
 	done
 
+# One OpenMP thread per process: the tests start servers (an API server and an engine-core
+# process each) that would otherwise each run two threads on a 2-core machine and fight for it.
 test: install-test
 	$(MAKE) lint
-	$(MAKE) test-triton-edges
-	$(PYTHON) -m pytest -q
+	OMP_NUM_THREADS=1 $(MAKE) test-triton-edges
+	OMP_NUM_THREADS=1 $(PYTHON) -m pytest -q
 
 lint:
 	$(PYTHON) -m ruff check conftest.py core plugins tests examples benchmarks
