@@ -14,46 +14,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from pagellm.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS
+from pagellm.sampling_params import INT64_MAX, MAX_LOGPROBS
 from pagellm_openai.field_policy import (
     AcceptedNoOps,
     RefusedCompletionFields,
     RefusedFields,
     RefusedStreamOptions,
 )
-
-
-def _no_lone_surrogates(text: str) -> str:
-    """JSON can carry lone UTF-16 surrogates (``"\\ud800"``), which no text encodes: refused."""
-    if not text.isascii():
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise ValueError(
-                f"contains a lone surrogate (U+{ord(text[exc.start]):04X}), which is not text"
-            ) from None
-    return text
-
-
-def _check_strings(value: Any, where: str) -> None:
-    if isinstance(value, str):
-        try:
-            _no_lone_surrogates(value)
-        except ValueError as exc:
-            raise ValueError(f"{where} {exc}") from None
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            _check_strings(key, where)
-            _check_strings(item, f"{where}.{key}")
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            _check_strings(item, f"{where}[{i}]")
-
-
-Text = Annotated[str, AfterValidator(_no_lone_surrogates)]
-# Integers the engine's wire carries (msgpack int64).
-Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
-TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
+from pagellm_openai.text_types import Int64, Text, TokenId, check_strings
 
 
 class _Request(BaseModel):
@@ -163,8 +131,8 @@ class ChatMessage(BaseModel):
     @model_validator(mode="after")
     def _extra_fields_are_text(self) -> ChatMessage:
         for key, value in (self.model_extra or {}).items():
-            _check_strings(key, "a field name")
-            _check_strings(value, key)
+            check_strings(key, "a field name")
+            check_strings(value, key)
         return self
 
     def text(self) -> str:
@@ -175,7 +143,7 @@ class ChatMessage(BaseModel):
 
 
 def _checked_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
-    _check_strings(kwargs, "chat_template_kwargs")
+    check_strings(kwargs, "chat_template_kwargs")
     return kwargs
 
 
