@@ -3,7 +3,7 @@
 # has no network. nvidia-cutlass-dsl-libs-cu13 alone is 92 MB, more than one call to the machine
 # carries (64 MiB), so it travels cut in two, over two calls back to back (the machine keeps /tmp
 # while it stays warm):
-#   here:         bash benchmarks/fa4_wheels.sh fetch    # -> .fa4whl/part1 (56 MB), .fa4whl/part2 (43 MB)
+#   here:         bash benchmarks/fa4_wheels.sh fetch    # -> .fa4whl/part1 (63 MB), .fa4whl/part2 (37 MB)
 #   GPU, call 1:  bash benchmarks/fa4_wheels.sh stash    # carry [".fa4whl/part1"]: -> $STASH
 #   GPU, call 2:  bash benchmarks/fa4_wheels.sh unpack && bash benchmarks/gpu_round.sh fa-tests ...
 #                                                        # carry [".whl", ".fa4whl/part2"]
@@ -37,7 +37,7 @@ case ${1:?usage: fa4_wheels.sh fetch|stash|unpack} in
     cu13=$(ls .fa4whl/all/nvidia_cutlass_dsl_libs_cu13-*.whl)
     name=$(basename "$cu13")
     (cd .fa4whl/all && sha256sum "$name") >.fa4whl/part2/cu13.sha256
-    split -b 46m "$cu13" ".fa4whl/part1/$name.part-"
+    split -b 52m "$cu13" ".fa4whl/part1/$name.part-"
     mv ".fa4whl/part1/$name.part-ab" .fa4whl/part2/
     find .fa4whl/all -name '*.whl' ! -name "$name" -exec cp {} .fa4whl/part1/ \;
     rm -rf .fa4whl/all

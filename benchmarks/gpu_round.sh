@@ -12,16 +12,23 @@ export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-$PWD/build/flashin
 if [ -d .devassets/smollm2-tokenizer ]; then
   export PAGELLM_TEST_TOKENIZER=$PWD/.devassets/smollm2-tokenizer
 fi
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit 1
-python3 -m pip install -q --no-index --no-deps --no-build-isolation \
-  -e . -e plugins/cuda_platform -e plugins/attention_backends/triton \
-  -e plugins/attention_backends/flashinfer \
-  -e plugins/attention_backends/flash_attn \
-  -e plugins/endpoints/openai -e plugins/endpoints/admin >"$OUT/install.log" 2>&1 \
-  || { tail -20 "$OUT/install.log"; exit 1; }
-nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
-pagellm plugins 2>&1 | tail -15
+# Installed once per machine (a warm machine keeps /tmp between calls): again only when the
+# set of wheels changed.
+wheels=$(ls .whl/*.whl | sort | md5sum | cut -c1-12)
+export PYTHONPATH=/tmp/site
+if [ ! -e "/tmp/site/.installed-$wheels" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation \
+    -e . -e plugins/cuda_platform -e plugins/attention_backends/triton \
+    -e plugins/attention_backends/flashinfer \
+    -e plugins/attention_backends/flash_attn \
+    -e plugins/endpoints/openai -e plugins/endpoints/admin >"$OUT/install.log" 2>&1 \
+    || { tail -20 "$OUT/install.log"; exit 1; }
+  touch "/tmp/site/.installed-$wheels"
+  nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
+  pagellm plugins 2>&1 | tail -15
+fi
 
 run() {  # run NAME SECONDS CMD...
   local name=$1 secs=$2; shift 2
@@ -39,6 +46,8 @@ for stage in "$@"; do
     tests) run gpu_tests 330 python3 -m pytest -m gpu -q -s -p no:cacheprovider --timeout 120 -x ;;
     # FLASHINFER's GPU tests first: their fixture compiles, in one parallel build, the kernel
     # modules of every GPU test that runs on FLASHINFER (minutes with an empty cache).
+    # The kernel modules of FLASHINFER's GPU tests alone (the fixture), and a new builder finding them.
+    fi-jit) run fi_jit 560 python3 -m pytest -m gpu -q -s -p no:cacheprovider --timeout 540 plugins/attention_backends/flashinfer/tests/test_flashinfer_gpu.py -k test_a_builder_finds_its_kernel_modules_in_the_jit_cache ;;
     tests-flashinfer) run gpu_tests_flashinfer 560 python3 -m pytest -m gpu -q -s -p no:cacheprovider --timeout 540 plugins/attention_backends/flashinfer/tests ;;
     tests-fix) run gpu_tests_fix 200 python3 -m pytest -m gpu plugins/cuda_platform/tests/test_cuda_platform.py tests/e2e/test_gpu_models.py -k "graph or profil or sizing or Worker or worker" -q -s -p no:cacheprovider --timeout 120 ;;
     tests-k) run gpu_tests 330 python3 -m pytest -m gpu -q -s -p no:cacheprovider --timeout 120 ;;

@@ -54,6 +54,9 @@ CONFIGS = {
     "qwen3": dict(model_type="qwen3", head_dim=128, tie_word_embeddings=True),
     "mistral": dict(model_type="mistral", sliding_window=128, head_dim=64),
 }
+GPU_BACKENDS = ["TRITON_ATTN", "FLASHINFER", "FLASH_ATTN"]
+"""The parity suite runs in bf16 on each of these that is installed and available (float32 runs
+on the platform's choice: the FlashInfer and FlashAttention kernels take half precision only)."""
 # (min top-1 agreement, max |logprob difference|) per dtype.
 TOLERANCE = {"float32": (0.99, 2e-3), "bfloat16": (0.93, 0.15)}
 NUM_NEW_TOKENS = 24
@@ -138,11 +141,32 @@ def _hf_scores(model_dir: str, dtype: str, prompts, generations):
     return argmaxes, logprobs
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def _skip_unless_available(backend: str) -> None:
+    from pagellm.attention.registry import attention_backends
+
+    if backend not in attention_backends.names():
+        pytest.skip(f"{backend} is not installed")
+    reason = attention_backends.get(backend).is_available()
+    if reason is not None:
+        pytest.skip(f"{backend} is unavailable: {reason}")
+
+
+@pytest.mark.parametrize(
+    "dtype, requested",
+    [("float32", None)] + [("bfloat16", backend) for backend in GPU_BACKENDS],
+    ids=["float32"] + [f"bfloat16-{backend}" for backend in GPU_BACKENDS],
+)
 @pytest.mark.parametrize("kind", list(CONFIGS))
-def test_greedy_matches_transformers_on_gpu(gpu_models, kind: str, dtype: str) -> None:
+def test_greedy_matches_transformers_on_gpu(
+    gpu_models, kind: str, dtype: str, requested: str | None
+) -> None:
+    if requested is not None:
+        _skip_unless_available(requested)
     prompts = _prompts()
-    generations, backend = _pagellm_generate(gpu_models[kind], dtype, prompts)
+    generations, backend = _pagellm_generate(
+        gpu_models[kind], dtype, prompts, attention_backend=requested
+    )
+    assert requested is None or backend == requested
     argmaxes, hf_logprobs = _hf_scores(gpu_models[kind], dtype, prompts, generations)
     agree = total = 0
     worst = 0.0

@@ -15,6 +15,7 @@ import platform
 import time
 from typing import Any
 
+import numpy as np
 import torch
 
 from pagellm.benchmarks import datasets
@@ -112,6 +113,11 @@ def run_pagellm(
     steady_steps = 0
     num_steps = 0
     produced = 0
+    # Time to first token: every request arrives at `start`; its first token is out after the
+    # step that sampled it (read from the in-process scheduler: the outputs are final only).
+    scheduled = core.scheduler.requests
+    awaiting_first = {f"bench-{i}" for i in range(len(prompts))}
+    ttfts: list[float] = []
     start = clock()
     for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
         engine.add_request(f"bench-{i}", prompt, p)
@@ -119,6 +125,13 @@ def run_pagellm(
         t0 = clock()
         outputs = engine.step()
         elapsed = clock() - t0
+        if awaiting_first:
+            now = clock() - start
+            for rid in [
+                r for r in awaiting_first if r not in scheduled or scheduled[r].output_token_ids
+            ]:
+                awaiting_first.discard(rid)
+                ttfts.append(now)
         num_steps += 1
         produced += sum(len(o.outputs[0].token_ids) for o in outputs if o.finished)
         stats = core.make_scheduler_stats()
@@ -134,6 +147,13 @@ def run_pagellm(
         raise RuntimeError(f"pagellm produced {produced} output tokens, expected {expected}.")
     result = _summary("pagellm", requests, total_elapsed)
     result["num_steps"] = num_steps
+    if ttfts:
+        ttft_ms = np.array(ttfts) * 1e3
+        result["ttft_ms"] = {
+            "mean": round(float(ttft_ms.mean()), 1),
+            "median": round(float(np.median(ttft_ms)), 1),
+            "p99": round(float(np.percentile(ttft_ms, 99)), 1),
+        }
     result["num_preemptions"] = core.scheduler.num_preemptions
     result["kv_cache_blocks"] = core.kv_cache_manager.block_pool.num_blocks
     result["attention_backend"] = config.attention_backend

@@ -50,7 +50,12 @@ class FlashInferImpl(AttentionImpl):
         key_cache.view(-1, self.num_kv_heads, self.head_size).index_copy_(0, slots, k)
         value_cache.view(-1, self.num_kv_heads, self.head_size).index_copy_(0, slots, v)
         out = torch.empty(n, self.num_heads, self.head_size, dtype=query.dtype, device=query.device)
-        meta.wrapper.run(q, (key_cache, value_cache), out=out)
+        if len(meta.parts) == 1:
+            meta.parts[0].wrapper.run(q, (key_cache, value_cache), out=out)
+        else:
+            for part in meta.parts:
+                rows = slice(part.start, part.end)
+                part.wrapper.run(q[rows], (key_cache, value_cache), out=out[rows])
         return out.view(n, self.num_heads * self.head_size)
 
 

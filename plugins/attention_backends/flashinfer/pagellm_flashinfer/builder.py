@@ -24,7 +24,12 @@ import torch
 from pagellm.attention.backend import AttentionMetadataBuilder, CommonAttentionMetadata
 from pagellm.kv_cache.spec import KVCacheSpec
 from pagellm_flashinfer.jit_cache import compile_missing, modules_for
-from pagellm_flashinfer.paged_kv import PagedKVIndex, fill_page_counts, gather_page_indices
+from pagellm_flashinfer.paged_kv import (
+    PagedKVIndex,
+    fill_page_counts,
+    gather_page_indices,
+    leading_decode_rows,
+)
 from pagellm_flashinfer.planning import (
     KV_LAYOUT,
     GraphDecode,
@@ -37,22 +42,46 @@ from pagellm_flashinfer.planning import (
 
 
 @dataclass
+class StepPart:
+    """A run of the step's rows, served by one wrapper: tokens ``start:end`` of the step."""
+
+    start: int
+    end: int
+    index: PagedKVIndex
+    """These rows' arrays, their indptrs starting at 0 (as FlashInfer reads them)."""
+    wrapper: Any
+    plan: Callable[[StepPart, LayerParams], None]
+
+
+@dataclass
 class FlashInferMetadata:
     num_actual_tokens: int
     slot_mapping: torch.Tensor
     index: PagedKVIndex
-    decode_only: bool
-    """Served by a decode wrapper (eager, or a captured graph's); otherwise by the prefill one."""
-    wrapper: Any
-    plan: Callable[[FlashInferMetadata, LayerParams], None]
+    """The whole step's arrays."""
+    parts: list[StepPart]
+    """One part for a step of decode rows (an eager decode wrapper, or a captured graph's) or
+    of prompt rows; two for a mixed step whose leading rows decode: those rows on the decode
+    wrapper, the rest on the prefill one."""
     pads_with_null_slots: bool = False
     """A captured graph's batch: padding tokens have slot -1, which the layers write to the null
     block's first slot (no row reads the null block)."""
     planned_with: LayerParams | None = None
 
+    @property
+    def decode_only(self) -> bool:
+        return all(part.index.max_query_len == 1 for part in self.parts)
+
+    @property
+    def wrapper(self) -> Any:
+        """The wrapper of a one-part step."""
+        (part,) = self.parts
+        return part.wrapper
+
     def ensure_planned(self, params: LayerParams) -> None:
         if self.planned_with is None:
-            self.plan(self, params)
+            for part in self.parts:
+                part.plan(part, params)
             self.planned_with = params
         elif params != self.planned_with:
             raise ValueError(
@@ -129,6 +158,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
         )
         on_gpu = device.type == "cuda"
         self._host = _HostArrays(pin=on_gpu)
+        self._tail_host = _HostArrays(pin=on_gpu)  # a mixed step's prompt rows, rebased
         self._kv_indptr = torch.zeros(self._host.rows + 1, dtype=torch.int32, device=device)
         self._copies_done = torch.cuda.Event() if on_gpu else None
         self._graphs: dict[int, GraphDecode] = {}
@@ -145,14 +175,24 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
                 device=self.device,
             )
         index = self._index(common, self._kv_indptr[: common.num_reqs + 1])
-        decode_only = common.max_query_len == 1
+        num_tokens = common.num_actual_tokens
+        if common.max_query_len == 1:
+            parts = [StepPart(0, num_tokens, index, self._decode, self._plan_decode)]
+        else:
+            num_decodes = leading_decode_rows(index.qo_indptr.numpy())
+            if num_decodes == 0:
+                parts = [StepPart(0, num_tokens, index, self._prefill, self._plan_prefill)]
+            else:
+                decodes, prompts = self._split(index, num_decodes)
+                parts = [
+                    StepPart(0, num_decodes, decodes, self._decode, self._plan_decode),
+                    StepPart(num_decodes, num_tokens, prompts, self._prefill, self._plan_prefill),
+                ]
         return FlashInferMetadata(
-            num_actual_tokens=common.num_actual_tokens,
+            num_actual_tokens=num_tokens,
             slot_mapping=common.slot_mapping,
             index=index,
-            decode_only=decode_only,
-            wrapper=self._decode if decode_only else self._prefill,
-            plan=self._plan_decode if decode_only else self._plan_prefill,
+            parts=parts,
         )
 
     def _index(self, common: CommonAttentionMetadata, kv_indptr: torch.Tensor) -> PagedKVIndex:
@@ -174,16 +214,43 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
             qo_indptr, kv_indptr_host, last_page_len, kv_indices, common.max_query_len
         )
 
+    def _split(self, index: PagedKVIndex, num_decodes: int) -> tuple[PagedKVIndex, PagedKVIndex]:
+        """The step's first ``num_decodes`` rows (one query token each) and the others, each
+        with its own arrays: the first are views, the others rebased to start at 0 in a second
+        set of host buffers (written after the wait of `_index`)."""
+        d = num_decodes
+        pages_before = int(index.kv_indptr[d])
+        decodes = PagedKVIndex(
+            index.qo_indptr[: d + 1],
+            index.kv_indptr[: d + 1],
+            index.kv_last_page_len[:d],
+            index.kv_indices[:pages_before],
+            1,
+        )
+        rows = index.num_rows - d
+        qo_indptr, kv_indptr, last_page_len = self._tail_host.views(rows)
+        torch.sub(index.qo_indptr[d:], d, out=qo_indptr)
+        torch.sub(index.kv_indptr[d:], pages_before, out=kv_indptr)
+        last_page_len.copy_(index.kv_last_page_len[d:])
+        prompts = PagedKVIndex(
+            qo_indptr,
+            kv_indptr,
+            last_page_len,
+            index.kv_indices[pages_before:],
+            index.max_query_len,
+        )
+        return decodes, prompts
+
     def _issued_copies(self) -> None:
         if self._copies_done is not None:
             self._copies_done.record()
 
-    def _plan_prefill(self, meta: FlashInferMetadata, params: LayerParams) -> None:
-        plan_prefill(meta.wrapper, meta.index, params, self.kv_cache_spec)
+    def _plan_prefill(self, part: StepPart, params: LayerParams) -> None:
+        plan_prefill(part.wrapper, part.index, params, self.kv_cache_spec)
         self._issued_copies()
 
-    def _plan_decode(self, meta: FlashInferMetadata, params: LayerParams) -> None:
-        plan_decode(meta.wrapper, meta.index, params, self.kv_cache_spec)
+    def _plan_decode(self, part: StepPart, params: LayerParams) -> None:
+        plan_decode(part.wrapper, part.index, params, self.kv_cache_spec)
         self._issued_copies()
 
     # ------------------------------------------------------------------ CUDA graphs
@@ -191,13 +258,14 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
     def build_for_cudagraph(self, common: CommonAttentionMetadata) -> FlashInferMetadata:
         num_rows = common.seq_lens.shape[0]
         graph = self._graph(num_rows, num_rows * common.block_table.shape[1])
+        num_tokens = common.slot_mapping.shape[0]
+        index = self._index(common, graph.kv_indptr)
+        plan = functools.partial(self._plan_graph, graph)
         return FlashInferMetadata(
-            num_actual_tokens=common.slot_mapping.shape[0],
+            num_actual_tokens=num_tokens,
             slot_mapping=common.slot_mapping,
-            index=self._index(common, graph.kv_indptr),
-            decode_only=True,
-            wrapper=graph.wrapper,
-            plan=functools.partial(self._plan_graph, graph),
+            index=index,
+            parts=[StepPart(0, num_tokens, index, graph.wrapper, plan)],
             pads_with_null_slots=True,
         )
 
@@ -208,13 +276,12 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
         if meta.planned_with is None:
             raise RuntimeError("FLASHINFER: a graph was captured before any layer planned it")
         graph = self._graphs[meta.index.num_rows]
-        meta.index = self._index(common, graph.kv_indptr)
-        meta.plan(meta, meta.planned_with)
+        (part,) = meta.parts
+        meta.index = part.index = self._index(common, graph.kv_indptr)
+        part.plan(part, meta.planned_with)
 
-    def _plan_graph(
-        self, graph: GraphDecode, meta: FlashInferMetadata, params: LayerParams
-    ) -> None:
-        plan_graph_decode(self._flashinfer, graph, meta.index, params, self.kv_cache_spec)
+    def _plan_graph(self, graph: GraphDecode, part: StepPart, params: LayerParams) -> None:
+        plan_graph_decode(self._flashinfer, graph, part.index, params, self.kv_cache_spec)
         self._issued_copies()
 
     def _graph(self, num_rows: int, max_pages: int) -> GraphDecode:

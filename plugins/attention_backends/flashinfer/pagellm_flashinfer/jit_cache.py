@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -49,6 +50,29 @@ class KernelModule:
         )
 
 
+@dataclass(frozen=True)
+class DecodeModule:
+    """FlashInfer's CUDA-core decode kernels (the decode wrapper without tensor cores),
+    specialised like `KernelModule`."""
+
+    dtype: torch.dtype
+    head_size: int
+    sliding_window: bool
+
+    def spec(self, flashinfer: ModuleType) -> Any:
+        return flashinfer.jit.gen_batch_decode_module(
+            self.dtype,
+            self.dtype,
+            self.dtype,
+            torch.int32,
+            self.head_size,
+            self.head_size,
+            0,  # no rotary embedding inside attention
+            self.sliding_window,
+            False,  # no logit soft-capping
+        )
+
+
 def modules_for(
     prefill_backend: str, dtype: torch.dtype, head_size: int, sliding_window: bool
 ) -> list[KernelModule]:
@@ -62,7 +86,7 @@ def cache_dir(flashinfer: ModuleType) -> str:
     return str(flashinfer.jit.env.FLASHINFER_JIT_DIR)
 
 
-def compile_missing(flashinfer: ModuleType, modules: list[KernelModule]) -> int:
+def compile_missing(flashinfer: ModuleType, modules: Sequence[KernelModule | DecodeModule]) -> int:
     """Build the modules not yet in the JIT cache, together; returns how many were built. Logs
     the time it took, or that the cache had them all."""
     specs = [module.spec(flashinfer) for module in modules]

@@ -65,3 +65,11 @@ def gather_page_indices(
     row = torch.searchsorted(kv_indptr[1 : num_rows + 1], page, right=True)
     column = page - kv_indptr[row]
     return block_table[row, column]
+
+
+def leading_decode_rows(qo_indptr: np.ndarray) -> int:
+    """How many rows at the start of the step have one query token (decode rows: the
+    scheduler puts the running requests first, so a mixed step's decodes usually lead)."""
+    query_lens = np.diff(qo_indptr)
+    longer = np.flatnonzero(query_lens != 1)
+    return int(longer[0]) if len(longer) else len(query_lens)

@@ -5,14 +5,14 @@ A wrapper's ``plan`` takes the index arrays on the host (it schedules the work t
 its schedule to the device, non-blocking) and the attention hyperparameters; its ``run`` then
 serves every layer of the step. Two wrappers do the work:
 
-- prefill (``BatchPrefillWithPagedKVCacheWrapper``, causal): every step with a row of more than
-  one query token runs all its rows through it: prompts, chunks after cached context, and the
-  decode rows next to them (one-token appends; this keeps one launch per layer and needs no
-  reordering of rows, which the model runner does not sort). On Hopper it runs FlashInfer's FA3
-  kernels, elsewhere FA2.
-- decode (``BatchDecodeWithPagedKVCacheWrapper`` with tensor cores, FA2): decode-only steps, run
-  eagerly or replayed from a CUDA graph (one wrapper per captured batch size, whose index buffers
-  have fixed addresses).
+- prefill (``BatchPrefillWithPagedKVCacheWrapper``, causal): the rows of more than one query
+  token, prompts and chunks after cached context. A mixed step's leading decode rows (the
+  scheduler puts the running requests first) go to the decode wrapper, in a second launch per
+  layer; decode rows after the first longer row stay in the prefill wrapper's batch (the model
+  runner does not sort rows). On Hopper it runs FlashInfer's FA3 kernels, elsewhere FA2.
+- decode (``BatchDecodeWithPagedKVCacheWrapper`` with tensor cores, FA2): decode-only steps and
+  mixed steps' leading decode rows, run eagerly, or replayed from a CUDA graph (one wrapper per
+  captured batch size, whose index buffers have fixed addresses).
 """
 
 from __future__ import annotations

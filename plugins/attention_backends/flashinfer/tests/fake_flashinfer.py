@@ -78,6 +78,14 @@ class Plan:
     sm_scale: float | None
 
 
+def check_starts_at_zero(*indptrs: torch.Tensor) -> None:
+    """FlashInfer reads row ``i``'s queries and pages from the start of ``q`` and of
+    ``kv_indices``: its indptr arrays begin at 0."""
+    for indptr in indptrs:
+        if int(indptr[0]) != 0:
+            raise ValueError(f"an indptr array starts at {int(indptr[0])}, not 0")
+
+
 def attend(plan: Plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out):
     num_rows = plan.kv_last_page_len.shape[0]
     group = plan.num_qo_heads // plan.num_kv_heads
@@ -180,6 +188,9 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
             non_blocking=non_blocking,
             max_token_per_sequence=max_token_per_sequence,
         )
+        check_starts_at_zero(qo_indptr, paged_kv_indptr)
+        if int(qo_indptr[-1]) == 0:
+            raise ValueError("a prefill plan of no query token")
         self.plan_args = Plan(
             qo_indptr.clone(),
             paged_kv_indptr.clone(),
@@ -256,6 +267,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
             sm_scale=sm_scale,
             non_blocking=non_blocking,
         )
+        check_starts_at_zero(indptr)
         if self.is_cuda_graph_enabled:
             indptr_buf, indices_buf, last_buf = self.buffers
             if last_page_len.shape[0] != last_buf.shape[0]:

@@ -229,7 +229,8 @@ def test_window_and_prefill_backend_choice():
 
 
 def test_mixed_step_is_planned_once_on_the_prefill_wrapper_with_hand_checked_arrays(fake):
-    """A prompt, a decode and a chunk after cached context, in one step, block size 4."""
+    """A prompt, a decode and a chunk after cached context, in one step, block size 4: no
+    decode row leads, so the prefill wrapper serves them all."""
     step = make_step([(0, 6), (8, 1), (4, 4)], num_heads=4, num_kv_heads=2, block_size=4)
     bt = torch.tensor([[7, 3, 0], [1, 9, 4], [5, 2, 0]], dtype=torch.int32)
     # The same batch with a hand-made block table (the layers are not run on it).
@@ -265,6 +266,43 @@ def test_mixed_step_is_planned_once_on_the_prefill_wrapper_with_hand_checked_arr
     torch.testing.assert_close(out.double(), reference(step, impl.scale, None))
 
 
+def test_leading_decode_rows_of_a_mixed_step_go_to_the_decode_wrapper(fake):
+    """Two decodes, then a prompt, a decode and a chunk, block size 4: rows 0-1 on the decode
+    wrapper (tokens 0-1), rows 2-4 on the prefill wrapper (tokens 2-13) with arrays rebased to
+    start at 0; each wrapper planned once for three layers."""
+    step = make_step([(8, 1), (2, 1), (0, 6), (4, 1), (4, 4)], num_heads=4, block_size=4)
+    bt = torch.tensor([[1, 9, 4], [6, 0, 0], [7, 3, 0], [5, 0, 0], [2, 8, 0]], dtype=torch.int32)
+    builder = FlashInferMetadataBuilder(spec_of(step), torch.device("cpu"))
+    meta = builder.build(replace(step.common, block_table=bt))
+    assert not meta.decode_only
+    decodes, prompts = meta.parts
+    assert (decodes.start, decodes.end, prompts.start, prompts.end) == (0, 2, 2, 13)
+    assert decodes.wrapper is builder._decode and prompts.wrapper is builder._prefill
+    assert decodes.index.kv_indptr.tolist() == [0, 3, 4]
+    assert decodes.index.kv_last_page_len.tolist() == [1, 3]
+    assert decodes.index.kv_indices.tolist() == [1, 9, 4, 6]
+    assert prompts.index.qo_indptr.tolist() == [0, 6, 7, 11]
+    assert prompts.index.kv_indptr.tolist() == [0, 2, 4, 6]
+    assert prompts.index.kv_last_page_len.tolist() == [2, 1, 4]
+    assert prompts.index.kv_indices.tolist() == [7, 3, 5, 0, 2, 8]
+
+    meta = builder.build(step.common)
+    impl = impl_for(step)
+    for _ in range(3):
+        out = attend(impl, step, meta)
+    (decode_plan,) = fake.log.named("decode.plan")
+    (prefill_plan,) = fake.log.named("prefill.plan")
+    assert decode_plan.args[0].tolist() == [0, 3, 4]
+    assert prefill_plan.args[0].tolist() == [0, 6, 7, 11]
+    assert prefill_plan.kwargs["max_token_per_sequence"] == 6
+    runs = fake.log.named("decode.run")
+    assert len(runs) == 3 and runs[0].args[0] == torch.Size([2, 4, 8])
+    runs = fake.log.named("prefill.run")
+    assert len(runs) == 3 and runs[0].args[0] == torch.Size([11, 4, 8])
+    assert_new_kv_written(step)
+    torch.testing.assert_close(out.double(), reference(step, impl.scale, None))
+
+
 @pytest.mark.parametrize(
     "rows",
     [
@@ -272,6 +310,7 @@ def test_mixed_step_is_planned_once_on_the_prefill_wrapper_with_hand_checked_arr
         [(0, 5), (0, 12), (0, 1)],  # prompts of every length, one of a single token
         [(9, 7), (30, 2)],  # chunks after cached context
         [(0, 9), (13, 1), (4, 4), (0, 3), (22, 1)],  # mixed, in no order
+        [(13, 1), (1, 1), (0, 9), (22, 1), (4, 4)],  # mixed, decodes leading
         [(13, 1), (1, 1), (31, 1), (4, 1)],  # decode only
     ],
 )
@@ -284,8 +323,12 @@ def test_forward_matches_reference(fake, rows, num_kv_heads, window):
     out = attend(impl, step, meta)
     decode_only = all(n == 1 for _, n in rows)
     assert meta.decode_only == decode_only
-    (plan,) = fake.log.named("decode.plan" if decode_only else "prefill.plan")
-    assert plan.kwargs["window_left"] == window_left(window)
+    leading = next((i for i, (_, n) in enumerate(rows) if n != 1), len(rows))
+    planned = fake.log.named("decode.plan") + fake.log.named("prefill.plan")
+    assert [c.name for c in planned] == ["decode.plan"] * (leading > 0) + ["prefill.plan"] * (
+        not decode_only
+    )
+    assert all(plan.kwargs["window_left"] == window_left(window) for plan in planned)
     assert_new_kv_written(step)
     torch.testing.assert_close(out.double(), reference(step, impl.scale, window))
 

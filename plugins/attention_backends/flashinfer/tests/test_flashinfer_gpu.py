@@ -15,6 +15,7 @@ ninja run: minutes with an empty JIT cache, so run this file before the others, 
 
 from __future__ import annotations
 
+import functools
 import gc
 import importlib.util
 import logging
@@ -57,7 +58,12 @@ def compiled() -> None:
     long it took)."""
     import flashinfer
     from pagellm_flashinfer.availability import flashinfer_unavailable_reason
-    from pagellm_flashinfer.jit_cache import cache_dir, compile_missing, modules_for
+    from pagellm_flashinfer.jit_cache import (
+        DecodeModule,
+        cache_dir,
+        compile_missing,
+        modules_for,
+    )
     from pagellm_flashinfer.planning import prefill_backend
 
     reason = flashinfer_unavailable_reason()
@@ -69,7 +75,9 @@ def compiled() -> None:
     # With flashinfer installed, the CUDA platform picks FLASHINFER for the bf16 models of
     # tests/e2e/test_gpu_models.py too; its Mistral (head 64, a window) is the one more kind.
     specs.add((torch.bfloat16, 64, True))
-    modules = [m for spec in sorted(specs, key=str) for m in modules_for(backend, *spec)]
+    modules: list = [m for spec in sorted(specs, key=str) for m in modules_for(backend, *spec)]
+    # The CUDA-core decode kernels, timed against the tensor-core ones.
+    modules.append(DecodeModule(torch.bfloat16, 128, False))
     started = time.perf_counter()
     built = compile_missing(flashinfer, modules)
     print(
@@ -297,14 +305,17 @@ PROMPT_ROWS = [(0, 4096), (0, 1), (0, 333), (0, 17)]
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=str)
-@pytest.mark.parametrize("kind", ["prompts", "mixed"])
+@pytest.mark.parametrize("kind", ["prompts", "mixed", "decodes-first"])
 def test_prefill_wrapper_matches_reference(config, kind):
-    """Prompts alone, and prompts, chunks after long cached contexts and 200 decodes in one
-    step (the prefill wrapper serves them all)."""
-    rows = PROMPT_ROWS if kind == "prompts" else MIXED_ROWS + random_decode_rows(200, 8192, 3)
+    """Prompts alone; prompts, chunks after long cached contexts and 200 decodes in one step
+    (the prefill wrapper serves them all); and the 200 decodes leading (they go to the decode
+    wrapper, the other rows to the prefill one)."""
+    decodes = random_decode_rows(200, 8192, 3)
+    rows = {"prompts": PROMPT_ROWS, "mixed": MIXED_ROWS + decodes}.get(kind, decodes + MIXED_ROWS)
     batch, window = batch_for(config, rows, seed=len(rows))
     out, meta, builder = run_eager(batch, window)
     assert not meta.decode_only
+    assert len(meta.parts) == (2 if kind == "decodes-first" else 1)
     assert builder.prefill_backend == (
         "fa3" if torch.cuda.get_device_capability()[0] == 9 else "fa2"
     )
@@ -447,9 +458,13 @@ def test_print_decode_and_prefill_timings(capsys: pytest.CaptureFixture[str]) ->
     def timed(meta, batch: Batch) -> float:
         out = torch.empty_like(batch.query)
         caches = (batch.kv_cache[0], batch.kv_cache[1])
-        return do_bench(
-            lambda: meta.wrapper.run(batch.query, caches, out=out), return_mode="median"
-        )
+
+        def run() -> None:
+            for part in meta.parts:
+                rows = slice(part.start, part.end)
+                part.wrapper.run(batch.query[rows], caches, out=out[rows])
+
+        return do_bench(run, return_mode="median")
 
     for heads, kv_heads in ((16, 8), (32, 8)):
         config = ("bf16", 128, heads, kv_heads, None)
@@ -460,15 +475,23 @@ def test_print_decode_and_prefill_timings(capsys: pytest.CaptureFixture[str]) ->
         lines.append(
             f"{label:<44} {'decode':<10} {ms * 1e3:8.1f} us  {batch.kv_bytes() / ms / 1e6:6.0f} GB/s"
         )
-        # Nearly the same rows as decode rows of a mixed step: through the prefill wrapper.
-        mixed, _ = batch_for(config, [(1023, 1)] * 255 + [(1022, 2)])
-        _, meta, _ = run_eager(mixed, None, builder)
-        assert not meta.decode_only
-        ms = timed(meta, mixed)
-        lines.append(
-            f"{'  255 of them and a 2-token row (mixed step)':<44} {builder.prefill_backend:<10} "
-            f"{ms * 1e3:8.1f} us  {mixed.kv_bytes() / ms / 1e6:6.0f} GB/s"
-        )
+        # Nearly the same rows as decode rows of a mixed step: the 255 decodes on the decode
+        # wrapper, the 2-token row on the prefill one; then the 2-token row first, so that all
+        # rows go through the prefill wrapper.
+        for label, rows in (
+            ("  255 of them and a 2-token row (mixed step)", [(1023, 1)] * 255 + [(1022, 2)]),
+            ("  the same, the 2-token row first", [(1022, 2)] + [(1023, 1)] * 255),
+        ):
+            mixed, _ = batch_for(config, rows)
+            _, meta, _ = run_eager(mixed, None, builder)
+            assert not meta.decode_only
+            ms = timed(meta, mixed)
+            how = "+".join(
+                "decode" if p.index.max_query_len == 1 else "prefill" for p in meta.parts
+            )
+            lines.append(
+                f"{label:<44} {how:<14} {ms * 1e3:8.1f} us  {mixed.kv_bytes() / ms / 1e6:6.0f} GB/s"
+            )
         long_rows, _ = batch_for(config, [(32767, 1)] * 4)
         _, meta, _ = run_eager(long_rows, None, builder)
         ms = timed(meta, long_rows)
@@ -487,6 +510,61 @@ def test_print_decode_and_prefill_timings(capsys: pytest.CaptureFixture[str]) ->
         del batch, mixed, long_rows, prompt, builder
         gc.collect()
         torch.cuda.empty_cache()
+    with capsys.disabled():
+        print("\n" + "\n".join(lines))
+
+
+def test_print_decode_timings_by_block_size_and_kernel(capsys: pytest.CaptureFixture[str]) -> None:
+    """Decode of 256 rows x 1k context (head 128, bf16) at block sizes 16, 32 and 64, on the
+    tensor-core decode kernels (what the backend runs) and on the CUDA-core ones, with split-KV
+    left to FlashInfer's scheduler and disabled: which page size and kernel read K/V fastest."""
+    import flashinfer
+    from pagellm_flashinfer.planning import KV_LAYOUT, LayerParams
+    from triton.testing import do_bench
+
+    lines = ["decode 256 rows x 1k ctx, head 128, bf16, do_bench medians (K+V bytes / time)"]
+    workspace = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
+    for heads, kv_heads in ((16, 8), (32, 8)):
+        config = ("bf16", 128, heads, kv_heads, None)
+        for block_size in (16, 32, 64):
+            batch, _ = batch_for(config, [(1023, 1)] * 256, block_size=block_size)
+            _, meta, builder = run_eager(batch, None)
+            index, spec = meta.index, builder.kv_cache_spec
+            params = LayerParams(heads, 128**-0.5, -1)
+            caches = (batch.kv_cache[0], batch.kv_cache[1])
+            out = torch.empty_like(batch.query)
+            for tensor_cores in (True, False):
+                for no_split in (False, True):
+                    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                        workspace, KV_LAYOUT, use_tensor_cores=tensor_cores
+                    )
+                    wrapper.plan(
+                        index.kv_indptr,
+                        index.kv_indices,
+                        index.kv_last_page_len,
+                        heads,
+                        kv_heads,
+                        128,
+                        block_size,
+                        pos_encoding_mode="NONE",
+                        q_data_type=spec.dtype,
+                        kv_data_type=spec.dtype,
+                        sm_scale=params.sm_scale,
+                        disable_split_kv=no_split,
+                    )
+                    ms = do_bench(
+                        functools.partial(wrapper.run, batch.query, caches, out=out),
+                        return_mode="median",
+                    )
+                    kind = "tensor cores" if tensor_cores else "CUDA cores"
+                    lines.append(
+                        f"{heads}q/{kv_heads}kv block {block_size:<3} {kind:<13} "
+                        f"{'no split' if no_split else 'auto split':<11} {ms * 1e3:8.1f} us  "
+                        f"{batch.kv_bytes() / ms / 1e6:6.0f} GB/s"
+                    )
+            del batch, meta, builder, caches, out
+            gc.collect()
+            torch.cuda.empty_cache()
     with capsys.disabled():
         print("\n" + "\n".join(lines))
 

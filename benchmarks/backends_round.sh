@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The workloads once per attention backend, and vLLM 0.25.1 on the prefill-heavy one, in one sitting
+# on the GPU machine, after `benchmarks/gpu_round.sh` installed the project (its wheels in /tmp/site).
+#   bash benchmarks/backends_round.sh peer-ph ph w2 w1
+# Stages:
+#   peer-ph  vLLM on the prefill-heavy workload (256 requests, 2,048 in / 16 out, W2's model),
+#            through the peer harness (.vllm-peer/run.sh, carried as an ignored folder)
+#   ph w2 w1 pagellm on the prefill-heavy workload, W2 and W1, once per backend of $BACKENDS, through
+#            the harness's peer_bench.py: the same requests as vLLM's (sha256 in each JSON), timed by
+#            `pagellm bench throughput`'s loop; TTFT (all requests arrive at once) in details.ttft_ms
+# Environment: BACKENDS (default "TRITON_ATTN FLASHINFER FLASH_ATTN"), OUT.
+# Output: $OUT/<stage>_<backend>.json and .log, and a table at the end.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+BACKENDS=${BACKENDS:-"TRITON_ATTN FLASHINFER FLASH_ATTN"}
+PREFILL_HEAVY="--input-len-range 2048 2048 --output-len-range 16 16"
+export PYTHONPATH=${SITE:-/tmp/site} PROJ=. PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-$PWD/build/flashinfer}
+
+pagellm_run() {  # pagellm_run NAME WORKLOAD SECONDS BACKEND [flags...]
+  local name=$1 workload=$2 secs=$3 backend=$4; shift 4
+  local t0=$SECONDS
+  # shellcheck disable=SC2068
+  timeout -k 10 "$secs" python3 .vllm-peer/peer_bench.py --engine pagellm --workload "$workload" \
+    --out "$OUT/${name}_$backend.json" -- --attention-backend "$backend" $@ \
+    >"$OUT/${name}_$backend.stdout" 2>"$OUT/${name}_$backend.log"
+  echo "=== $name $backend rc=$? in $((SECONDS - t0)) s"
+  grep -aE "FlashInfer: |FLASH_ATTN|Traceback|Error" "$OUT/${name}_$backend.log" | cut -c1-240 | head -8
+}
+
+for stage in "$@"; do
+  case $stage in
+    peer-ph)
+      OUT=$OUT/peer STAGES="vllm:W2" BUDGET_S=300 PEER_EXTRA=$PREFILL_HEAVY bash .vllm-peer/run.sh 2>&1 | tail -8
+      cp "$OUT/peer/vllm_W2_equal.json" "$OUT/ph_vllm.json" 2>/dev/null ;;
+    ph) for b in $BACKENDS; do pagellm_run ph W2 200 "$b" $PREFILL_HEAVY; done ;;
+    w2) for b in $BACKENDS; do pagellm_run w2 W2 200 "$b"; done ;;
+    w1) for b in $BACKENDS; do pagellm_run w1 W1 240 "$b"; done ;;
+    *) echo "unknown stage $stage" ;;
+  esac
+done
+
+python3 - "$OUT" <<'PY'
+import glob, json, os, sys
+print(f"{'run':28s} {'out tok/s':>10s} {'elapsed s':>9s} {'startup s':>9s} {'TTFT mean/p99 ms':>18s}  requests")
+for path in sorted(glob.glob(os.path.join(sys.argv[1], "*_*.json"))):
+    try:
+        r = json.load(open(path))
+    except (OSError, ValueError):
+        continue
+    t = (r.get("details") or {}).get("ttft_ms") or {}
+    ttft = f"{t['mean']}/{t['p99']}" if t else ""
+    sha = (r.get("requests") or {}).get("requests_sha256", "")[:12]
+    print(f"{os.path.basename(path)[:-5]:28s} {r.get('output_tokens_per_s', ''):>10} {r.get('elapsed_s', ''):>9} "
+          f"{r.get('startup_s', ''):>9} {ttft:>18s}  {sha}")
+PY
