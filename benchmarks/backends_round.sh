@@ -22,9 +22,8 @@ pagellm_run() {  # pagellm_run NAME WORKLOAD SECONDS BACKEND [flags...]
   local name=$1 workload=$2 secs=$3 backend=$4; shift 4
   local t0=$SECONDS
   # shellcheck disable=SC2068
-  timeout -k 10 "$secs" python3 .vllm-peer/peer_bench.py --engine pagellm --workload "$workload" \
-    --out "$OUT/${name}_$backend.json" -- --attention-backend "$backend" $@ \
-    >"$OUT/${name}_$backend.stdout" 2>"$OUT/${name}_$backend.log"
+  timeout -k 10 "$secs" bash benchmarks/workloads.sh "$workload" --attention-backend "$backend" $@ \
+    --output-json "$OUT/${name}_$backend.json" >"$OUT/${name}_$backend.log" 2>&1
   echo "=== $name $backend rc=$? in $((SECONDS - t0)) s"
   grep -aE "FlashInfer: |FLASH_ATTN|Traceback|Error" "$OUT/${name}_$backend.log" | cut -c1-240 | head -8
 }
@@ -49,6 +48,8 @@ for path in sorted(glob.glob(os.path.join(sys.argv[1], "*_*.json"))):
         r = json.load(open(path))
     except (OSError, ValueError):
         continue
+    r = r.get("pagellm", r)
+    r.setdefault("details", r)
     t = (r.get("details") or {}).get("ttft_ms") or {}
     ttft = f"{t['mean']}/{t['p99']}" if t else ""
     sha = (r.get("requests") or {}).get("requests_sha256", "")[:12]

@@ -126,6 +126,10 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
     workspace_bytes: ClassVar[int] = 256 << 20
     """FlashInfer's float workspace (split-KV partial outputs), shared by every wrapper: their
     runs follow one another on one stream."""
+    graph_split_kv_below_ctas: ClassVar[int] = 4
+    """A captured batch of rows x KV heads under this many work units per SM keeps split-KV and
+    is rescheduled before each replay (few rows, possibly long); a larger one fills the GPU
+    unsplit and is planned once (`GraphDecode.replans`): no host scheduling before its replays."""
     graph_int_workspace_bytes: ClassVar[int] = 1 << 20
     """The schedule buffer shared by the graphs' decode wrappers (each is planned right before
     its replay); a schedule of 512 rows takes tens of KB."""
@@ -158,6 +162,9 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
         )
         on_gpu = device.type == "cuda"
         self._host = _HostArrays(pin=on_gpu)
+        self._num_sms = (
+            torch.cuda.get_device_properties(device).multi_processor_count if on_gpu else 132
+        )
         self._tail_host = _HostArrays(pin=on_gpu)  # a mixed step's prompt rows, rebased
         self._kv_indptr = torch.zeros(self._host.rows + 1, dtype=torch.int32, device=device)
         self._copies_done = torch.cuda.Event() if on_gpu else None
@@ -304,7 +311,9 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
             self._graph_int_workspace = torch.zeros(
                 self.graph_int_workspace_bytes, dtype=torch.uint8, device=self.device
             )
+        work_units = num_rows * self.kv_cache_spec.num_kv_heads
         graph = GraphDecode(
+            replans=work_units < self.graph_split_kv_below_ctas * self._num_sms,
             wrapper=self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 self._workspace,
                 KV_LAYOUT,

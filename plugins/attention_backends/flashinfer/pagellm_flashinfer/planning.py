@@ -78,7 +78,13 @@ def plan_prefill(wrapper: Any, index: PagedKVIndex, params: LayerParams, spec: K
     )
 
 
-def plan_decode(wrapper: Any, index: PagedKVIndex, params: LayerParams, spec: KVCacheSpec) -> None:
+def plan_decode(
+    wrapper: Any,
+    index: PagedKVIndex,
+    params: LayerParams,
+    spec: KVCacheSpec,
+    disable_split_kv: bool = False,
+) -> None:
     wrapper.plan(
         index.kv_indptr,
         index.kv_indices,
@@ -93,6 +99,7 @@ def plan_decode(wrapper: Any, index: PagedKVIndex, params: LayerParams, spec: KV
         kv_data_type=spec.dtype,
         sm_scale=params.sm_scale,
         non_blocking=True,
+        disable_split_kv=disable_split_kv,
     )
 
 
@@ -106,6 +113,12 @@ class GraphDecode:
     kv_indptr: torch.Tensor
     kv_indices: torch.Tensor
     kv_last_page_len: torch.Tensor
+    replans: bool = True
+    """Rescheduled before each replay (split-KV on). Otherwise planned once with split-KV off:
+    FlashInfer's schedule then has one work unit per row and KV head whatever the lengths,
+    which the kernel reads from the index buffers, so a replay only needs those rewritten. For
+    batches with enough rows to fill the GPU without splitting (`FlashInferMetadataBuilder.
+    graph_split_kv_below_ctas`)."""
     planned: bool = False
 
 
@@ -118,17 +131,19 @@ def plan_graph_decode(
 ) -> None:
     """The first plan (before capture) is the wrapper's own, which loads the kernels and
     copies the arrays into the graph's buffers. Before each replay, the arrays are written into
-    those buffers here and ``flashinfer.fast_decode_plan`` reschedules: FlashInfer's replanning
-    for this case, which unlike ``plan`` runs no Python loop over the rows (``plan`` finds the
-    longest row for backends other than FA2)."""
+    those buffers here and, for a graph that `replans`, ``flashinfer.fast_decode_plan``
+    reschedules: FlashInfer's replanning for this case, which unlike ``plan`` runs no Python
+    loop over the rows (``plan`` finds the longest row for backends other than FA2)."""
     if not graph.planned:
-        plan_decode(graph.wrapper, index, params, spec)
+        plan_decode(graph.wrapper, index, params, spec, disable_split_kv=not graph.replans)
         graph.planned = True
         return
     num_pages = index.kv_indices.shape[0]
     graph.kv_indptr.copy_(index.kv_indptr, non_blocking=True)
     graph.kv_last_page_len.copy_(index.kv_last_page_len, non_blocking=True)
     graph.kv_indices[:num_pages].copy_(index.kv_indices)
+    if not graph.replans:
+        return
     flashinfer.fast_decode_plan(
         graph.wrapper,
         index.kv_indptr,

@@ -250,6 +250,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
         kv_data_type=None,
         sm_scale=None,
         non_blocking=True,
+        disable_split_kv=False,
     ) -> None:
         log.record(
             "decode.plan",
@@ -266,6 +267,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
             kv_data_type=kv_data_type,
             sm_scale=sm_scale,
             non_blocking=non_blocking,
+            disable_split_kv=disable_split_kv,
         )
         check_starts_at_zero(indptr)
         if self.is_cuda_graph_enabled:

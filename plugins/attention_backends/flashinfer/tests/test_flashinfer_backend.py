@@ -395,7 +395,17 @@ class PersistentBuffers:
         return self.common(c.max_seq_len, c.block_table.shape[1])
 
 
-def test_graph_metadata_is_planned_at_capture_and_replanned_before_each_replay(fake):
+@pytest.mark.parametrize(
+    "replans", [True, False], ids=["few-rows-replanned", "many-rows-planned-once"]
+)
+def test_graph_metadata_is_planned_at_capture_and_replanned_before_each_replay(
+    fake, monkeypatch, replans
+):
+    """A graph of few rows x KV heads keeps split-KV and is rescheduled before each replay; one
+    of many (here: the threshold set to 0) is planned once with split-KV off, and its replays
+    only rewrite the index buffers."""
+    if not replans:
+        monkeypatch.setattr(FlashInferMetadataBuilder, "graph_split_kv_below_ctas", 0)
     rows, block_cols, block_size = 4, 8, 4
     buffers = PersistentBuffers(rows, block_cols)
     first = make_step([(9, 1), (0, 1), (4, 1)], padding_rows=1, seed=1)
@@ -419,7 +429,8 @@ def test_graph_metadata_is_planned_at_capture_and_replanned_before_each_replay(f
     zeros = torch.zeros(rows, first.num_heads * 8)
     for _ in range(2):  # the warm-up passes before capture plan it
         impl.forward(zeros, zeros[:, :16], zeros[:, :16], kv_cache, meta)
-    assert len(fake.log.named("decode.plan")) == 1
+    (plan,) = fake.log.named("decode.plan")
+    assert plan.kwargs["disable_split_kv"] is not replans
     assert fake.log.named("fast_decode_plan") == []
 
     for step in (first, second):
@@ -438,8 +449,13 @@ def test_graph_metadata_is_planned_at_capture_and_replanned_before_each_replay(f
         # The padding token's K/V went to the null block's first slot.
         assert torch.equal(kv_cache[0, 0, 0], step.key[-1].view(2, 8))
 
-    first_plan, second_plan = fake.log.named("fast_decode_plan")
     # Second step, block size 4: 3 tokens (1 page, last 3), 15 (4 pages, last 3), 8 (2, last 4).
+    assert indptr_buf.tolist() == [0, 1, 5, 7, 7]
+    assert last_buf.tolist() == [3, 3, 4, 1]
+    if not replans:
+        assert fake.log.named("fast_decode_plan") == []
+        return
+    first_plan, second_plan = fake.log.named("fast_decode_plan")
     assert second_plan.args[0].tolist() == [0, 1, 5, 7, 7]
     assert second_plan.args[2].tolist() == [3, 3, 4, 1]
     assert second_plan.args[3:] == (4, 2, 8, 4)

@@ -362,14 +362,21 @@ def test_one_builder_serves_steps_of_every_kind_in_turn():
         assert_matches_reference(out, batch, make_impl(batch, window).scale, window)
 
 
+@pytest.mark.parametrize("replans", [True, False], ids=["replanned", "planned-once"])
 @pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[4]], ids=str)
-def test_decode_replayed_from_a_cuda_graph_matches_eager_and_reference(config):
+def test_decode_replayed_from_a_cuda_graph_matches_eager_and_reference(
+    config, replans, monkeypatch
+):
     """The builder's capture-time metadata over persistent buffers, captured once, replayed for
-    three batches written into those buffers in place, each planned by
-    `prepare_cudagraph_replay`; the replay gives what the same plan gives run eagerly, bit for
+    three batches written into those buffers in place, each prepared by
+    `prepare_cudagraph_replay` (rescheduled with split-KV, or, planned once without split-KV,
+    only its buffers rewritten); the replay gives what the same plan gives run eagerly, bit for
     bit."""
     from pagellm_flashinfer.builder import FlashInferMetadataBuilder
 
+    monkeypatch.setattr(
+        FlashInferMetadataBuilder, "graph_split_kv_below_ctas", 1 << 20 if replans else 0
+    )
     dtype, head_size, num_heads, num_kv_heads, window = config
     max_model_len, block_size, num_rows = 16384, 16, 8
     batches = [

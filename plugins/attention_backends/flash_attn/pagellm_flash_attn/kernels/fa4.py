@@ -154,6 +154,12 @@ class FA4Kernel(AttentionKernel):
         out: torch.Tensor | None,
     ) -> torch.Tensor:
         what = f"a decode step of {meta.num_reqs} rows"
-        return self._attend(
+        out = self._attend(
             query, key_cache, value_cache, meta, layer, None, self._decode_splits, what
         )
+        if meta.padded_slots:
+            # A graph's padding rows (no keys) get zeros, as from every other kernel: FA4 gave
+            # non-finite decode outputs at block size 128 on the H200, where it loads whole
+            # pages by TMA, and rows without keys are the suspects (graph-safe: no host sync).
+            out.masked_fill_((meta.seq_lens == 0)[:, None, None], 0.0)
+        return out
