@@ -27,19 +27,17 @@ class Measurement:
 
 
 H200 = (9, 0)
+_RUN = "H200, 2026-12-01, benchmarks/flash_attn_kernels.py (FA3 from vLLM 0.25.1's bundle)"
 
 MEASUREMENTS: tuple[Measurement, ...] = (
-    Measurement("FA4", "prefill", H200, None, 607.0, "H200, issue 14: 4 x 4,096 tokens"),
-    Measurement("FA3", "prefill", H200, None, 595.0, "H200, issue 14: vLLM 0.25.1's FA3"),
-    Measurement("FA4", "decode", H200, 16, 3400.0, "H200, issue 14: 128 rows x 2k context"),
-    Measurement("FA4", "decode", H200, 128, 3800.0, "H200, issue 14: 128 rows x 2k context"),
-    Measurement("FA3", "decode", H200, None, 4000.0, "H200, issue 14: vLLM 0.25.1's FA3"),
-    Measurement(
-        "TRITON",
-        "decode",
-        H200,
-        16,
-        4135.0,
-        "H200, docs/benchmarks.md: over TRITON_ATTN's own KV layout, not this backend's",
-    ),
+    Measurement("FA4", "prefill", H200, 16, 559.0, _RUN),
+    Measurement("FA3", "prefill", H200, 16, 557.0, _RUN),
+    Measurement("FA4", "prefill", H200, 128, 617.0, _RUN),
+    Measurement("FA3", "prefill", H200, 128, 598.0, _RUN),
+    Measurement("TRITON", "decode", H200, 16, 4233.0, _RUN),
+    Measurement("FA3", "decode", H200, 16, 3851.0, _RUN),
+    Measurement("FA4", "decode", H200, 16, 2875.0, _RUN),
+    Measurement("TRITON", "decode", H200, 128, 4260.0, _RUN),
+    Measurement("FA3", "decode", H200, 128, 3892.0, _RUN),
+    Measurement("FA4", "decode", H200, 128, 3139.0, _RUN),
 )

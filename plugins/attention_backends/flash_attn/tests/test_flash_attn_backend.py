@@ -126,10 +126,16 @@ def test_each_phase_takes_the_kernel_measured_fastest(monkeypatch, gpu):
     install(monkeypatch, {"FA4": "4.0.0b36", "FA3": "0.25.1", "FA2": None})
     choice = choose_phases(H200, 128, 16)
     assert (choice.prefill.name, choice.decode.name) == ("FA4", "TRITON")
-    assert choice.prefill_why == "607 TFLOP/s measured on sm_90; FA3 595"
-    assert choice.decode_why.startswith("4,135 GB/s measured on sm_90 at block size 16; FA3 4,000")
-    # At 128-token pages TRITON has no measurement; FA3's (page size unrecorded) stands in.
-    assert choose_phases(H200, 128, 128).decode.name == "FA3"
+    assert choice.prefill_why == "559 TFLOP/s measured on sm_90 at block size 16; FA3 557"
+    assert choice.decode_why == (
+        "4,233 GB/s measured on sm_90 at block size 16; FA3 3,851, FA4 2,875"
+    )
+    choice = choose_phases(H200, 128, 128)
+    assert (choice.prefill.name, choice.decode.name) == ("FA4", "TRITON")
+    assert choice.prefill_why == "617 TFLOP/s measured on sm_90 at block size 128; FA3 598"
+    # At 64-token pages nothing is measured: the first provider serves both phases.
+    choice = choose_phases(H200, 128, 64)
+    assert (choice.prefill.name, choice.decode.name) == ("FA4", "FA4")
     table = [
         Measurement("FA4", "decode", H200, 128, 3800.0, "test"),
         Measurement("FA4", "decode", H200, None, 9999.0, "test: overridden by the exact entry"),
@@ -160,8 +166,9 @@ def test_startup_line_names_each_phases_kernel_and_why(monkeypatch, gpu):
     line = startup_line(choose_phases(H200, 128, 16), H200, 16)
     assert line.startswith(
         "FLASH_ATTN on sm_90, block size 16: prefill and mixed steps by FA4 (flash-attn-4 "
-        "4.0.0b36) [607 TFLOP/s measured on sm_90]; decode steps by TRITON (pagellm-triton-attn "
-        "0.1.0, split-KV) [4,135 GB/s measured on sm_90 at block size 16; FA4 3,400]; in mixed "
+        "4.0.0b36) [559 TFLOP/s measured on sm_90 at block size 16]; decode steps by TRITON "
+        "(pagellm-triton-attn 0.1.0, split-KV) [4,233 GB/s measured on sm_90 at block size 16; "
+        "FA4 2,875]; in mixed "
         "steps with 16+ decode rows, TRITON serves those; not used: FA3: vLLM is not installed"
     )
 

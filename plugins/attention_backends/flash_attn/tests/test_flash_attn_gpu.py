@@ -50,10 +50,18 @@ PAIRS = [
     ("FA4", "FA4", 16),
     ("FA4", "FA4", 128),
     ("FA4", "TRITON", 16),
+    ("FA4", "TRITON", 128),
     ("FA3", "FA3", 16),
     ("FA2", "FA2", 256),
 ]
-DECODERS = [("FA4", 16), ("FA4", 128), ("TRITON", 16), ("FA3", 16), ("FA2", 256)]
+DECODERS = [
+    ("FA4", 16),
+    ("FA4", 128),
+    ("TRITON", 16),
+    ("TRITON", 128),
+    ("FA3", 16),
+    ("FA2", 256),
+]
 
 
 @pytest.fixture(autouse=True)
