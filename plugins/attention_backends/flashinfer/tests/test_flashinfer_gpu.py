@@ -531,9 +531,11 @@ def test_print_decode_timings_by_block_size_and_kernel(capsys: pytest.CaptureFix
 
     lines = ["decode 256 rows x 1k ctx, head 128, bf16, do_bench medians (K+V bytes / time)"]
     workspace = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
-    for heads, kv_heads in ((16, 8), (32, 8)):
+    # The full sweep (blocks 16/32/64, 32q/8kv too) is in docs/benchmarks.md (2026-12-01): the
+    # tensor-core kernels won everywhere, split-KV made no difference at this size.
+    for heads, kv_heads in ((16, 8),):
         config = ("bf16", 128, heads, kv_heads, None)
-        for block_size in (16, 32, 64):
+        for block_size in (16, 64):
             batch, _ = batch_for(config, [(1023, 1)] * 256, block_size=block_size)
             _, meta, builder = run_eager(batch, None)
             index, spec = meta.index, builder.kv_cache_spec
