@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One round on the GPU machine: offline install (wheels carried in .whl), GPU tests, benchmarks.
-# Writes logs and JSON under $OUT. Stages: tests, tests-flashinfer, w1, w2, overhead, hf (W1/W2 with the HF peer).
+# Writes logs and JSON under $OUT. Stages: tests, tests-flashinfer, fi-jit, fi-cache-save, fa-tests,
+# fa-kernels, w1, w2, overhead, hf (W1/W2 with the HF peer).
 #   bash benchmarks/gpu_round.sh tests w2 w1 overhead
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -40,8 +41,17 @@ run() {  # run NAME SECONDS CMD...
   tail -n 25 "$OUT/$name.log"
 }
 
+# FlashInfer's compiled kernels from an earlier machine (stage fi-cache-save wrote them to $OUT;
+# kept here as the ignored .ficache/ and carried), so that a new machine skips the first JIT.
+if [ -f .ficache/ficache.tar.gz ] && [ ! -d "$FLASHINFER_WORKSPACE_BASE/.cache" ]; then
+  mkdir -p "$FLASHINFER_WORKSPACE_BASE" && tar -xzf .ficache/ficache.tar.gz -C "$FLASHINFER_WORKSPACE_BASE" \
+    && echo "FlashInfer JIT cache restored from .ficache ($(du -sh "$FLASHINFER_WORKSPACE_BASE" | cut -f1))"
+fi
+
 for stage in "$@"; do
   case $stage in
+    fi-cache-save) tar -czf "$OUT/ficache.tar.gz" -C "$FLASHINFER_WORKSPACE_BASE" .cache \
+        && ls -l "$OUT/ficache.tar.gz" ;;
     # Every gpu-marked test, wherever it lives (pyproject testpaths: tests/ and plugins/*/tests).
     tests) run gpu_tests 330 python3 -m pytest -m gpu -q -s -p no:cacheprovider --timeout 120 -x ;;
     # FLASHINFER's GPU tests first: their fixture compiles, in one parallel build, the kernel
