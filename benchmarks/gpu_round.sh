@@ -102,6 +102,15 @@ for d in sorted(os.listdir(cache)):
             print("  compiled while serving:", meta.get("name"), str(meta.get("constants", ""))[:300])
 PY
       kill -TERM $server; wait $server; grep -E "Warmed up|Captured" "$OUT/w2_server.log"; rm -rf "$tcache" ;;
+    # A cProfile of one workload on one backend: PROF_BACKEND (default FLASH_ATTN), PROF_FLAGS
+    # (default: the prefill-heavy lengths on W2's model).
+    prof) run prof 200 python3 -m cProfile -o "$OUT/prof.prof" -m pagellm.entrypoints.cli bench throughput \
+        --model benchmarks/configs/qwen3-0.6b --load-format dummy --dtype bfloat16 --skip-tokenizer-init \
+        --temperature 0 --seed 0 --num-prompts 256 --random-token-range 0 10000 \
+        --attention-backend "${PROF_BACKEND:-FLASH_ATTN}" \
+        ${PROF_FLAGS:---input-len-range 2048 2048 --output-len-range 16 16}
+      python3 -c "import pstats; s = pstats.Stats('$OUT/prof.prof'); s.sort_stats('tottime').print_stats(30); s.sort_stats('cumtime').print_stats('pagellm_flash|flash_attn/cute|flashinfer|model_runner', 30)" \
+        >"$OUT/prof.txt" 2>&1; head -c 8000 "$OUT/prof.txt" | tail -c 6000 ;;
     overhead) run overhead 100 python3 benchmarks/step_overhead.py ${PAGELLM_TEST_TOKENIZER:+--tokenizer $PAGELLM_TEST_TOKENIZER} --output-json "$OUT/overhead.json" ;;
     overhead-delta) run overhead_delta 100 python3 benchmarks/step_overhead.py --output-kind delta ${PAGELLM_TEST_TOKENIZER:+--tokenizer $PAGELLM_TEST_TOKENIZER} --output-json "$OUT/overhead_delta.json" ;;
     *) echo "unknown stage $stage" ;;
