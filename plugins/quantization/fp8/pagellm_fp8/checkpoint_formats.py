@@ -38,7 +38,10 @@ def parse_fp8_config(config: dict[str, Any]) -> Fp8Scheme:
     block = config.get("weight_block_size")
     if block is None:
         return Fp8Scheme(
-            "tensor", "tensor", static_activations=activation == "static", serialized=True,
+            "tensor",
+            "tensor",
+            static_activations=activation == "static",
+            serialized=True,
             ignored=ignored,
         )
     if list(block) != list(BLOCK):
@@ -46,7 +49,9 @@ def parse_fp8_config(config: dict[str, Any]) -> Fp8Scheme:
             f"Fp8Config weight_block_size {list(block)} is not supported (only {list(BLOCK)})."
         )
     if activation == "static":
-        raise Fp8FormatError("Fp8Config block-scaled weights with static activations are not supported.")
+        raise Fp8FormatError(
+            "Fp8Config block-scaled weights with static activations are not supported."
+        )
     return Fp8Scheme(
         "block", "group", serialized=True, scale_name="weight_scale_inv", ignored=ignored
     )
@@ -125,8 +130,12 @@ def checkpoint_weights(config: dict[str, Any]) -> WeightGranularity | None:
         return None
     for group in (config.get("config_groups") or {}).values():
         weights = group.get("weights") if isinstance(group, dict) else None
-        if isinstance(weights, dict) and weights.get("type") == "float" and weights.get("num_bits") == 8:
+        if (
+            isinstance(weights, dict)
+            and weights.get("type") == "float"
+            and weights.get("num_bits") == 8
+        ):
             strategy = weights.get("strategy")
             if strategy in ("tensor", "channel", "block"):
-                return strategy  # type: ignore[no-any-return]
+                return strategy
     return None

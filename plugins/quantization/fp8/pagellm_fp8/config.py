@@ -28,7 +28,10 @@ from pagellm_fp8.linear_method import Fp8LinearMethod
 from pagellm_fp8.scheme import Fp8Scheme, WeightGranularity
 
 # A fused layer of pagellm's models and the checkpoint layers it is made of.
-_FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+_FUSED_PARTS = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
 
 
 def _checkpoint_names(prefix: str) -> list[str]:

@@ -21,7 +21,6 @@ from types import ModuleType
 import torch
 
 from pagellm_fp8.quant_ops import (
-    FP8_DTYPE,
     dequantize_activation,
     dequantize_weight,
     quantize_activation,
@@ -88,16 +87,13 @@ def reference_gemm(scheme: Fp8Scheme) -> GemmFn:
     return gemm
 
 
-
 def _scaled_mm_tensor(scheme: Fp8Scheme) -> GemmFn:
     def gemm(
         x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, input_scale: torch.Tensor | None
     ) -> torch.Tensor:
         q, x_scale = quantize_activation(x, "tensor", input_scale)
         # weight [N, K] row-major: its transpose is the column-major [K, N] operand _scaled_mm wants.
-        return torch._scaled_mm(
-            q, weight.t(), scale_a=x_scale, scale_b=scale, out_dtype=x.dtype
-        )
+        return torch._scaled_mm(q, weight.t(), scale_a=x_scale, scale_b=scale, out_dtype=x.dtype)
 
     return gemm
 
@@ -126,7 +122,7 @@ def _scaled_mm_rowwise(native: bool) -> GemmFn:
 def _resolve_per_token_quant() -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
     quant = triton_kernels("quant")
     if isinstance(quant, ModuleType):
-        return quant.per_token_quant_fp8  # type: ignore[no-any-return]
+        return quant.per_token_quant_fp8
     return lambda x: quantize_activation(x, "token")
 
 
@@ -135,7 +131,7 @@ def _block_scaled_mm(block_gemm: ModuleType) -> GemmFn:
         x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, input_scale: torch.Tensor | None
     ) -> torch.Tensor:
         q, x_scale = quantize_activation(x, "group")
-        return block_gemm.block_scaled_mm(q, x_scale, weight, scale, x.dtype)  # type: ignore[no-any-return]
+        return block_gemm.block_scaled_mm(q, x_scale, weight, scale, x.dtype)
 
     return gemm
 
@@ -156,5 +152,3 @@ def choose_gemm(scheme: Fp8Scheme, device: torch.device) -> tuple[str, GemmFn]:
     if isinstance(block_gemm, str):
         raise RuntimeError(f"fp8 block-scaled weights on CUDA need {block_gemm}")
     return "block_scaled_mm", _block_scaled_mm(block_gemm)
-
-

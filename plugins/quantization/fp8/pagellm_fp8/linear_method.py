@@ -33,7 +33,12 @@ def _check_block_divides(layer_name: str, in_features: int, sizes: list[int]) ->
 
 
 def _load_rows(
-    sizes: list[int], rows_per_scale: int, name: str, param: nn.Parameter, tensor: torch.Tensor, shard: int | None
+    sizes: list[int],
+    rows_per_scale: int,
+    name: str,
+    param: nn.Parameter,
+    tensor: torch.Tensor,
+    shard: int | None,
 ) -> None:
     """Rows of fused part ``shard`` (all rows when unfused); a block scale covers 128 rows."""
     dst = param.data
@@ -47,7 +52,9 @@ def _load_rows(
     dst.copy_(tensor)
 
 
-def _load_part_scalar(name: str, param: nn.Parameter, tensor: torch.Tensor, shard: int | None) -> None:
+def _load_part_scalar(
+    name: str, param: nn.Parameter, tensor: torch.Tensor, shard: int | None
+) -> None:
     """A per-tensor scale (shape [] or [1]) into the slot of fused part ``shard``."""
     if tensor.numel() != 1:
         raise ValueError(
@@ -90,7 +97,8 @@ class Fp8LinearMethod(LinearMethodBase):
             scale_name = f"{self.prefix}.{scheme.scale_name}"
             if scheme.weights == "tensor":
                 scale = _parameter(
-                    torch.empty(len(sizes), dtype=torch.float32), partial(_load_part_scalar, scale_name)
+                    torch.empty(len(sizes), dtype=torch.float32),
+                    partial(_load_part_scalar, scale_name),
                 )
             elif scheme.weights == "channel":
                 scale = _parameter(
@@ -160,8 +168,9 @@ class Fp8LinearMethod(LinearMethodBase):
             x.reshape(-1, shape[-1]),
             layer.get_parameter("weight"),
             layer.get_parameter("weight_scale"),
-            layer.input_scale,
+            layer.input_scale,  # type: ignore[arg-type]
         )
-        if layer.bias is not None:
-            out = out + layer.bias
+        bias = layer.bias
+        if isinstance(bias, torch.Tensor):
+            out = out + bias
         return out.reshape(*shape[:-1], out.shape[-1])

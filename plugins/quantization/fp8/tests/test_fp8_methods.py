@@ -10,17 +10,16 @@ import re
 
 import pytest
 import torch
-
-from pagellm import LLM, SamplingParams
-from pagellm.config import ConfigError
-from pagellm.layers.linear import Linear
-from pagellm.quantization.registry import quantization_methods
+from fp8_checkpoints import compressed_tensors_checkpoint, fp8_config_checkpoint, tiny_llama
 from pagellm_fp8.checkpoint_formats import parse_checkpoint
 from pagellm_fp8.gemm import gemm_refusal, reference_gemm
 from pagellm_fp8.quant_ops import quantize_weight
 from pagellm_fp8.scheme import Fp8Scheme
 
-from fp8_checkpoints import compressed_tensors_checkpoint, fp8_config_checkpoint, tiny_llama
+from pagellm import LLM, SamplingParams
+from pagellm.config import ConfigError
+from pagellm.layers.linear import Linear
+from pagellm.quantization.registry import quantization_methods
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +67,9 @@ def _teacher_forced(llm: LLM, sequences: list[list[int]]) -> list[list[tuple[int
 def _agreement(llm: LLM, dense_reference) -> tuple[float, float]:
     sequences, dense = dense_reference
     quant = _teacher_forced(llm, sequences)
-    pairs = [(q, d) for qs, ds in zip(quant, dense, strict=True) for q, d in zip(qs, ds, strict=True)]
+    pairs = [
+        (q, d) for qs, ds in zip(quant, dense, strict=True) for q, d in zip(qs, ds, strict=True)
+    ]
     top1 = sum(q[0] == 1 for q, _ in pairs) / len(pairs)
     gap = max(abs(q[1] - d[1]) for q, d in pairs)
     return top1, gap
@@ -154,7 +155,9 @@ def test_fp8_config_checkpoints_load_without_a_flag_and_match(
 
 def test_a_flag_that_contradicts_the_checkpoint_is_refused(float_model, tmp_path):
     path = fp8_config_checkpoint(float_model, tmp_path / "fp8cfg", block=True)
-    with pytest.raises(ConfigError, match="quantization='fp8_per_channel' conflicts with the checkpoint"):
+    with pytest.raises(
+        ConfigError, match="quantization='fp8_per_channel' conflicts with the checkpoint"
+    ):
         LLM(str(path), quantization="fp8_per_channel", **ENGINE)
 
 
@@ -169,7 +172,9 @@ def test_bad_fp8_checkpoint_configs_are_refused_with_the_reason(float_model, tmp
     }
     for message, change in cases.items():
         (path / "config.json").write_text(
-            json.dumps({**config, "quantization_config": {**config["quantization_config"], **change}})
+            json.dumps(
+                {**config, "quantization_config": {**config["quantization_config"], **change}}
+            )
         )
         with pytest.raises(ConfigError, match=re.escape(message)):
             LLM(str(path), **ENGINE)
@@ -203,7 +208,12 @@ def test_checkpoint_scheme_errors_name_what_was_found():
 
 def test_a_block_that_does_not_divide_the_weight_is_refused_at_load(tiny_models):
     with pytest.raises(ValueError, match=r"fp8 block size \[128, 128\] does not divide the weight"):
-        LLM(tiny_models["llama3"], quantization="fp8_per_block", max_model_len=64, kv_cache_memory=4 << 20)
+        LLM(
+            tiny_models["llama3"],
+            quantization="fp8_per_block",
+            max_model_len=64,
+            kv_cache_memory=4 << 20,
+        )
 
 
 def test_platforms_without_fp8_gemms_are_refused_with_the_reason():
