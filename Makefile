@@ -15,12 +15,15 @@ install:
 # reasons, registration and metadata builder with the library absent.
 PLUGINS = plugins/cuda_platform plugins/attention_backends/triton \
 	plugins/attention_backends/flashinfer plugins/attention_backends/flash_attn \
-	plugins/endpoints/openai plugins/endpoints/admin
+	plugins/endpoints/openai plugins/endpoints/admin plugins/quantization/fp8
 
+# pagellm-fp8's tests write checkpoints with compressed-tensors (pure Python): its requirements
+# are the core's (torch, transformers, pydantic) and loguru, installed with it.
 install-test: install
 	$(PIP) install -q -e '.[test,lint]'
 	$(PIP) install -q triton==3.6.0
 	$(PIP) install -q --no-deps $(addprefix -e ,$(PLUGINS))
+	$(PIP) install -q --no-deps compressed-tensors==0.17.0 loguru==0.7.3
 
 run: install
 	$(PYTHON) -m pagellm.entrypoints.cli generate

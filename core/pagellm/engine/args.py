@@ -38,6 +38,7 @@ from pagellm.model_loader.source import load_hf_config, resolve_model_source
 from pagellm.models.registry import resolve_model_cls
 from pagellm.platforms import current_platform, current_platform_name
 from pagellm.quantization.registry import quantization_methods
+from pagellm.quantization.selection import resolve_quantization
 from pagellm.scheduler.policy import scheduling_policies
 
 _DEFAULT_MAX_NUM_SEQS = 256
@@ -92,7 +93,8 @@ class EngineArgs:
     attention_backend: str | None = None
     """An attention backend by registered name (default: the platform's best that fits)."""
     quantization: str | None = None
-    """A quantization method by registered name (default: dense weights)."""
+    """A quantization method by registered name (default: the checkpoint's own, read from its
+    config.json's quantization_config, else dense weights)."""
     device: str | None = None
     """The platform (name or device type): the CLI selects it, LLM checks it is the current one."""
     tensor_parallel_size: PositiveInt = 1
@@ -189,12 +191,7 @@ class EngineArgs:
                 f"{model_cfg.max_model_len} with chunked prefill off, so a long prompt could never be "
                 "scheduled; raise max_num_batched_tokens, lower max_model_len or enable chunked prefill."
             )
-        if self.quantization is not None:
-            quant_cls = quantization_methods.get(self.quantization)
-            if model_cfg.torch_dtype not in quant_cls.supported_dtypes:
-                raise ConfigError(
-                    f"quantization={self.quantization!r} does not support dtype {model_cfg.dtype}."
-                )
+        quantization = self._resolve_quantization(model_cfg, platform.device_type)
         scheduling_policies.get(self.scheduling_policy)  # an unknown name lists the installed ones
         backend = select_attention_backend(
             requested=self.attention_backend,
@@ -226,7 +223,7 @@ class EngineArgs:
             load=LoadConfig(load_format=self.load_format),
             compilation=CompilationConfig(enforce_eager=self.enforce_eager),
             attention_backend=backend.name,
-            quantization=self.quantization,
+            quantization=quantization,
             observability=ObservabilityConfig(
                 kv_cache_metrics=self.kv_cache_metrics,
                 kv_cache_metrics_sample=self.kv_cache_metrics_sample,
@@ -234,6 +231,31 @@ class EngineArgs:
         )
         platform.check_and_update_config(config)
         return config
+
+    def _resolve_quantization(self, model_cfg: ModelConfig, device_type: str) -> str | None:
+        """The method asked for, or the checkpoint's own; refused here when it cannot run."""
+        checkpoint_quant = getattr(model_cfg.hf_config, "quantization_config", None)
+        try:
+            name = resolve_quantization(self.quantization, dict(checkpoint_quant or {}))
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if name is None:
+            return None
+        quant_cls = quantization_methods.get(name)
+        try:  # the checkpoint's scheme is judged here, not first in the engine-core process
+            quant_cls.from_config(dict(checkpoint_quant or {}))
+        except ValueError as exc:
+            raise ConfigError(f"quantization={name!r}: {exc}") from None
+        if model_cfg.torch_dtype not in quant_cls.supported_dtypes:
+            supported = ", ".join(str(d).removeprefix("torch.") for d in quant_cls.supported_dtypes)
+            raise ConfigError(
+                f"quantization={name!r} does not support dtype {model_cfg.dtype} "
+                f"(supports {supported}); pass --dtype with one of those."
+            )
+        refusal = quant_cls.platform_refusal(device_type, model_cfg.torch_dtype)
+        if refusal is not None:
+            raise ConfigError(f"quantization={name!r} cannot run here: {refusal}")
+        return name
 
     def _resolve_dtype(self, hf_config: Any, platform: Any) -> DTypeName:
         names = {dtype: name for name, dtype in DTYPES.items()}

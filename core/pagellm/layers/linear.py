@@ -19,8 +19,14 @@ class Linear(nn.Module):
         bias: bool = False,
         quant_config: QuantizationConfig | None = None,
         prefix: str = "",
+        output_sizes: list[int] | None = None,
     ) -> None:
         super().__init__()
+        # The output rows of each fused part (q, k, v of qkv_proj), for methods whose scales
+        # are per part in the checkpoint.
+        self.output_sizes = output_sizes or [out_features]
+        if sum(self.output_sizes) != out_features:
+            raise ValueError(f"output_sizes {output_sizes} do not add up to {out_features}.")
         self.linear_method: LinearMethodBase = (
             quant_config.get_linear_method(prefix) if quant_config else UnquantizedLinearMethod()
         )
@@ -41,3 +47,25 @@ class VocabEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_ids, self.weight)
+
+
+def load_parameter(
+    param: nn.Parameter,
+    tensor: torch.Tensor,
+    name: str,
+    shard: int | None = None,
+    rows: tuple[int, int] | None = None,
+) -> None:
+    """Copy checkpoint tensor ``name`` into ``param`` (into ``rows`` = (offset, count) when it is
+    part ``shard`` of a fused layer). A parameter with a ``weight_loader`` (a quantization
+    method's: scales, float8 weights) loads itself, from ``shard`` alone."""
+    weight_loader = getattr(param, "weight_loader", None)
+    if weight_loader is not None:
+        weight_loader(param, tensor, shard)
+        return
+    dst = param.data if rows is None else param.data.narrow(0, rows[0], rows[1])
+    if dst.shape != tensor.shape:
+        raise ValueError(
+            f"Checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}."
+        )
+    dst.copy_(tensor)

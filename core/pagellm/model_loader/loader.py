@@ -38,15 +38,15 @@ def safetensors_files(directory: str) -> list[str]:
     return files
 
 
-def iterate_safetensors_weights(
-    directory: str, dtype: torch.dtype
-) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_safetensors_weights(directory: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Tensors in their stored dtype: copying into a parameter casts to its dtype, and a
+    quantized checkpoint's float8 weights and float32 scales must reach theirs unrounded."""
     from safetensors import safe_open
 
     for path in safetensors_files(directory):
         with safe_open(path, framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                yield name, f.get_tensor(name).to(dtype)
+                yield name, f.get_tensor(name)
 
 
 def _init_dummy_weights(model: nn.Module, seed: int) -> None:
@@ -92,7 +92,7 @@ def load_model(
 
         weights = iterate_gguf_weights(source.gguf_file, model_cfg.torch_dtype)
     else:
-        weights = iterate_safetensors_weights(source.directory, model_cfg.torch_dtype)
+        weights = iterate_safetensors_weights(source.directory)
     with torch.no_grad():
         loaded = model.load_weights(weights)  # type: ignore[operator]
     expected = {n for n, _ in model.named_parameters()}

@@ -17,7 +17,7 @@ from pagellm.attention import Attention, AttentionBackend
 from pagellm.config import EngineConfig
 from pagellm.layers.activation import SiluAndMul
 from pagellm.layers.layernorm import RMSNorm
-from pagellm.layers.linear import Linear, VocabEmbedding
+from pagellm.layers.linear import Linear, VocabEmbedding, load_parameter
 from pagellm.layers.rotary_embedding import RotaryEmbedding, rope_parameters
 from pagellm.quantization.base import QuantizationConfig
 
@@ -52,6 +52,7 @@ class LlamaAttention(nn.Module):
             bias or ctx.qkv_bias,
             ctx.quant_config,
             f"{prefix}.qkv_proj",
+            output_sizes=[self.q_size, self.kv_size, self.kv_size],
         )
         self.o_proj = Linear(self.q_size, hidden, bias, ctx.quant_config, f"{prefix}.o_proj")
         self.qk_norm = ctx.qk_norm
@@ -86,7 +87,12 @@ class LlamaMLP(nn.Module):
         bias = getattr(cfg, "mlp_bias", False)
         inter = cfg.intermediate_size
         self.gate_up_proj = Linear(
-            cfg.hidden_size, 2 * inter, bias, ctx.quant_config, f"{prefix}.gate_up_proj"
+            cfg.hidden_size,
+            2 * inter,
+            bias,
+            ctx.quant_config,
+            f"{prefix}.gate_up_proj",
+            output_sizes=[inter, inter],
         )
         self.down_proj = Linear(
             inter, cfg.hidden_size, bias, ctx.quant_config, f"{prefix}.down_proj"
@@ -210,7 +216,7 @@ class LlamaForCausalLM(nn.Module):
                 target = name.replace(f".{part}.", f".{fused}.")
                 sizes = self._shard_sizes(fused)
                 offset = sum(sizes[:shard])
-                _copy_checked(params[target].data.narrow(0, offset, sizes[shard]), tensor, name)
+                load_parameter(params[target], tensor, name, shard, (offset, sizes[shard]))
                 loaded.add(target)
                 break
             else:
@@ -218,17 +224,9 @@ class LlamaForCausalLM(nn.Module):
                     raise ValueError(
                         f"Checkpoint tensor {name!r} matches no parameter of {type(self).__name__}."
                     )
-                _copy_checked(params[name].data, tensor, name)
+                load_parameter(params[name], tensor, name)
                 loaded.add(name)
         return loaded
-
-
-def _copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
-    if dst.shape != src.shape:
-        raise ValueError(
-            f"Checkpoint tensor {name!r} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}."
-        )
-    dst.copy_(src)
 
 
 class MistralForCausalLM(LlamaForCausalLM):

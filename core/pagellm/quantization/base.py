@@ -1,4 +1,7 @@
-"""The quantization interfaces: a method family's config, and how it runs a linear layer."""
+"""The quantization interfaces: a method family's config, and how it runs a linear layer.
+
+The full contract (weight creation, loading and repacking, checkpoint detection, platform
+refusal) is written down in docs/plugins.md, "The quantization method contract"."""
 
 from __future__ import annotations
 
@@ -10,7 +13,12 @@ from torch import nn
 
 
 class LinearMethodBase(ABC):
-    """Owns a linear layer's parameters: creates them, post-processes them after loading, applies them."""
+    """Owns a linear layer's parameters: creates them, post-processes them after loading, applies them.
+
+    A parameter may carry a ``weight_loader(param, tensor, shard)`` attribute: the model's
+    `load_weights` then hands it each checkpoint tensor for that parameter (``shard`` is the
+    index of the fused part, e.g. 1 for k_proj in qkv_proj, or None for an unfused layer) instead
+    of copying rows itself. The layer's ``output_sizes`` lists the fused parts' output rows."""
 
     @abstractmethod
     def create_weights(
@@ -46,3 +54,15 @@ class QuantizationConfig(ABC):
     @abstractmethod
     def get_linear_method(self, prefix: str) -> LinearMethodBase:
         """The method for the linear layer named ``prefix`` (e.g. ``model.layers.0.mlp.down_proj``)."""
+
+    @classmethod
+    def matches_checkpoint(cls, checkpoint_config: dict[str, Any]) -> bool:
+        """True when this method is the one that reads a checkpoint whose config.json has this
+        ``quantization_config``: the engine then picks it without ``--quantization``."""
+        return False
+
+    @classmethod
+    def platform_refusal(cls, device_type: str, dtype: torch.dtype) -> str | None:
+        """Why this method cannot run on this process's ``device_type`` device with model
+        ``dtype`` (checked when the engine config is built), or None when it can."""
+        return None

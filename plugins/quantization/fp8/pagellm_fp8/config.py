@@ -1,0 +1,122 @@
+"""The four registered methods. Each quantizes bf16/fp16/fp32 checkpoints at load (its online
+scheme), and reads the fp8 checkpoints whose weight scales match its name:
+
+| method | online: weight scales, activation scales | reads |
+|---|---|---|
+| ``fp8`` | per tensor, dynamic per tensor (vLLM's ``--quantization fp8``) | Fp8Config (``quant_method: fp8``) without blocks |
+| ``fp8_per_tensor`` | per tensor, dynamic per tensor | compressed-tensors FP8 (static activations) |
+| ``fp8_per_channel`` | per output channel, dynamic per token | compressed-tensors FP8_DYNAMIC |
+| ``fp8_per_block`` | per 128x128 block, dynamic per token and 128 columns | Fp8Config with ``weight_block_size: [128, 128]``, compressed-tensors FP8_BLOCK |
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, ClassVar
+
+import torch
+
+from pagellm.quantization import LinearMethodBase, QuantizationConfig, UnquantizedLinearMethod
+from pagellm_fp8.checkpoint_formats import (
+    COMPRESSED_TENSORS,
+    FP8_CONFIG,
+    checkpoint_weights,
+    parse_checkpoint,
+)
+from pagellm_fp8.gemm import gemm_refusal
+from pagellm_fp8.linear_method import Fp8LinearMethod
+from pagellm_fp8.scheme import Fp8Scheme, WeightGranularity
+
+# A fused layer of pagellm's models and the checkpoint layers it is made of.
+_FUSED_PARTS = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+
+
+def _checkpoint_names(prefix: str) -> list[str]:
+    head, _, last = prefix.rpartition(".")
+    parts = _FUSED_PARTS.get(last)
+    return [f"{head}.{p}" if head else p for p in parts] if parts else [prefix]
+
+
+def _is_ignored(name: str, ignored: tuple[str, ...]) -> bool:
+    for entry in ignored:
+        if entry.startswith("re:"):
+            if re.match(entry[3:], name):
+                return True
+        elif name == entry or name.endswith("." + entry):
+            return True
+    return False
+
+
+class _Fp8ConfigBase(QuantizationConfig):
+    weights: ClassVar[WeightGranularity]
+    online_scheme: ClassVar[Fp8Scheme]
+    checkpoint_formats: ClassVar[tuple[str, ...]]
+
+    def __init__(self, scheme: Fp8Scheme) -> None:
+        self.scheme = scheme
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> QuantizationConfig:
+        if not config:
+            return cls(cls.online_scheme)
+        scheme = parse_checkpoint(config)
+        if not cls.matches_checkpoint(config):
+            raise ValueError(
+                f"{cls.name} does not read this checkpoint ({config.get('quant_method')!r} with "
+                f"{scheme.weights} weight scales)."
+            )
+        return cls(scheme)
+
+    @classmethod
+    def matches_checkpoint(cls, checkpoint_config: dict[str, Any]) -> bool:
+        return (
+            checkpoint_config.get("quant_method") in cls.checkpoint_formats
+            and checkpoint_weights(checkpoint_config) == cls.weights
+        )
+
+    @classmethod
+    def platform_refusal(cls, device_type: str, dtype: torch.dtype) -> str | None:
+        return gemm_refusal(cls.weights, device_type, dtype)
+
+    def get_linear_method(self, prefix: str) -> LinearMethodBase:
+        names = _checkpoint_names(prefix)
+        ignored = [_is_ignored(n, self.scheme.ignored) for n in names]
+        if all(ignored):
+            return UnquantizedLinearMethod()
+        if any(ignored):
+            raise ValueError(
+                f"The checkpoint leaves some parts of fused layer {prefix} ({names}) unquantized "
+                "and quantizes others; pagellm fuses them into one layer of one format."
+            )
+        return Fp8LinearMethod(self.scheme, prefix)
+
+
+class Fp8Config(_Fp8ConfigBase):
+    name = "fp8"
+    weights = "tensor"
+    online_scheme = Fp8Scheme("tensor", "tensor")
+    checkpoint_formats = (FP8_CONFIG,)
+
+
+class Fp8PerTensorConfig(_Fp8ConfigBase):
+    name = "fp8_per_tensor"
+    weights = "tensor"
+    online_scheme = Fp8Scheme("tensor", "tensor")
+    checkpoint_formats = (COMPRESSED_TENSORS,)
+
+
+class Fp8PerChannelConfig(_Fp8ConfigBase):
+    name = "fp8_per_channel"
+    weights = "channel"
+    online_scheme = Fp8Scheme("channel", "token")
+    checkpoint_formats = (COMPRESSED_TENSORS,)
+
+
+class Fp8PerBlockConfig(_Fp8ConfigBase):
+    name = "fp8_per_block"
+    weights = "block"
+    online_scheme = Fp8Scheme("block", "group")
+    checkpoint_formats = (FP8_CONFIG, COMPRESSED_TENSORS)

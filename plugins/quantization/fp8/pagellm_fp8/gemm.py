@@ -1,0 +1,154 @@
+"""The FP8 GEMM of one linear layer, chosen once per layer (`choose_gemm`) from the scheme and
+the device, and the reason a scheme cannot run on a device (`gemm_refusal`).
+
+Paths, all computing ``out = dequant(quant(x)) @ dequant(weight).T``:
+- ``reference``: CPU (and CI): dequantize both operands, float32 matmul.
+- ``scaled_mm_tensor``: ``torch._scaled_mm`` with per-tensor scales (capability >= 8.9).
+- ``scaled_mm_rowwise``: ``torch._scaled_mm`` with row-wise scales, activations [M, 1] and
+  weights [1, N] (capability >= 9.0); on 8.9 the same product with unit scales in float32 and the
+  scales applied after (``scaled_mm_rowwise_epilogue``).
+- ``block_scaled_mm``: the Triton 128x128 block-scaled GEMM of ``pagellm_fp8.kernels``.
+Per-token activation quantization on CUDA uses the fused Triton kernel of ``pagellm_fp8.kernels``
+when it imports, else torch ops (`quant_ops`).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from types import ModuleType
+
+import torch
+
+from pagellm_fp8.quant_ops import (
+    dequantize_activation,
+    dequantize_weight,
+    quantize_activation,
+)
+from pagellm_fp8.scheme import Fp8Scheme, WeightGranularity
+
+SCALED_MM_MIN_CAPABILITY = (8, 9)  # fp8 tensor cores: Ada, Hopper and newer
+ROWWISE_MIN_CAPABILITY = (9, 0)  # row-wise scales in torch._scaled_mm: Hopper and newer
+
+# (x [M, K] float, weight float8 [N, K], weight scales, static input scale or None) -> [M, N]
+GemmFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
+
+def triton_kernels(name: str) -> ModuleType | str:
+    """``pagellm_fp8.kernels.<name>``, or why it does not import (no Triton, no such module)."""
+    try:
+        return importlib.import_module(f"pagellm_fp8.kernels.{name}")
+    except ImportError as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+def gemm_refusal(
+    weights: WeightGranularity,
+    device_type: str,
+    dtype: torch.dtype,
+    capability: tuple[int, int] | None = None,
+) -> str | None:
+    """Why a scheme with ``weights`` scales cannot run on ``device_type`` (``capability``: the
+    GPU's, asked of the current GPU when None), or None."""
+    if device_type == "cpu":
+        return None  # the reference path runs every scheme
+    if device_type != "cuda":
+        return (
+            f"pagellm-fp8 has no fp8 GEMM for device type {device_type!r} "
+            "(it runs on CUDA GPUs of compute capability 8.9 or newer, and on the CPU)"
+        )
+    capability = capability or torch.cuda.get_device_capability()
+    if capability < SCALED_MM_MIN_CAPABILITY:
+        return (
+            f"fp8 GEMMs need fp8 tensor cores (compute capability 8.9 or newer: Ada, Hopper); this "
+            f"GPU is {capability[0]}.{capability[1]}; serve the unquantized model instead"
+        )
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"fp8 GEMMs on CUDA write bfloat16 or float16, not {dtype}; pass --dtype bfloat16"
+    if weights == "block":
+        block_gemm = triton_kernels("block_gemm")
+        if isinstance(block_gemm, str):
+            return (
+                "128x128 block-scaled fp8 weights need the Triton block-scaled GEMM "
+                f"(pagellm_fp8.kernels.block_gemm), which does not import ({block_gemm}); "
+                "install pagellm-fp8[triton]"
+            )
+    return None
+
+
+def reference_gemm(scheme: Fp8Scheme) -> GemmFn:
+    def gemm(
+        x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, input_scale: torch.Tensor | None
+    ) -> torch.Tensor:
+        q, x_scale = quantize_activation(x, scheme.activations, input_scale)
+        a = dequantize_activation(q, x_scale, scheme.activations)
+        return (a @ dequantize_weight(weight, scale, scheme.weights).t()).to(x.dtype)
+
+    return gemm
+
+
+def _scaled_mm_tensor(scheme: Fp8Scheme) -> GemmFn:
+    def gemm(
+        x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, input_scale: torch.Tensor | None
+    ) -> torch.Tensor:
+        q, x_scale = quantize_activation(x, "tensor", input_scale)
+        # weight [N, K] row-major: its transpose is the column-major [K, N] operand _scaled_mm wants.
+        return torch._scaled_mm(q, weight.t(), scale_a=x_scale, scale_b=scale, out_dtype=x.dtype)
+
+    return gemm
+
+
+def _scaled_mm_rowwise(native: bool) -> GemmFn:
+    per_token = _resolve_per_token_quant()
+
+    def gemm(
+        x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, input_scale: torch.Tensor | None
+    ) -> torch.Tensor:
+        q, x_scale = per_token(x)
+        w_scale = scale.reshape(1, -1)  # [N, 1] -> [1, N], contiguous
+        if native:
+            # Row-wise scaling writes bfloat16 only.
+            out = torch._scaled_mm(
+                q, weight.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=torch.bfloat16
+            )
+            return out.to(x.dtype)
+        one = torch.ones(1, dtype=torch.float32, device=x.device)
+        out = torch._scaled_mm(q, weight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+        return (out * x_scale * w_scale).to(x.dtype)
+
+    return gemm
+
+
+def _resolve_per_token_quant() -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    quant = triton_kernels("quant")
+    if isinstance(quant, ModuleType):
+        return quant.per_token_quant_fp8
+    return lambda x: quantize_activation(x, "token")
+
+
+def _block_scaled_mm(block_gemm: ModuleType) -> GemmFn:
+    def gemm(
+        x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, input_scale: torch.Tensor | None
+    ) -> torch.Tensor:
+        q, x_scale = quantize_activation(x, "group")
+        return block_gemm.block_scaled_mm(q, x_scale, weight, scale, x.dtype)
+
+    return gemm
+
+
+def choose_gemm(scheme: Fp8Scheme, device: torch.device) -> tuple[str, GemmFn]:
+    """The path's name and its function for a layer of ``scheme`` whose weights are on ``device``
+    (`gemm_refusal` has already said the device can run it)."""
+    if device.type != "cuda":
+        return "reference", reference_gemm(scheme)
+    capability = torch.cuda.get_device_capability(device)
+    if scheme.weights == "tensor":
+        return "scaled_mm_tensor", _scaled_mm_tensor(scheme)
+    if scheme.weights == "channel":
+        native = capability >= ROWWISE_MIN_CAPABILITY
+        name = "scaled_mm_rowwise" if native else "scaled_mm_rowwise_epilogue"
+        return name, _scaled_mm_rowwise(native)
+    block_gemm = triton_kernels("block_gemm")
+    if isinstance(block_gemm, str):
+        raise RuntimeError(f"fp8 block-scaled weights on CUDA need {block_gemm}")
+    return "block_scaled_mm", _block_scaled_mm(block_gemm)

@@ -1,0 +1,79 @@
+"""FP8 quantization and dequantization in plain torch: weights at load time, activations where no
+fused kernel is available, and the reference path's dequantization. Scales are float32 and
+multiply: ``value ~= fp8 * scale``."""
+
+from __future__ import annotations
+
+import torch
+
+from pagellm_fp8.scheme import BLOCK, ActivationGranularity, WeightGranularity
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
+# A zero tensor (or row, block) still gets a usable scale, and its values quantize to 0.
+_MIN_AMAX = 1e-12
+
+
+def to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x / scale`` (``scale`` broadcast over ``x``), saturated to the float8 range."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def _blocks(w: torch.Tensor) -> torch.Tensor:
+    rows, cols = w.shape
+    return w.reshape(rows // BLOCK[0], BLOCK[0], cols // BLOCK[1], BLOCK[1])
+
+
+def _expand_block_scales(scale: torch.Tensor) -> torch.Tensor:
+    return scale.repeat_interleave(BLOCK[0], 0).repeat_interleave(BLOCK[1], 1)
+
+
+def quantize_weight(
+    w: torch.Tensor, granularity: WeightGranularity
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float ``w`` [N, K] -> (float8 [N, K], scales: [1], [N, 1] or [N/128, K/128])."""
+    w = w.float()
+    if granularity == "tensor":
+        scale = w.abs().amax().clamp(min=_MIN_AMAX).reshape(1) / FP8_MAX
+        return to_fp8(w, scale), scale
+    if granularity == "channel":
+        scale = w.abs().amax(dim=1, keepdim=True).clamp(min=_MIN_AMAX) / FP8_MAX
+        return to_fp8(w, scale), scale
+    scale = _blocks(w).abs().amax(dim=(1, 3)).clamp(min=_MIN_AMAX) / FP8_MAX
+    return to_fp8(w, _expand_block_scales(scale)), scale
+
+
+def dequantize_weight(
+    q: torch.Tensor, scale: torch.Tensor, granularity: WeightGranularity
+) -> torch.Tensor:
+    """The float32 weight [N, K] that ``q`` and its scales stand for."""
+    if granularity == "block":
+        return q.float() * _expand_block_scales(scale)
+    return q.float() * scale
+
+
+def quantize_activation(
+    x: torch.Tensor, granularity: ActivationGranularity, static_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [M, K] -> (float8 [M, K], scales: [1], [M, 1] or [M, K/128]); ``static_scale`` (a
+    calibrated per-tensor scale) replaces the computed one."""
+    if static_scale is not None:
+        return to_fp8(x, static_scale), static_scale
+    if granularity == "tensor":
+        scale = x.abs().amax().float().clamp(min=_MIN_AMAX).reshape(1) / FP8_MAX
+        return to_fp8(x, scale), scale
+    if granularity == "token":
+        scale = x.abs().amax(dim=1, keepdim=True).float().clamp(min=_MIN_AMAX) / FP8_MAX
+        return to_fp8(x, scale), scale
+    m, k = x.shape
+    groups = x.reshape(m, k // BLOCK[1], BLOCK[1])
+    scale = groups.abs().amax(dim=2).float().clamp(min=_MIN_AMAX) / FP8_MAX
+    return to_fp8(groups, scale.unsqueeze(2)).reshape(m, k), scale
+
+
+def dequantize_activation(
+    q: torch.Tensor, scale: torch.Tensor, granularity: ActivationGranularity
+) -> torch.Tensor:
+    if granularity == "group":
+        return q.float() * scale.repeat_interleave(BLOCK[1], 1)
+    return q.float() * scale
