@@ -46,7 +46,9 @@ def reference_per_group_quant(x: torch.Tensor, group: int) -> tuple[torch.Tensor
     return quantize(groups, scale[..., None]).flatten(-2), scale
 
 
-def reference_block_quant_weight(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_block_quant_weight(
+    w: torch.Tensor, block: int = 128
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A weight [N, K] quantized per block x block tile (the last row block may be short), as
     128x128-block FP8 checkpoints store it: (q [N, K], scales [ceil(N / block), K // block])."""
     n, k = w.shape

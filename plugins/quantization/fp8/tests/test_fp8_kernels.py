@@ -17,7 +17,7 @@ float16, stores) runs as the interpreter has it.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import ModuleType, SimpleNamespace
 
 import numpy as np
@@ -38,10 +38,12 @@ from fp8_kernel_references import (
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def _fp8_cast_with_carry(convert):  # type: ignore[no-untyped-def]
+def _fp8_cast_with_carry(convert: Callable[..., np.ndarray]) -> Callable[..., np.ndarray]:
     import triton.language as tl
 
-    def convert_float(data, input_dtype, output_dtype, rounding_mode):  # type: ignore[no-untyped-def]
+    def convert_float(
+        data: np.ndarray, input_dtype: object, output_dtype: object, rounding_mode: object
+    ) -> np.ndarray:
         if input_dtype == tl.float32 and output_dtype == tl.float8e4nv:
             x = torch.from_numpy(np.frombuffer(data.tobytes(), dtype=np.float32).copy())
             return x.to(FP8).view(torch.uint8).numpy().reshape(data.shape)
@@ -135,7 +137,9 @@ def test_per_tensor_scale_must_be_one_float32_value(kernels: SimpleNamespace):
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("group, k", [(128, 128), (128, 640), (64, 4096)])
-def test_per_token_group_quant_matches_torch(kernels: SimpleNamespace, dtype: str, group: int, k: int):
+def test_per_token_group_quant_matches_torch(
+    kernels: SimpleNamespace, dtype: str, group: int, k: int
+):
     x = _activations(3, k, DTYPES[dtype], seed=4)
     q, scales = kernels.quant.per_token_group_quant_fp8(x, group)
     ref_q, ref_scales = reference_per_group_quant(x, group)
@@ -155,7 +159,7 @@ def test_quantization_refuses_integer_activations(kernels: SimpleNamespace):
         kernels.quant.per_token_quant_fp8(torch.ones(2, 8, dtype=torch.int32))
 
 
-def _gemm_operands(m: int, n: int, k: int, seed: int = 0):  # type: ignore[no-untyped-def]
+def _gemm_operands(m: int, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(seed)
     a = torch.randn(m, k, generator=g).to(FP8)
     b = torch.randn(n, k, generator=g).to(FP8)
@@ -166,7 +170,9 @@ def _gemm_operands(m: int, n: int, k: int, seed: int = 0):  # type: ignore[no-un
 
 # M reaches each tile configuration; N is not a multiple of 128 (a short last weight block).
 @pytest.mark.parametrize("m, n, k", [(1, 96, 256), (20, 200, 128), (70, 160, 256), (300, 136, 128)])
-def test_block_scaled_mm_matches_float64_reference(kernels: SimpleNamespace, m: int, n: int, k: int):
+def test_block_scaled_mm_matches_float64_reference(
+    kernels: SimpleNamespace, m: int, n: int, k: int
+):
     a, a_scales, b, b_scales = _gemm_operands(m, n, k)
     out = kernels.block_gemm.block_scaled_mm(a, a_scales, b, b_scales, torch.float32)
     ref = reference_block_scaled_mm(a, a_scales, b, b_scales)
@@ -198,7 +204,9 @@ def test_block_scaled_linear_approximates_the_float_layer(kernels: SimpleNamespa
 def test_block_scaled_mm_refuses_a_k_that_128_does_not_divide(kernels: SimpleNamespace):
     a = torch.zeros(4, 200).to(FP8)
     b = torch.zeros(128, 200).to(FP8)
-    with pytest.raises(kernels.checks.Fp8KernelInputError, match="K = 200 is not a multiple of 128"):
+    with pytest.raises(
+        kernels.checks.Fp8KernelInputError, match="K = 200 is not a multiple of 128"
+    ):
         kernels.block_gemm.block_scaled_mm(a, torch.ones(4, 1), b, torch.ones(1, 1))
 
 

@@ -147,7 +147,9 @@ def block_scaled_mm(
     require_shape("b_scales", b_scales, (triton.cdiv(N, SCALE_BLOCK), K // SCALE_BLOCK))
     devices = {t.device for t in (a, a_scales, b, b_scales)}
     if len(devices) != 1:
-        raise Fp8KernelInputError(f"the operands are on several devices: {sorted(map(str, devices))}")
+        raise Fp8KernelInputError(
+            f"the operands are on several devices: {sorted(map(str, devices))}"
+        )
     c = torch.empty((M, N), dtype=out_dtype, device=a.device)
     if M == 0 or N == 0:
         return c

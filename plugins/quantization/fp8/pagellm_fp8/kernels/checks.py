@@ -27,6 +27,8 @@ def require_shape(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
 def rows_of(name: str, x: torch.Tensor) -> torch.Tensor:
     """``x`` as a 2-D [rows, K] view with unit stride along K (copied only when it has none)."""
     if x.dim() < 1 or x.shape[-1] == 0:
-        raise Fp8KernelInputError(f"{name} has shape {tuple(x.shape)}; expected [..., K] with K > 0")
+        raise Fp8KernelInputError(
+            f"{name} has shape {tuple(x.shape)}; expected [..., K] with K > 0"
+        )
     x2 = x.reshape(-1, x.shape[-1])
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
