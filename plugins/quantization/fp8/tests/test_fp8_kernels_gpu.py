@@ -68,13 +68,25 @@ def exact_float32_matmul(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _activations(m: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """Random rows of magnitudes from 1e-3 to 1e2; from 3 rows on, one is all zeros and one has
+    a large outlier."""
     g = torch.Generator(device="cuda").manual_seed(m * 7 + k)
     x = torch.randn(m, k, device="cuda", generator=g)
     x *= torch.logspace(-3, 2, m, device="cuda")[:, None]
-    x[0] = 0.0
-    if m > 1:
+    if m > 2:
+        x[0] = 0.0
         x[1, k // 3] = 3.0e4
     return x.to(dtype)
+
+
+# Hopper's fp8 tensor cores add a K block's products with less than float32's precision (the
+# kernel promotes to float32 every 128): far below bf16 rounding, far above float64's.
+GEMM_TOLERANCE = 1e-3
+
+
+def _assert_close_to_reference(out: torch.Tensor, ref: torch.Tensor) -> None:
+    tol = GEMM_TOLERANCE
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
 
 
 def _median_us(fn: Callable[[], object]) -> float:
@@ -123,7 +135,7 @@ def test_block_scaled_mm_matches_float64_reference_at_llama_shapes(
     b, b_scales = reference_block_quant_weight(torch.randn(n, k, device="cuda", generator=g) * 0.02)
     out = kernels.block_gemm.block_scaled_mm(a, a_scales, b, b_scales, torch.float32)
     ref = reference_block_scaled_mm(a, a_scales, b, b_scales)
-    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-5 * ref.abs().max().item())
+    _assert_close_to_reference(out, ref)
     out_bf16 = kernels.block_gemm.block_scaled_mm(a, a_scales, b, b_scales, torch.bfloat16)
     torch.testing.assert_close(out_bf16, out.bfloat16(), rtol=2**-7, atol=1e-6)
 
@@ -135,7 +147,7 @@ def test_block_scaled_mm_handles_an_n_past_the_last_full_block(kernels: SimpleNa
     b, b_scales = reference_block_quant_weight(w)
     out = kernels.block_gemm.block_scaled_mm(a, a_scales, b, b_scales, torch.float32)
     ref = reference_block_scaled_mm(a, a_scales, b, b_scales)
-    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-5 * ref.abs().max().item())
+    _assert_close_to_reference(out, ref)
 
 
 def test_quantize_and_gemm_replay_from_a_cuda_graph_as_eager(kernels: SimpleNamespace):

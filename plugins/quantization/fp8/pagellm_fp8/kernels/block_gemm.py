@@ -50,7 +50,7 @@ def tile_config(m: int) -> TileConfig:
         return TileConfig(block_m=64, block_n=32, group_m=1, num_warps=4, num_stages=6)
     if m <= 256:
         return TileConfig(block_m=64, block_n=128, group_m=8, num_warps=4, num_stages=4)
-    return TileConfig(block_m=128, block_n=128, group_m=8, num_warps=8, num_stages=4)
+    return TileConfig(block_m=128, block_n=128, group_m=8, num_warps=8, num_stages=3)
 
 
 @triton.jit
