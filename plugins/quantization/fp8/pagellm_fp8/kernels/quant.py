@@ -7,8 +7,8 @@ element once (per token, per group) or twice (per tensor, whose scale needs the 
 
 Every kernel computes ``scale = max(amax / 448, MIN_SCALE)`` and ``q = clamp(x / scale, -448,
 448)`` in float32 with IEEE-rounded divisions (Triton's plain ``/`` on float32 is approximate on
-NVIDIA GPUs), cast to float8_e4m3fn rounding to nearest even: bit for bit what the same formula
-in torch gives (see ``reference_per_token_quant`` in the tests).
+NVIDIA GPUs), rounded to float8_e4m3fn to nearest even: bit for bit what the same formula in
+torch gives (see ``reference_per_token_quant`` in the tests), on GPUs and in Triton's interpreter.
 """
 
 from __future__ import annotations
@@ -43,9 +43,31 @@ def _num_warps(block: int) -> int:
 
 
 @triton.jit
+def _round_to_e4m3(v):
+    """``v`` (float32, |v| <= 448) rounded to the nearest e4m3 value, ties to even, as float32.
+
+    The cast to fp8 that follows then has nothing left to round: the result is the same on every
+    Triton backend, including the interpreter, whose float32 -> fp8 cast (Triton 3.6) drops the
+    carry of a rounding into the exponent (31.6 -> 16.0). On GPUs it repeats what the hardware
+    cast does, a few integer operations in a kernel bound by memory.
+    """
+    bits = v.to(tl.uint32, bitcast=True)
+    sign = bits & 0x80000000
+    mag = bits & 0x7FFFFFFF
+    # Normal e4m3 values keep 3 of float32's 23 mantissa bits: add just under half of the 20
+    # dropped bits' unit, plus the kept lowest bit (ties to even), and truncate.
+    normal = (mag + 0x7FFFF + ((mag >> 20) & 1)) & 0xFFF00000
+    # Below e4m3's smallest normal (2^-6) the spacing is 2^-9: float32's spacing at 1.5 * 2^14,
+    # so adding and subtracting that constant rounds to it.
+    a = tl.abs(v)
+    subnormal = ((a + 24576.0) - 24576.0).to(tl.uint32, bitcast=True)
+    return (tl.where(a < 0.015625, subnormal, normal) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _quantize(x, scale, FP8_MAX: tl.constexpr):
     q = tl.math.div_rn(x, scale)
-    return tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
+    return _round_to_e4m3(tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX))
 
 
 @triton.jit
