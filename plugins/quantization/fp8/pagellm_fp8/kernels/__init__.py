@@ -1,0 +1,7 @@
+"""The FP8 Triton kernels: fused activation quantization (``quant``: per token, per tensor, per
+token group of 128) and the block-scaled GEMM of 128x128-block checkpoints (``block_gemm``).
+
+Every function takes and returns torch tensors on the kernels' device; the float8 format is
+``torch.float8_e4m3fn`` (Triton's ``fp8e4nv``), largest finite value 448, scales in float32 with
+``x ~= q * scale``.
+"""
