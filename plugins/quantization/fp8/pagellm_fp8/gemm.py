@@ -8,8 +8,8 @@ Paths, all computing ``out = dequant(quant(x)) @ dequant(weight).T``:
   weights [1, N] (capability >= 9.0); on 8.9 the same product with unit scales in float32 and the
   scales applied after (``scaled_mm_rowwise_epilogue``).
 - ``block_scaled_mm``: the Triton 128x128 block-scaled GEMM of ``pagellm_fp8.kernels``.
-Per-token activation quantization on CUDA uses the fused Triton kernel of ``pagellm_fp8.kernels``
-when it imports, else torch ops (`quant_ops`).
+Activation quantization on CUDA (per token, per tensor, per group of 128 for the block GEMM) uses
+the fused Triton kernels of ``pagellm_fp8.kernels`` when they import, else torch ops (`quant_ops`).
 """
 
 from __future__ import annotations
@@ -87,11 +87,22 @@ def reference_gemm(scheme: Fp8Scheme) -> GemmFn:
     return gemm
 
 
+def _resolve_per_tensor_quant() -> Callable[
+    [torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]
+]:
+    quant = triton_kernels("quant")
+    if isinstance(quant, ModuleType):
+        return quant.per_tensor_quant_fp8
+    return lambda x, input_scale: quantize_activation(x, "tensor", input_scale)
+
+
 def _scaled_mm_tensor(scheme: Fp8Scheme) -> GemmFn:
+    per_tensor = _resolve_per_tensor_quant()
+
     def gemm(
         x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, input_scale: torch.Tensor | None
     ) -> torch.Tensor:
-        q, x_scale = quantize_activation(x, "tensor", input_scale)
+        q, x_scale = per_tensor(x, input_scale)
         # weight [N, K] row-major: its transpose is the column-major [K, N] operand _scaled_mm wants.
         return torch._scaled_mm(q, weight.t(), scale_a=x_scale, scale_b=scale, out_dtype=x.dtype)
 
@@ -130,7 +141,8 @@ def _block_scaled_mm(block_gemm: ModuleType) -> GemmFn:
     def gemm(
         x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, input_scale: torch.Tensor | None
     ) -> torch.Tensor:
-        q, x_scale = quantize_activation(x, "group")
+        # The fused per-group (128 columns) quantization kernel of the same module.
+        q, x_scale = block_gemm.per_token_group_quant_fp8(x, 128)
         return block_gemm.block_scaled_mm(q, x_scale, weight, scale, x.dtype)
 
     return gemm
