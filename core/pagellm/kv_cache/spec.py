@@ -26,4 +26,6 @@ class KVCacheSpec:
     @property
     def page_size_bytes(self) -> int:
         """Bytes of one block of one layer: keys and values, in the cache's storage dtype."""
-        return 2 * self.block_size * self.num_kv_heads * self.head_size * self.storage_dtype.itemsize
+        return (
+            2 * self.block_size * self.num_kv_heads * self.head_size * self.storage_dtype.itemsize
+        )

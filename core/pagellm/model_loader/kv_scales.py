@@ -54,7 +54,9 @@ def take_kv_scales(
             )
         scale = float(tensor.reshape(-1)[0])
         if not (math.isfinite(scale) and scale > 0):
-            raise ValueError(f"Checkpoint KV cache scale {name!r} is {scale}, not a positive number.")
+            raise ValueError(
+                f"Checkpoint KV cache scale {name!r} is {scale}, not a positive number."
+            )
         for part in which:  # "kv" sets both
             into.setdefault(match["attn"], {})[part] = scale
 
@@ -68,7 +70,9 @@ def apply_kv_scales(model: nn.Module, scales: KVScales, cache_dtype: str) -> Non
         raise ValueError(f"Checkpoint KV cache scales match no attention layer: {unknown[:4]}.")
     if cache_dtype == "auto":
         if scales:
-            logger.info("The checkpoint's KV cache scales are unused: the KV cache is not quantized.")
+            logger.info(
+                "The checkpoint's KV cache scales are unused: the KV cache is not quantized."
+            )
         return
     for block, found in scales.items():
         layers[f"{block}.attn"].set_kv_cache_scales(found.get("k", 1.0), found.get("v", 1.0))

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import check_inner_contiguous, is_fp8_cache, dot_precision, mixed_tiles
+from .launch import check_inner_contiguous, dot_precision, is_fp8_cache, mixed_tiles
 from .online_softmax import LOG2E, NO_MAX, attend_tile
 
 

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import check_inner_contiguous, is_fp8_cache, decode_tiles, dot_precision
+from .launch import check_inner_contiguous, decode_tiles, dot_precision, is_fp8_cache
 from .online_softmax import LOG2E, NO_MAX, attend_tile
 
 # Split-KV never cuts a sequence into more pieces than this (bounds the scratch and the merge).
