@@ -54,10 +54,10 @@ def select_attention_backend(
         if not reasons:  # one start-up line: what was chosen, and what was passed over and why
             passed_over = "".join(f"; {n} rejected: {', '.join(r)}" for n, r in rejected.items())
             size = block_size or cls.default_block_size
+            kv = "" if kv_cache_dtype == "auto" else f", kv cache dtype {kv_cache_dtype}"
             logger.info(
                 f"Platform {current_platform_name()}: attention backend {name}, block size {size}, "
-                f"dtype {str(dtype).removeprefix('torch.')}, kv cache dtype {kv_cache_dtype}"
-                f"{passed_over}"
+                f"dtype {str(dtype).removeprefix('torch.')}{kv}{passed_over}"
             )
             return cls
         rejected[name] = reasons
