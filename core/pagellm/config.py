@@ -11,12 +11,16 @@ from pydantic import BaseModel, ConfigDict, Field
 
 DTypeName = Literal["float32", "float16", "bfloat16"]
 LoadFormat = Literal["auto", "safetensors", "gguf", "dummy"]
+KVCacheDTypeName = Literal["auto", "fp8_e4m3"]
+"""How the KV cache stores keys and values: auto (the model dtype) or fp8_e4m3."""
 
 DTYPES: dict[DTypeName, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
 }
+KV_CACHE_DTYPES: dict[str, torch.dtype] = {"fp8_e4m3": torch.float8_e4m3fn}
+"""Storage dtypes of the KV cache other than the model dtype (``auto``)."""
 
 
 class ConfigError(ValueError):
@@ -97,6 +101,12 @@ class CacheConfig(_Config):
     kv_cache_memory: int | None
     """Bytes for the KV cache; None: the platform measures or picks them."""
     gpu_memory_utilization: float
+    cache_dtype: KVCacheDTypeName = "auto"
+    """auto: keys and values stored in the model dtype; fp8_e4m3: stored as float8 e4m3 with one
+    scale per layer for keys and one for values (half the bytes, twice the tokens)."""
+
+    def torch_cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        return KV_CACHE_DTYPES.get(self.cache_dtype, model_dtype)
 
 
 class SchedulerConfig(_Config):

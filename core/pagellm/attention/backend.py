@@ -91,6 +91,10 @@ class AttentionImpl(ABC):
         self.scale = scale
         self.num_kv_heads = num_kv_heads
         self.sliding_window = sliding_window
+        self.k_scale = 1.0
+        self.v_scale = 1.0
+        """Per-layer scales of a quantized KV cache (stored = value / scale), set by the layer
+        once the weights are loaded; a cache in the model dtype ignores them."""
 
     @abstractmethod
     def forward(
@@ -102,7 +106,9 @@ class AttentionImpl(ABC):
         attn_metadata: Any,
     ) -> torch.Tensor:
         """query [T, num_heads * head_size], key/value [T, num_kv_heads * head_size] for the new
-        tokens; store key/value in ``kv_cache`` at the slot mapping and return [T, num_heads * head_size]."""
+        tokens; store key/value in ``kv_cache`` at the slot mapping and return [T, num_heads * head_size].
+        A ``kv_cache`` in float8_e4m3fn stores key / ``k_scale`` and value / ``v_scale``, saturated
+        to the format's range, and is read back multiplied by the scales."""
 
 
 class AttentionBackend(ABC):
@@ -121,6 +127,9 @@ class AttentionBackend(ABC):
     default_block_size: ClassVar[int] = 16
     supports_sliding_window: ClassVar[bool] = True
     supported_device_types: ClassVar[tuple[str, ...]] = ("cpu",)
+    supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto",)
+    """The KV cache dtypes (``--kv-cache-dtype`` names) the backend writes and reads: ``auto``
+    is the model dtype; ``fp8_e4m3`` a float8 e4m3 cache with per-layer k/v scales."""
     cudagraph_support: ClassVar[bool] = False
     """True when decode-only batches may be captured in a CUDA graph: see
     `AttentionMetadataBuilder.build_for_cudagraph`."""
@@ -160,6 +169,7 @@ class AttentionBackend(ABC):
         dtype: torch.dtype,
         block_size: int | None,
         sliding_window: int | None,
+        kv_cache_dtype: str = "auto",
     ) -> list[str]:
         """Every reason this backend cannot serve the model; empty when it can."""
         reasons = []
@@ -181,4 +191,6 @@ class AttentionBackend(ABC):
             unsupported(f"block_size {block_size}", f"multiples of {cls.block_size_multiple}")
         if sliding_window is not None and not cls.supports_sliding_window:
             reasons.append("sliding window attention not supported")
+        if kv_cache_dtype not in cls.supported_kv_cache_dtypes:
+            unsupported(f"kv cache dtype {kv_cache_dtype}", list(cls.supported_kv_cache_dtypes))
         return reasons

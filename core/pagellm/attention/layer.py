@@ -27,6 +27,10 @@ class Attention(nn.Module):
         # Given by the worker once the KV cache exists (`Worker.initialize_cache`).
         self.kv_cache = torch.empty(0)
 
+    def set_kv_cache_scales(self, k_scale: float, v_scale: float) -> None:
+        """Scales of a quantized KV cache (stored = value / scale), from the checkpoint."""
+        self.impl.k_scale, self.impl.v_scale = k_scale, v_scale
+
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context()
         if ctx.attn_metadata is None:

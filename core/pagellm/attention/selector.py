@@ -28,6 +28,7 @@ def select_attention_backend(
     dtype: torch.dtype,
     block_size: int | None,
     sliding_window: int | None,
+    kv_cache_dtype: str = "auto",
 ) -> type[AttentionBackend]:
     """``ranking`` is the platform's preference order; installed backends it does not name come
     last. Logs the choice, with every backend passed over and why, at INFO."""
@@ -48,13 +49,15 @@ def select_attention_backend(
             dtype=dtype,
             block_size=block_size,
             sliding_window=sliding_window,
+            kv_cache_dtype=kv_cache_dtype,
         )
         if not reasons:  # one start-up line: what was chosen, and what was passed over and why
             passed_over = "".join(f"; {n} rejected: {', '.join(r)}" for n, r in rejected.items())
             size = block_size or cls.default_block_size
+            kv = "" if kv_cache_dtype == "auto" else f", kv cache dtype {kv_cache_dtype}"
             logger.info(
                 f"Platform {current_platform_name()}: attention backend {name}, block size {size}, "
-                f"dtype {str(dtype).removeprefix('torch.')}{passed_over}"
+                f"dtype {str(dtype).removeprefix('torch.')}{kv}{passed_over}"
             )
             return cls
         rejected[name] = reasons
@@ -66,6 +69,7 @@ def select_attention_backend(
     )
     raise NoAttentionBackendError(
         f"{what} serve this model (head size {head_size}, dtype {dtype}, block size "
-        f"{block_size}, sliding window {sliding_window}, device {device_type}): {details}. "
-        "Pass --block-size / --dtype to fit a backend, or choose one with --attention-backend."
+        f"{block_size}, sliding window {sliding_window}, kv cache dtype {kv_cache_dtype}, device "
+        f"{device_type}): {details}. Pass --block-size / --dtype / --kv-cache-dtype to fit a "
+        "backend, or choose one with --attention-backend."
     )

@@ -77,11 +77,13 @@ class EngineCore:
             )
         self.executor.initialize_cache(num_blocks)
         logger.info(
-            "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB)",
+            "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB), kv cache dtype %s (%s)",
             num_blocks,
             spec.block_size,
             num_blocks * spec.block_size,
             num_blocks * bytes_per_block / 2**20,
+            cfg.cache.cache_dtype,
+            str(spec.storage_dtype).removeprefix("torch."),
         )
         return num_blocks
 

@@ -14,6 +14,7 @@ from torch import nn
 from pagellm.attention import AttentionBackend
 from pagellm.config import EngineConfig
 from pagellm.layers.linear import Linear
+from pagellm.model_loader.kv_scales import KVScales, apply_kv_scales, take_kv_scales
 from pagellm.model_loader.source import resolve_model_source
 from pagellm.models.registry import resolve_model_cls
 from pagellm.quantization.registry import quantization_methods
@@ -79,8 +80,10 @@ def load_model(
         torch.set_default_dtype(previous)
 
     load_format = config.load.load_format
+    kv_scales: KVScales = {}
     if load_format == "dummy":
         _init_dummy_weights(model, model_cfg.seed)
+        apply_kv_scales(model, kv_scales, config.cache.cache_dtype)
         return _after_loading(model)
     source = resolve_model_source(model_cfg.model)
     if load_format == "auto":
@@ -94,7 +97,8 @@ def load_model(
     else:
         weights = iterate_safetensors_weights(source.directory)
     with torch.no_grad():
-        loaded = model.load_weights(weights)  # type: ignore[operator]
+        loaded = model.load_weights(take_kv_scales(weights, kv_scales))  # type: ignore[operator]
+    apply_kv_scales(model, kv_scales, config.cache.cache_dtype)
     expected = {n for n, _ in model.named_parameters()}
     missing = expected - loaded
     if missing:

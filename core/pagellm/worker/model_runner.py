@@ -47,6 +47,7 @@ class ModelRunner:
             head_size=model_cfg.head_size,
             dtype=model_cfg.torch_dtype,
             sliding_window=model_cfg.sliding_window,
+            cache_dtype=config.cache.torch_cache_dtype(model_cfg.torch_dtype),
         )
         max_num_seqs = config.scheduler.max_num_seqs
         max_blocks_per_req = cdiv(self.max_model_len, block_size)

@@ -78,7 +78,7 @@ class Worker:
         )
         for layer in runner.model.modules():
             if isinstance(layer, Attention):
-                layer.kv_cache = backend.allocate_kv_cache(shape, spec.dtype, self.device)
+                layer.kv_cache = backend.allocate_kv_cache(shape, spec.storage_dtype, self.device)
         runner.capture_model()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

@@ -2,7 +2,8 @@
 
 Works wherever torch does. Decode rows (one new token) are batched into one padded SDPA call;
 each prefill or prefill chunk gets its own call. Gather indices and masks are built once per
-step by the metadata builder and shared by all layers.
+step by the metadata builder and shared by all layers. An FP8 cache (``fp8_e4m3``) is quantized
+on write and the gathered context dequantized on read (`pagellm.kv_cache.fp8`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pagellm.attention.backend import (
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
 )
+from pagellm.kv_cache.fp8 import FP8_KV_DTYPE, dequantize_kv, quantize_kv
 
 
 @dataclass
@@ -117,14 +119,33 @@ class TorchSDPAImpl(AttentionImpl):
         num_slots = key_cache.shape[1]
         head_offsets = torch.arange(hkv, device=slots.device).unsqueeze(1) * num_slots
         rows = (head_offsets + slots.reshape(1, -1)).reshape(-1)
-        keys = key_cache.view(-1, dim).index_select(0, rows).view(hkv * batch, length, dim)
-        values = value_cache.view(-1, dim).index_select(0, rows).view(hkv * batch, length, dim)
+        keys = self._read(key_cache.view(-1, dim).index_select(0, rows), self.k_scale, q.dtype)
+        values = self._read(value_cache.view(-1, dim).index_select(0, rows), self.v_scale, q.dtype)
+        keys = keys.view(hkv * batch, length, dim)
+        values = values.view(hkv * batch, length, dim)
         grouped = q.view(batch, hkv, group, dim).transpose(0, 1).reshape(hkv * batch, group, dim)
         scores = torch.bmm(grouped, keys.transpose(1, 2)).float() * self.scale  # [Hkv*B, G, L]
         scores = scores.view(hkv, batch, group, length).masked_fill_(~mask, float("-inf"))
         probs = scores.softmax(dim=-1).to(values.dtype).view(hkv * batch, group, length)
         out = torch.bmm(probs, values).view(hkv, batch, group, dim)
         return out.transpose(0, 1).reshape(batch, self.num_heads, dim)
+
+    @staticmethod
+    def _read(cached: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+        """Gathered cache entries in the compute dtype."""
+        return dequantize_kv(cached, scale, dtype) if cached.dtype == FP8_KV_DTYPE else cached
+
+    def _write(
+        self, cache: torch.Tensor, slots: torch.Tensor, new: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """Store ``new`` [Hkv, T, D] at ``slots``; returns it as the cache now holds it."""
+        if cache.dtype != FP8_KV_DTYPE:
+            cache.index_copy_(1, slots, new)
+            return new
+        quantized = quantize_kv(new, scale)
+        # index_copy_ has no float8 kernel on CPU: copy the bytes.
+        cache.view(torch.uint8).index_copy_(1, slots, quantized.view(torch.uint8))
+        return dequantize_kv(quantized, scale, new.dtype)
 
     def forward(
         self,
@@ -140,8 +161,10 @@ class TorchSDPAImpl(AttentionImpl):
         v = value[:num_tokens].view(num_tokens, self.num_kv_heads, self.head_size).transpose(0, 1)
         key_cache = kv_cache[0].view(self.num_kv_heads, -1, self.head_size)
         value_cache = kv_cache[1].view(self.num_kv_heads, -1, self.head_size)
-        key_cache.index_copy_(1, attn_metadata.slot_mapping, k)
-        value_cache.index_copy_(1, attn_metadata.slot_mapping, v)
+        # A prompt without cached context attends to its new K/V as stored, so that it matches
+        # the same prompt read back from the cache (chunked, or after a prefix-cache hit).
+        k = self._write(key_cache, attn_metadata.slot_mapping, k, self.k_scale)
+        v = self._write(value_cache, attn_metadata.slot_mapping, v, self.v_scale)
 
         out = torch.empty_like(q)
         gqa = self.num_heads != self.num_kv_heads
@@ -155,8 +178,8 @@ class TorchSDPAImpl(AttentionImpl):
             if row.slots is None:
                 pk, pv = k[:, row.start : row.end], v[:, row.start : row.end]
             else:
-                pk = key_cache.index_select(1, row.slots)  # [Hkv, S, D]
-                pv = value_cache.index_select(1, row.slots)
+                pk = self._read(key_cache.index_select(1, row.slots), self.k_scale, q.dtype)
+                pv = self._read(value_cache.index_select(1, row.slots), self.v_scale, q.dtype)
             # A leading batch dimension of 1 lets torch pick its fused CPU kernel.
             pout = F.scaled_dot_product_attention(
                 pq.unsqueeze(0),
@@ -174,6 +197,7 @@ class TorchSDPAImpl(AttentionImpl):
 class TorchSDPABackend(AttentionBackend):
     name = "TORCH_SDPA"
     supported_device_types = ("cpu", "cuda")
+    supported_kv_cache_dtypes = ("auto", "fp8_e4m3")
 
     @staticmethod
     def get_kv_cache_shape(

@@ -74,6 +74,8 @@ class FlashAttnBackend(AttentionBackend):
     with 16-token pages (`measurements`); the TRITON decode kernel is as fast at either."""
     supports_sliding_window = True
     supported_device_types = ("cuda",)
+    # The FA builds take FP8 descales, but this backend's writes and calls are for the model dtype.
+    supported_kv_cache_dtypes = ("auto",)
     cudagraph_support = True
 
     @staticmethod
@@ -125,6 +127,7 @@ class FlashAttnBackend(AttentionBackend):
         dtype: torch.dtype,
         block_size: int | None,
         sliding_window: int | None,
+        kv_cache_dtype: str = "auto",
     ) -> list[str]:
         reasons = super().unsupported_reasons(
             device_type=device_type,
@@ -132,6 +135,7 @@ class FlashAttnBackend(AttentionBackend):
             dtype=dtype,
             block_size=block_size,
             sliding_window=sliding_window,
+            kv_cache_dtype=kv_cache_dtype,
         )
         if reasons:
             return reasons

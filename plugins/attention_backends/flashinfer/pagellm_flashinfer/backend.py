@@ -71,6 +71,8 @@ class FlashInferBackend(AttentionBackend):
     default_block_size = 16
     supports_sliding_window = True
     supported_device_types = ("cuda",)
+    # FlashInfer reads FP8 caches, but this backend's plans and writes are for the model dtype.
+    supported_kv_cache_dtypes = ("auto",)
     cudagraph_support = True
 
     @staticmethod

@@ -22,6 +22,7 @@ from pagellm.kv_cache.spec import KVCacheSpec
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _MIN_TRITON = (3, 2)
+_MIN_FP8_CAPABILITY = (8, 9)
 
 
 @dataclass
@@ -191,7 +192,9 @@ class TritonAttentionImpl(AttentionImpl):
         k = key[:n].view(n, self.num_kv_heads, self.head_size)
         v = value[:n].view(n, self.num_kv_heads, self.head_size)
         key_cache, value_cache = kv_cache[0], kv_cache[1]
-        kernels.write_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+        kernels.write_kv_cache(
+            k, v, key_cache, value_cache, meta.slot_mapping, self.k_scale, self.v_scale
+        )
 
         out = torch.empty(n, self.num_heads, self.head_size, dtype=query.dtype, device=query.device)
         if meta.run_mixed_kernel:
@@ -209,6 +212,8 @@ class TritonAttentionImpl(AttentionImpl):
                 scale=self.scale,
                 sliding_window=self.sliding_window,
                 skip_decodes=meta.run_decode_kernel,
+                k_scale=self.k_scale,
+                v_scale=self.v_scale,
             )
         if meta.run_decode_kernel:
             kernels.paged_decode(
@@ -224,6 +229,8 @@ class TritonAttentionImpl(AttentionImpl):
                 sliding_window=self.sliding_window,
                 num_splits=meta.num_splits,
                 scratch=meta.scratch.get(self.num_heads, self.head_size) if meta.scratch else None,
+                k_scale=self.k_scale,
+                v_scale=self.v_scale,
             )
         return out.view(n, self.num_heads * self.head_size)
 
@@ -237,6 +244,8 @@ class TritonAttentionBackend(AttentionBackend):
     default_block_size = 16
     supports_sliding_window = True
     supported_device_types = ("cuda", "cpu") if _INTERPRET else ("cuda",)
+    # fp8_e4m3: quantized by the write kernel, dequantized inside the attention kernels.
+    supported_kv_cache_dtypes = ("auto", "fp8_e4m3")
     cudagraph_support = True
 
     @staticmethod
@@ -272,3 +281,32 @@ class TritonAttentionBackend(AttentionBackend):
         if version < _MIN_TRITON:
             return f"triton {triton.__version__} is too old (needs >= 3.2)"
         return None
+
+    @classmethod
+    def unsupported_reasons(
+        cls,
+        *,
+        device_type: str,
+        head_size: int,
+        dtype: torch.dtype,
+        block_size: int | None,
+        sliding_window: int | None,
+        kv_cache_dtype: str = "auto",
+    ) -> list[str]:
+        reasons = super().unsupported_reasons(
+            device_type=device_type,
+            head_size=head_size,
+            dtype=dtype,
+            block_size=block_size,
+            sliding_window=sliding_window,
+            kv_cache_dtype=kv_cache_dtype,
+        )
+        # Triton converts to and from e4m3 only on GPUs with FP8 (Ada, Hopper and later).
+        if kv_cache_dtype == "fp8_e4m3" and device_type == "cuda" and torch.cuda.is_available():
+            capability = torch.cuda.get_device_capability()
+            if capability < _MIN_FP8_CAPABILITY:
+                reasons.append(
+                    f"kv cache dtype fp8_e4m3 needs compute capability >= 8.9 (this GPU has "
+                    f"{capability[0]}.{capability[1]})"
+                )
+        return reasons

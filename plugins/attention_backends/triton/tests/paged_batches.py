@@ -2,7 +2,9 @@
 launches the tests make.
 
 A batch has shuffled block tables, unwritten cache slots poisoned with NaN and outputs poisoned
-with NaN, so a kernel that reads or leaves a slot it should not shows up as NaN.
+with NaN, so a kernel that reads or leaves a slot it should not shows up as NaN. A batch with an
+FP8 cache holds its context quantized as `pagellm.kv_cache.fp8.quantize_kv` does, and the
+reference attends to the same quantized values, dequantized.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from types import ModuleType
 import torch
 
 from pagellm.attention.backend import CommonAttentionMetadata
+from pagellm.kv_cache.fp8 import FP8_KV_DTYPE, dequantize_kv, quantize_kv
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Tolerances against float64: the kernels round probabilities to the input dtype before P @ V.
@@ -33,9 +36,11 @@ class Batch:
     seq_lens: torch.Tensor
     block_table: torch.Tensor
     slot_mapping: torch.Tensor
-    keys: list[torch.Tensor]  # per row, the whole sequence's K [seq_len, Hkv, D]
+    keys: list[torch.Tensor]  # per row, the whole sequence's K [seq_len, Hkv, D], as cached
     values: list[torch.Tensor]
     query_lens: list[int]
+    k_scale: float = 1.0
+    v_scale: float = 1.0
 
     @property
     def num_tokens(self) -> int:
@@ -44,6 +49,10 @@ class Batch:
     @property
     def num_reqs(self) -> int:
         return len(self.query_lens)
+
+    @property
+    def scales(self) -> tuple[float, float]:
+        return self.k_scale, self.v_scale
 
     def common(self) -> CommonAttentionMetadata:
         return CommonAttentionMetadata(
@@ -70,9 +79,11 @@ def make_batch(
     block_size: int = 16,
     padding_rows: int = 0,
     seed: int = 0,
+    fp8_scales: tuple[float, float] | None = None,
 ) -> Batch:
     """``rows`` are (cached context length, new tokens); ``padding_rows`` one-token rows follow
-    with seq_len 0 and slot -1, as in a padded CUDA-graph batch."""
+    with seq_len 0 and slot -1, as in a padded CUDA-graph batch. ``fp8_scales`` (k, v): the cache
+    is float8_e4m3fn with these scales."""
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [ctx + new for ctx, new in rows] + [0] * padding_rows
     query_lens = [new for _, new in rows] + [1] * padding_rows
@@ -81,7 +92,11 @@ def make_batch(
     shuffled = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
     block_table = torch.zeros(len(seq_lens), max(max(blocks_per_row), 1), dtype=torch.int32)
     kv_cache = torch.full((2, num_blocks, num_kv_heads, block_size, head_size), float("nan"))
-    kv_cache = kv_cache.to(dtype)
+    kv_cache = kv_cache.to(FP8_KV_DTYPE if fp8_scales else dtype)
+    k_scale, v_scale = fp8_scales or (1.0, 1.0)
+
+    def as_cached(x: torch.Tensor, scale: float) -> torch.Tensor:
+        return quantize_kv(x, scale) if fp8_scales else x
 
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen).to(dtype)
@@ -92,13 +107,20 @@ def make_batch(
         block_table[row, :n] = torch.tensor(shuffled[:n], dtype=torch.int32)
         del shuffled[:n]
         k, v = rand(seq_len, num_kv_heads, head_size), rand(seq_len, num_kv_heads, head_size)
-        keys.append(k)
-        values.append(v)
+        if fp8_scales:  # large enough that some entries saturate at +-448 * scale
+            k, v = (k.float() * 300 * k_scale).to(dtype), (v.float() * 300 * v_scale).to(dtype)
+        cached_k, cached_v = as_cached(k, k_scale), as_cached(v, v_scale)
+        if fp8_scales:
+            keys.append(dequantize_kv(cached_k, k_scale, torch.float64))
+            values.append(dequantize_kv(cached_v, v_scale, torch.float64))
+        else:
+            keys.append(k)
+            values.append(v)
         for pos in range(seq_len):
             block, offset = int(block_table[row, pos // block_size]), pos % block_size
             if pos < ctx:
-                kv_cache[0, block, :, offset] = k[pos]
-                kv_cache[1, block, :, offset] = v[pos]
+                kv_cache[0, block, :, offset] = cached_k[pos]
+                kv_cache[1, block, :, offset] = cached_v[pos]
             else:
                 slots.append(block * block_size + offset)
         new_k.append(k[ctx:])
@@ -126,6 +148,8 @@ def make_batch(
         keys=keys + [None] * padding_rows,  # type: ignore[list-item]
         values=values + [None] * padding_rows,  # type: ignore[list-item]
         query_lens=query_lens,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
 
 
@@ -158,6 +182,8 @@ def assert_close_to_reference(out: torch.Tensor, batch: Batch, scale: float, win
     assert torch.isfinite(out).all(), "some outputs were never written (still NaN)"
     expected = reference(batch, scale, window)
     tol = TOLERANCE[batch.query.dtype]
+    if batch.kv_cache.dtype == FP8_KV_DTYPE:  # outputs scale with the values (up to 448 * v_scale)
+        tol *= 300 * batch.v_scale
     torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
 
 
@@ -169,10 +195,15 @@ def assert_new_kv_written(batch: Batch) -> None:
     blocks, offsets = slots // block_size, slots % block_size
     stored_k = batch.kv_cache[0, blocks, :, offsets]
     stored_v = batch.kv_cache[1, blocks, :, offsets]
-    assert torch.equal(stored_k, batch.key[live])
-    assert torch.equal(stored_v, batch.value[live])
+    expected_k, expected_v = batch.key[live], batch.value[live]
+    if batch.kv_cache.dtype == FP8_KV_DTYPE:  # compare bits: rounding as quantize_kv's
+        stored_k, stored_v = stored_k.view(torch.uint8), stored_v.view(torch.uint8)
+        expected_k = quantize_kv(expected_k, batch.k_scale).view(torch.uint8)
+        expected_v = quantize_kv(expected_v, batch.v_scale).view(torch.uint8)
+    assert torch.equal(stored_k, expected_k)
+    assert torch.equal(stored_v, expected_v)
     num_context = sum(int(s) for s in batch.seq_lens)
-    written = (~batch.kv_cache[0, :, 0, :, 0].isnan()).sum()
+    written = (~batch.kv_cache[0, :, 0, :, 0].float().isnan()).sum()
     assert written == num_context, "a slot outside the batch's sequences was written"
 
 
@@ -185,7 +216,9 @@ def run_mixed(
     skip_decodes: bool = False,
 ) -> torch.Tensor:
     key_cache, value_cache = batch.kv_cache[0], batch.kv_cache[1]
-    kernels.write_kv_cache(batch.key, batch.value, key_cache, value_cache, batch.slot_mapping)
+    kernels.write_kv_cache(
+        batch.key, batch.value, key_cache, value_cache, batch.slot_mapping, *batch.scales
+    )
     if out is None:
         out = torch.full(batch.query.shape, float("nan"), dtype=batch.query.dtype)
     kernels.paged_attention(
@@ -202,6 +235,8 @@ def run_mixed(
         scale=scale,
         sliding_window=window,
         skip_decodes=skip_decodes,
+        k_scale=batch.k_scale,
+        v_scale=batch.v_scale,
     )
     return out
 
@@ -215,7 +250,9 @@ def run_decode(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     key_cache, value_cache = batch.kv_cache[0], batch.kv_cache[1]
-    kernels.write_kv_cache(batch.key, batch.value, key_cache, value_cache, batch.slot_mapping)
+    kernels.write_kv_cache(
+        batch.key, batch.value, key_cache, value_cache, batch.slot_mapping, *batch.scales
+    )
     num_heads, head_size = batch.query.shape[1:]
     if out is None:
         out = torch.full(batch.query.shape, float("nan"), dtype=batch.query.dtype)
@@ -239,5 +276,7 @@ def run_decode(
         sliding_window=window,
         num_splits=num_splits,
         scratch=scratch,
+        k_scale=batch.k_scale,
+        v_scale=batch.v_scale,
     )
     return out

@@ -210,6 +210,8 @@ def run_mixed(
     window: int | None,
     out: torch.Tensor,
     skip_decodes: bool = False,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     kernels.paged_attention(
         batch.query,
@@ -225,6 +227,8 @@ def run_mixed(
         scale=scale,
         sliding_window=window,
         skip_decodes=skip_decodes,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
 
 
@@ -235,6 +239,8 @@ def run_decode(
     window: int | None,
     out: torch.Tensor,
     num_splits: int,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     num_heads, head_size = batch.query.shape[1:]
     scratch = None
@@ -257,6 +263,8 @@ def run_decode(
         sliding_window=window,
         num_splits=num_splits,
         scratch=scratch,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
 
 

@@ -148,6 +148,54 @@ def test_split_kv_agrees_with_unsplit_decode(kernels):
     torch.testing.assert_close(split, whole, atol=1e-5, rtol=1e-5)
 
 
+# FP8 caches: scales of 1, powers of two and others; the contexts saturate at +-448 * scale.
+@pytest.mark.parametrize(
+    "dtype, head_size, num_heads, num_kv_heads, window, scales",
+    [
+        ("bf16", 32, 4, 2, None, (0.37, 1.3)),
+        ("fp16", 64, 4, 1, 20, (1.0, 1.0)),
+        ("fp32", 16, 2, 2, None, (2.0, 0.5)),
+    ],
+)
+def test_fp8_cache_mixed_batch_matches_reference_on_the_quantized_values(
+    kernels, dtype, head_size, num_heads, num_kv_heads, window, scales
+):
+    """The write kernel quantizes as `quantize_kv` (bit for bit, saturating), and the attention
+    kernels dequantize what they read: the output is attention over the quantized K/V."""
+    batch = make_batch(
+        MIXED_ROWS[:4],
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_size=head_size,
+        dtype=DTYPES[dtype],
+        seed=head_size,
+        fp8_scales=scales,
+    )
+    scale = head_size**-0.5
+    out = run_mixed(kernels, batch, scale, window)
+    assert_new_kv_written(batch)
+    assert_close_to_reference(out, batch, scale, window)
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_fp8_cache_decode_with_and_without_split_kv_matches_reference(kernels, num_splits):
+    rows = [(130, 1), (0, 1), (47, 1)]
+    batch = make_batch(
+        rows,
+        num_heads=4,
+        num_kv_heads=2,
+        head_size=32,
+        dtype=torch.bfloat16,
+        padding_rows=1,
+        seed=num_splits,
+        fp8_scales=(0.8, 0.25),
+    )
+    out = run_decode(kernels, batch, 0.2, None, num_splits)
+    assert_new_kv_written(batch)
+    assert_close_to_reference(out, batch, 0.2, None)
+    assert torch.equal(out[-1:], torch.zeros_like(out[-1:])), "padding rows must give zeros"
+
+
 def test_kv_write_skips_padding_slots(kernels):
     batch = make_batch(
         [(20, 3)], num_heads=2, num_kv_heads=2, head_size=16, dtype=torch.float16, padding_rows=3

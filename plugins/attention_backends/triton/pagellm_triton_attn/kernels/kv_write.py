@@ -1,4 +1,7 @@
-"""Writing the new tokens' K/V into the paged cache: one program per token, all its KV heads."""
+"""Writing the new tokens' K/V into the paged cache: one program per token, all its KV heads.
+
+An FP8 cache (float8_e4m3fn) stores ``value * (1 / scale)``, saturated to +-448 and rounded to
+nearest-even, as `pagellm.kv_cache.fp8.quantize_kv` does."""
 
 from __future__ import annotations
 
@@ -6,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import check_inner_contiguous
+from .launch import FP8_E4M3_MAX, check_inner_contiguous, is_fp8_cache
 
 
 @triton.jit
@@ -16,6 +19,8 @@ def _write_kv_kernel(
     k_cache_ptr,
     v_cache_ptr,
     slot_ptr,
+    inv_k_scale,
+    inv_v_scale,
     stride_kt,
     stride_kh,
     stride_vt,
@@ -28,6 +33,7 @@ def _write_kv_kernel(
     HEAD_SIZE: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr,
+    QUANTIZE: tl.constexpr,
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
@@ -43,8 +49,13 @@ def _write_kv_kernel(
         + offs_d[None, :]
     )
     k = tl.load(key_ptr + token * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask)
-    tl.store(k_cache_ptr + dst, k, mask)
     v = tl.load(value_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask)
+    if QUANTIZE:
+        k = k.to(tl.float32) * inv_k_scale
+        k = tl.minimum(tl.maximum(k, -FP8_E4M3_MAX), FP8_E4M3_MAX).to(k_cache_ptr.dtype.element_ty)
+        v = v.to(tl.float32) * inv_v_scale
+        v = tl.minimum(tl.maximum(v, -FP8_E4M3_MAX), FP8_E4M3_MAX).to(v_cache_ptr.dtype.element_ty)
+    tl.store(k_cache_ptr + dst, k, mask)
     tl.store(v_cache_ptr + dst, v, mask)
 
 
@@ -54,9 +65,12 @@ def write_kv_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Store ``key``/``value`` ``[T, num_kv_heads, head_size]`` (last dim contiguous) at
-    ``slot_mapping[:T]`` in caches shaped ``[num_blocks, num_kv_heads, block_size, head_size]``."""
+    ``slot_mapping[:T]`` in caches shaped ``[num_blocks, num_kv_heads, block_size, head_size]``;
+    an FP8 cache gets them divided by ``k_scale``/``v_scale``."""
     num_tokens, num_kv_heads, head_size = key.shape
     if num_tokens == 0:
         return
@@ -69,6 +83,8 @@ def write_kv_cache(
         key_cache,
         value_cache,
         slot_mapping,
+        1.0 / k_scale,
+        1.0 / v_scale,
         key.stride(0),
         key.stride(1),
         value.stride(0),
@@ -81,6 +97,7 @@ def write_kv_cache(
         HEAD_SIZE=head_size,
         BLOCK_D=block_d,
         PAGE=key_cache.shape[2],
+        QUANTIZE=is_fp8_cache(key_cache),
         # One 16-byte vector per thread for a 8 x 128 bf16 tile at 4 warps.
         num_warps=max(1, min(8, heads_p * block_d // 256)),
     )

@@ -7,6 +7,15 @@ from dataclasses import dataclass, replace
 
 import torch
 import triton
+import triton.language as tl
+
+# float8_e4m3fn's largest finite value: FP8 cache writes saturate there (e4m3fn has no infinity).
+FP8_E4M3_MAX: tl.constexpr = tl.constexpr(448.0)
+
+
+def is_fp8_cache(cache: torch.Tensor) -> bool:
+    """The cache holds float8_e4m3fn entries (with per-layer scales), not the model dtype."""
+    return cache.dtype == torch.float8_e4m3fn
 
 
 def check_inner_contiguous(*tensors: torch.Tensor) -> None:

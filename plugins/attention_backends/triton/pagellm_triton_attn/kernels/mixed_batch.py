@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import check_inner_contiguous, dot_precision, mixed_tiles
+from .launch import check_inner_contiguous, dot_precision, is_fp8_cache, mixed_tiles
 from .online_softmax import LOG2E, NO_MAX, attend_tile
 
 
@@ -30,6 +30,7 @@ def _paged_attention_kernel(
     num_virtual_tiles,
     window,
     qk_scale,
+    v_scale,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -48,6 +49,7 @@ def _paged_attention_kernel(
     HEAD_SIZE: tl.constexpr,
     PAGE: tl.constexpr,
     USE_WINDOW: tl.constexpr,
+    KV_FP8: tl.constexpr,
     SKIP_DECODES: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -134,6 +136,8 @@ def _paged_attention_kernel(
         )  # fmt: skip
 
     acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    if KV_FP8:
+        acc = acc * v_scale  # the FP8 cache's values were stored divided by it
     tl.store(
         out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
         acc.to(out_ptr.dtype.element_ty),
@@ -156,13 +160,16 @@ def paged_attention(
     scale: float,
     sliding_window: int | None,
     skip_decodes: bool = False,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Causal attention of every query token of a mixed batch over its request's paged context.
 
     ``query``/``out`` ``[T, num_heads, head_size]``; caches ``[num_blocks, num_kv_heads,
     block_size, head_size]``; request i's tokens are ``query_start_loc[i]:query_start_loc[i+1]``
     and its context (cached and new tokens, already in the cache) is ``seq_lens[i]`` long.
-    ``skip_decodes`` leaves rows of one query token to `paged_decode`."""
+    ``skip_decodes`` leaves rows of one query token to `paged_decode`. Float8 caches hold K/V
+    divided by ``k_scale``/``v_scale``."""
     if num_reqs == 0 or num_tokens == 0:
         return
     num_heads, head_size = query.shape[1], query.shape[2]
@@ -182,7 +189,8 @@ def paged_attention(
         num_reqs,
         num_virtual_tiles,
         sliding_window or 0,
-        scale * LOG2E,
+        scale * k_scale * LOG2E,  # the FP8 cache's keys were stored divided by k_scale
+        v_scale,
         query.stride(0),
         query.stride(1),
         out.stride(0),
@@ -201,6 +209,7 @@ def paged_attention(
         HEAD_SIZE=head_size,
         PAGE=key_cache.shape[2],
         USE_WINDOW=sliding_window is not None,
+        KV_FP8=is_fp8_cache(key_cache),
         SKIP_DECODES=skip_decodes,
         DOT_PRECISION=dot_precision(query.dtype),
         num_warps=tiles.num_warps,

@@ -3,6 +3,11 @@ softmax.
 
 Softmax runs online in float32 and in base 2: the host multiplies the scale by `LOG2E` once, so
 ``exp2`` replaces ``exp`` and log-sum-exps are base-2.
+
+An FP8 cache's tiles are converted to the query's dtype after loading (exact: e4m3 values are
+bfloat16 and float16 values); its key scale is folded into ``qk_scale`` by the host and its value
+scale multiplies the finished output (the kernels' ``KV_FP8``), so a tile costs no extra multiply.
+In the model dtype the conversions are no-ops and the compiled kernels unchanged.
 """
 
 from __future__ import annotations
@@ -68,7 +73,7 @@ def attend_tile(
     else:
         page = tl.load(bt_row_ptr + offs_n // PAGE)
     offs = (page.to(tl.int64) * stride_cb + (offs_n % PAGE) * stride_cs)[:, None] + offs_d[None, :]
-    k = _load_kv_tile(k_head_ptr + offs, n_ok, d_ok, MASKED, BLOCK_D != HEAD_SIZE)
+    k = _load_kv_tile(k_head_ptr + offs, n_ok, d_ok, MASKED, BLOCK_D != HEAD_SIZE).to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     if MASKED:
         visible = (offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :]
@@ -81,7 +86,7 @@ def attend_tile(
     l_i = l_i * alpha + tl.sum(p, 1)
     # V beyond the sequence end may be uninitialised (NaN): it must be loaded as zeros, since
     # 0 * NaN would poison the accumulator.
-    v = _load_kv_tile(v_head_ptr + offs, n_ok, d_ok, MASKED, BLOCK_D != HEAD_SIZE)
+    v = _load_kv_tile(v_head_ptr + offs, n_ok, d_ok, MASKED, BLOCK_D != HEAD_SIZE).to(q.dtype)
     acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+    acc = tl.dot(p.to(q.dtype), v, acc, input_precision=DOT_PRECISION)
     return acc, m_new, l_i

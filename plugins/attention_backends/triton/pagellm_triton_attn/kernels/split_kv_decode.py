@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import check_inner_contiguous, decode_tiles, dot_precision
+from .launch import check_inner_contiguous, decode_tiles, dot_precision, is_fp8_cache
 from .online_softmax import LOG2E, NO_MAX, attend_tile
 
 # Split-KV never cuts a sequence into more pieces than this (bounds the scratch and the merge).
@@ -34,6 +34,7 @@ def _paged_decode_kernel(
     block_table_ptr,
     window,
     qk_scale,
+    v_scale,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -49,6 +50,7 @@ def _paged_decode_kernel(
     HEAD_SIZE: tl.constexpr,
     PAGE: tl.constexpr,
     USE_WINDOW: tl.constexpr,
+    KV_FP8: tl.constexpr,
     SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -97,6 +99,8 @@ def _paged_decode_kernel(
         )  # fmt: skip
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    if KV_FP8:
+        out = out * v_scale  # the FP8 cache's values were stored divided by it
     store_mask = m_ok[:, None] & d_ok[None, :]
     if SPLIT:
         # part_out [rows, num_heads, num_splits, BLOCK_D], part_lse [rows, num_heads, num_splits]
@@ -177,13 +181,16 @@ def paged_decode(
     sliding_window: int | None,
     num_splits: int = 1,
     scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Attention for the rows of exactly one query token (token ``query_start_loc[row]``);
     other rows are skipped, so this can share a mixed batch with `paged_attention`.
 
     With ``num_splits`` > 1 each row's key tiles are shared among that many programs, which write
     into ``scratch`` (from `split_scratch`), then merged. Rows with ``seq_len`` 0 produce zeros
-    and read no cache. The launch reads no host-side per-step value besides its shapes."""
+    and read no cache. The launch reads no host-side per-step value besides its shapes. Float8
+    caches hold K/V divided by ``k_scale``/``v_scale``."""
     if num_rows == 0:
         return
     num_heads, head_size = query.shape[1], query.shape[2]
@@ -216,7 +223,8 @@ def paged_decode(
         seq_lens,
         block_table,
         sliding_window or 0,
-        scale * LOG2E,
+        scale * k_scale * LOG2E,  # the FP8 cache's keys were stored divided by k_scale
+        v_scale,
         query.stride(0),
         query.stride(1),
         out.stride(0),
@@ -233,6 +241,7 @@ def paged_decode(
         HEAD_SIZE=head_size,
         PAGE=key_cache.shape[2],
         USE_WINDOW=sliding_window is not None,
+        KV_FP8=is_fp8_cache(key_cache),
         SPLIT=split,
         DOT_PRECISION=dot_precision(query.dtype),
         num_warps=tiles.num_warps,

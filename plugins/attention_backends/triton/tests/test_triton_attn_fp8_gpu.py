@@ -1,0 +1,169 @@
+"""TRITON_ATTN with an FP8 (e4m3) KV cache on a CUDA GPU at serving sizes: the write kernel
+against `quantize_kv` bit for bit, the attention kernels against a float32 reference over the
+quantized K/V, and the engine end to end against the bf16 cache.
+
+Run on the device machine with ``pytest -m gpu plugins/attention_backends/triton/tests``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from test_triton_attn_gpu import (
+    BLOCK_SIZE,
+    DTYPES,
+    Batch,
+    assert_matches_reference,
+    auto_splits,
+    make_batch,
+    pkg,  # noqa: F401 (fixture)
+    poisoned,
+    random_decode_rows,
+    run_decode,
+    run_mixed,
+)
+
+from pagellm.kv_cache.fp8 import FP8_KV_DTYPE, dequantize_kv, quantize_kv
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(
+        torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),
+        reason="FP8 needs compute capability >= 8.9",
+    ),
+]
+
+# Keys reach 448 * scale (saturation) at |x| = 4: a handful of randn entries saturate.
+K_SCALE, V_SCALE = 4.0 / 448, 3.0 / 448
+
+
+def fp8_batch(batch: Batch) -> Batch:
+    """The same step with an FP8 cache: context quantized, the reference over the dequantized
+    values (NaN poison stays NaN)."""
+    cache = torch.empty_like(batch.kv_cache, dtype=FP8_KV_DTYPE)
+    cache[0] = quantize_kv(batch.kv_cache[0], K_SCALE)
+    cache[1] = quantize_kv(batch.kv_cache[1], V_SCALE)
+    return dataclasses.replace(
+        batch,
+        kv_cache=cache,
+        keys=dequantize_kv(quantize_kv(batch.keys, K_SCALE), K_SCALE, torch.float32),
+        values=dequantize_kv(quantize_kv(batch.values, V_SCALE), V_SCALE, torch.float32),
+    )
+
+
+def write_fp8(kernels, batch: Batch) -> None:
+    kernels.write_kv_cache(
+        batch.key,
+        batch.value,
+        batch.kv_cache[0],
+        batch.kv_cache[1],
+        batch.slot_mapping,
+        K_SCALE,
+        V_SCALE,
+    )
+
+
+def test_fp8_write_quantizes_as_quantize_kv_bit_for_bit(pkg):  # noqa: F811
+    kernels, _ = pkg
+    batch = fp8_batch(
+        make_batch(
+            [(1000, 300), (0, 2000), (77, 1)],
+            num_heads=32,
+            num_kv_heads=8,
+            head_size=128,
+            dtype=torch.bfloat16,
+            padding_rows=5,
+        )
+    )
+    write_fp8(kernels, batch)
+    live = batch.slot_mapping >= 0
+    slots = batch.slot_mapping[live]
+    for i, scale in enumerate((K_SCALE, V_SCALE)):
+        stored = batch.kv_cache[i][slots // BLOCK_SIZE, :, slots % BLOCK_SIZE]
+        expected = quantize_kv((batch.key, batch.value)[i][live], scale)
+        assert torch.equal(stored.view(torch.uint8), expected.view(torch.uint8))
+
+
+@pytest.mark.parametrize(
+    "dtype, head_size, num_heads, num_kv_heads, window",
+    [("bf16", 128, 32, 8, None), ("fp16", 64, 16, 8, 1000), ("fp32", 128, 16, 8, None)],
+)
+def test_fp8_mixed_batch_matches_reference(pkg, dtype, head_size, num_heads, num_kv_heads, window):  # noqa: F811
+    kernels, _ = pkg
+    rows = [(0, 2048), (3000, 512), (6900, 1200), (0, 37), (8000, 1)]
+    rows += random_decode_rows(100, 8192, seed=head_size)
+    batch = fp8_batch(
+        make_batch(
+            rows,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_size=head_size,
+            dtype=DTYPES[dtype],
+        )
+    )
+    scale = head_size**-0.5
+    write_fp8(kernels, batch)
+    out = poisoned(batch)
+    run_mixed(kernels, batch, scale, window, out, k_scale=K_SCALE, v_scale=V_SCALE)
+    assert_matches_reference(out, batch, scale, window)
+
+
+@pytest.mark.parametrize("num_rows, max_context", [(256, 4096), (4, 32768)])
+def test_fp8_decode_matches_reference_split_or_not(pkg, num_rows, max_context):  # noqa: F811
+    kernels, backend = pkg
+    rows = random_decode_rows(num_rows, max_context, seed=num_rows)
+    batch = fp8_batch(
+        make_batch(
+            rows, num_heads=32, num_kv_heads=8, head_size=128, dtype=torch.bfloat16, padding_rows=3
+        )
+    )
+    write_fp8(kernels, batch)
+    splits = auto_splits(kernels, backend, batch.num_reqs, 8, max_context)
+    out = poisoned(batch)
+    run_decode(kernels, batch, 128**-0.5, None, out, splits, k_scale=K_SCALE, v_scale=V_SCALE)
+    assert_matches_reference(out, batch, 128**-0.5, None)
+
+
+def test_fp8_cache_end_to_end_agrees_with_the_bf16_cache(tiny_models):
+    """Teacher-forced top-1 over the bf16-cache run's greedy continuations (>= 95 %), decode
+    graphs on, and twice the KV tokens."""
+    from pagellm import LLM, SamplingParams
+
+    prompts = [
+        [(7 * i + 3 * j) % 1000 + 3 for j in range(n)] for i, n in enumerate((5, 19, 33, 48))
+    ]
+    greedy = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    forced = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+    top1, capacity = {}, {}
+    sequences: list[list[int]] = []
+    for kv in ("auto", "fp8"):
+        llm = LLM(
+            tiny_models["llama3"],
+            dtype="bfloat16",
+            max_model_len=256,
+            kv_cache_memory=64 << 20,
+            attention_backend="TRITON_ATTN",
+            kv_cache_dtype=kv,
+            long_prefill_token_threshold=16,
+        )
+        core = llm.llm_engine.core_client
+        capacity[kv] = core.kv_cache_manager.block_pool.num_blocks
+        if kv == "auto":
+            outs = llm.generate(prompts, greedy, use_tqdm=False)
+            sequences = [p + o.outputs[0].token_ids for p, o in zip(prompts, outs, strict=True)]
+        outs = llm.generate(sequences, forced, use_tqdm=False)
+        top1[kv] = [
+            next(t for t, lp in pos.items() if lp.rank == 1)
+            for o, p in zip(outs, prompts, strict=True)
+            for pos in o.prompt_logprobs[len(p) :]
+        ]
+        del llm
+    agreement = sum(a == b for a, b in zip(top1["auto"], top1["fp8"], strict=True)) / len(
+        top1["auto"]
+    )
+    print(f"TRITON_ATTN fp8 vs bf16 KV cache: teacher-forced top-1 {agreement:.1%}")
+    assert agreement >= 0.95
+    assert capacity["fp8"] == 2 * capacity["auto"]
