@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One round on the GPU machine: offline install (wheels carried in .whl), GPU tests, benchmarks.
 # Writes logs and JSON under $OUT. Stages: tests, tests-flashinfer, fi-jit, fi-cache-save, fa-tests,
-# fa-kernels, w1, w2, overhead, hf (W1/W2 with the HF peer).
+# fa-kernels, fp8-tests, fp8-gemm, prof, w1, w2, overhead, hf (W1/W2 with the HF peer).
 #   bash benchmarks/gpu_round.sh tests w2 w1 overhead
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -23,7 +23,7 @@ if [ ! -e "/tmp/site/.installed-$wheels" ]; then
   python3 -m pip install -q --no-index --no-deps --no-build-isolation \
     -e . -e plugins/cuda_platform -e plugins/attention_backends/triton \
     -e plugins/attention_backends/flashinfer \
-    -e plugins/attention_backends/flash_attn \
+    -e plugins/attention_backends/flash_attn -e plugins/quantization/fp8 \
     -e plugins/endpoints/openai -e plugins/endpoints/admin >"$OUT/install.log" 2>&1 \
     || { tail -20 "$OUT/install.log"; exit 1; }
   touch "/tmp/site/.installed-$wheels"
@@ -64,6 +64,10 @@ for stage in "$@"; do
     # FLASH_ATTN's GPU tests and kernel table (FA4's wheels: benchmarks/fa4_wheels.sh).
     fa-tests) run fa_tests 560 python3 -m pytest -m gpu plugins/attention_backends/flash_attn/tests -q -s -p no:cacheprovider --timeout 300 ;;
     fa-kernels) run fa_kernels 300 python3 benchmarks/flash_attn_kernels.py --output-json "$OUT/fa_kernels.json" ;;
+    # pagellm-fp8 (kernels, _scaled_mm paths, engine parity) and the FP8 KV cache of TRITON_ATTN.
+    fp8-tests) run fp8_tests 400 python3 -m pytest -m gpu -q -s -p no:cacheprovider --timeout 200 \
+        plugins/quantization/fp8/tests plugins/attention_backends/triton/tests/test_triton_attn_fp8_gpu.py ;;
+    fp8-gemm) run fp8_gemm 200 python3 benchmarks/fp8_gemm.py --output-json "$OUT/fp8_gemm.json" ;;
     w2) run w2 200 bash benchmarks/workloads.sh W2 --output-json "$OUT/w2.json" ;;
     w1) run w1 300 bash benchmarks/workloads.sh W1 --output-json "$OUT/w1.json" ;;
     w2-eager) run w2_eager 300 bash benchmarks/workloads.sh W2 --enforce-eager --output-json "$OUT/w2_eager.json" ;;
