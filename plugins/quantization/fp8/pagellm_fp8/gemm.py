@@ -148,6 +148,30 @@ def _block_scaled_mm(block_gemm: ModuleType) -> GemmFn:
     return gemm
 
 
+SCALED_MM_MULTIPLE = 16
+"""``torch._scaled_mm`` takes matrices whose both dimensions are multiples of 16."""
+
+
+def shape_refusal(
+    scheme: Fp8Scheme, device: torch.device, out_features: int, in_features: int
+) -> str | None:
+    """Why a layer of this shape cannot run the GEMM `choose_gemm` would give it on ``device``,
+    or None (the reference path and the block GEMM take any shape their scales allow)."""
+    if device.type != "cuda" or scheme.weights == "block":
+        return None
+    bad = [
+        f"{name} {size}"
+        for name, size in (("out_features", out_features), ("in_features", in_features))
+        if size % SCALED_MM_MULTIPLE
+    ]
+    if not bad:
+        return None
+    return (
+        f"torch._scaled_mm needs both weight dimensions to be multiples of "
+        f"{SCALED_MM_MULTIPLE}; this layer has {', '.join(bad)}"
+    )
+
+
 def choose_gemm(scheme: Fp8Scheme, device: torch.device) -> tuple[str, GemmFn]:
     """The path's name and its function for a layer of ``scheme`` whose weights are on ``device``
     (`gemm_refusal` has already said the device can run it)."""

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from pagellm.quantization import LinearMethodBase
-from pagellm_fp8.gemm import GemmFn, choose_gemm
+from pagellm_fp8.gemm import GemmFn, choose_gemm, shape_refusal
 from pagellm_fp8.quant_ops import FP8_DTYPE, dequantize_weight, quantize_weight, to_fp8
 from pagellm_fp8.scheme import BLOCK, Fp8Scheme
 
@@ -142,6 +142,9 @@ class Fp8LinearMethod(LinearMethodBase):
         layer.register_parameter(
             "input_scale", _parameter(input_scale) if input_scale is not None else None
         )
+        refusal = shape_refusal(scheme, q.device, q.shape[0], q.shape[1])
+        if refusal is not None:
+            raise ValueError(f"{self.prefix}: {refusal} (use a float model or another scheme)")
         self.gemm_path, self._gemm = choose_gemm(scheme, q.device)
 
     @staticmethod

@@ -228,6 +228,20 @@ def test_platforms_without_fp8_gemms_are_refused_with_the_reason():
     assert tpu is not None and "device type 'tpu'" in tpu
 
 
+def test_layers_scaled_mm_cannot_take_are_refused_with_their_shape():
+    from pagellm_fp8.gemm import shape_refusal
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    per_channel = Fp8Scheme("channel", "token")
+    assert shape_refusal(per_channel, cuda, 4096, 4096) is None
+    assert shape_refusal(per_channel, cuda, 4104, 1000) == (
+        "torch._scaled_mm needs both weight dimensions to be multiples of 16; this layer has "
+        "out_features 4104, in_features 1000"
+    )
+    assert shape_refusal(per_channel, cpu, 4104, 1000) is None  # the reference path
+    assert shape_refusal(Fp8Scheme("block", "group"), cuda, 4104, 1024) is None
+
+
 def test_block_method_on_cuda_without_the_triton_kernel_says_so(monkeypatch):
     """The kernels module is made unimportable here (the CPU machine may have Triton)."""
     import sys
