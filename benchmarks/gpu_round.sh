@@ -53,7 +53,7 @@ for stage in "$@"; do
     fi-cache-save) tar -czf "$OUT/ficache.tar.gz" -C "$FLASHINFER_WORKSPACE_BASE" .cache \
         && ls -l "$OUT/ficache.tar.gz" ;;
     # Every gpu-marked test, wherever it lives (pyproject testpaths: tests/ and plugins/*/tests).
-    tests) run gpu_tests 330 python3 -m pytest -m gpu -q -s -p no:cacheprovider --timeout 120 -x ;;
+    tests) run gpu_tests 560 python3 -m pytest -m gpu -q -s -p no:cacheprovider --timeout 200 ;;
     # FLASHINFER's GPU tests first: their fixture compiles, in one parallel build, the kernel
     # modules of every GPU test that runs on FLASHINFER (minutes with an empty cache).
     # The kernel modules of FLASHINFER's GPU tests alone (the fixture), and a new builder finding them.
