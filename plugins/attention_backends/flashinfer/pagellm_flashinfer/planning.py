@@ -130,8 +130,8 @@ def plan_graph_decode(
     spec: KVCacheSpec,
 ) -> None:
     """The first plan (before capture) is the wrapper's own, which loads the kernels and
-    copies the arrays into the graph's buffers. Before each replay, the arrays are written into
-    those buffers here and, for a graph that `replans`, ``flashinfer.fast_decode_plan``
+    copies the arrays into the graph's buffers. Before each replay, the builder has written
+    ``kv_indptr`` into its buffer; the other arrays are written into theirs here and, for a graph that `replans`, ``flashinfer.fast_decode_plan``
     reschedules: FlashInfer's replanning for this case, which unlike ``plan`` runs no Python
     loop over the rows (``plan`` finds the longest row for backends other than FA2)."""
     if not graph.planned:
@@ -139,7 +139,7 @@ def plan_graph_decode(
         graph.planned = True
         return
     num_pages = index.kv_indices.shape[0]
-    graph.kv_indptr.copy_(index.kv_indptr, non_blocking=True)
+    # graph.kv_indptr was written when the index was made (the page gather reads it there).
     graph.kv_last_page_len.copy_(index.kv_last_page_len, non_blocking=True)
     graph.kv_indices[:num_pages].copy_(index.kv_indices)
     if not graph.replans:
