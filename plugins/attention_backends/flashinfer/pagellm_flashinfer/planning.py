@@ -131,9 +131,10 @@ def plan_graph_decode(
 ) -> None:
     """The first plan (before capture) is the wrapper's own, which loads the kernels and
     copies the arrays into the graph's buffers. Before each replay, the builder has written
-    ``kv_indptr`` into its buffer; the other arrays are written into theirs here and, for a graph that `replans`, ``flashinfer.fast_decode_plan``
-    reschedules: FlashInfer's replanning for this case, which unlike ``plan`` runs no Python
-    loop over the rows (``plan`` finds the longest row for backends other than FA2)."""
+    ``kv_indptr`` into its buffer; the other arrays are written into theirs here and, for a
+    graph that `replans`, ``flashinfer.fast_decode_plan`` reschedules: FlashInfer's replanning
+    for this case, which unlike ``plan`` runs no Python loop over the rows (``plan`` finds the
+    longest row for backends other than FA2)."""
     if not graph.planned:
         plan_decode(graph.wrapper, index, params, spec, disable_split_kv=not graph.replans)
         graph.planned = True
