@@ -3,6 +3,9 @@
 # on the GPU machine, after `benchmarks/gpu_round.sh` installed the project (its wheels in /tmp/site).
 #   bash benchmarks/backends_round.sh peer-ph ph w2 w1
 # Stages:
+#   peer-w1-fp8  vLLM on W1 with its online fp8 (--quantization fp8)
+#   w1-fp8   W1 on TRITON_ATTN: bf16, fp8 weights, fp8 weights + fp8 KV cache
+#   ph-fp8   the prefill-heavy workload, bf16 and fp8 weights (PH_FP8_BACKEND, default FLASH_ATTN)
 #   peer-ph  vLLM on the prefill-heavy workload (256 requests, 2,048 in / 16 out, W2's model),
 #            through the peer harness (.vllm-peer/run.sh, carried as an ignored folder)
 #   ph w2 w1 pagellm on the prefill-heavy workload, W2 and W1, once per backend of $BACKENDS, through
@@ -33,7 +36,21 @@ for stage in "$@"; do
     peer-ph)
       OUT=$OUT/peer STAGES="vllm:W2" BUDGET_S=300 PEER_EXTRA=$PREFILL_HEAVY bash .vllm-peer/run.sh 2>&1 | tail -8
       cp "$OUT/peer/vllm_W2_equal.json" "$OUT/ph_vllm.json" 2>/dev/null ;;
+    # vLLM's online fp8 (weights; activations per token) on W1, for issue 15's comparison.
+    peer-w1-fp8)
+      OUT=$OUT/peer STAGES="vllm:W1" BUDGET_S=300 PEER_EXTRA="--quantization fp8" bash .vllm-peer/run.sh 2>&1 | tail -8
+      cp "$OUT/peer/vllm_W1_equal.json" "$OUT/w1fp8_vllm.json" 2>/dev/null ;;
     ph) for b in $BACKENDS; do pagellm_run ph W2 200 "$b" $PREFILL_HEAVY; done ;;
+    # W1 on TRITON_ATTN in bf16, with fp8 weights, and with fp8 weights and an fp8 KV cache
+    # (TRITON_ATTN reads an fp8 cache; FLASHINFER and FLASH_ATTN do not).
+    w1-fp8)
+      pagellm_run w1q_bf16 W1 240 TRITON_ATTN
+      pagellm_run w1q_fp8 W1 240 TRITON_ATTN --quantization fp8
+      pagellm_run w1q_fp8kv W1 240 TRITON_ATTN --quantization fp8 --kv-cache-dtype fp8 ;;
+    # The prefill-heavy workload in bf16 and with fp8 weights (FLASH_ATTN, or $PH_FP8_BACKEND).
+    ph-fp8)
+      pagellm_run phq_bf16 W2 200 "${PH_FP8_BACKEND:-FLASH_ATTN}" $PREFILL_HEAVY
+      pagellm_run phq_fp8 W2 200 "${PH_FP8_BACKEND:-FLASH_ATTN}" $PREFILL_HEAVY --quantization fp8 ;;
     w2) for b in $BACKENDS; do pagellm_run w2 W2 200 "$b"; done ;;
     w1) for b in $BACKENDS; do pagellm_run w1 W1 240 "$b"; done ;;
     *) echo "unknown stage $stage" ;;
@@ -42,7 +59,7 @@ done
 
 python3 - "$OUT" <<'PY'
 import glob, json, os, sys
-print(f"{'run':28s} {'out tok/s':>10s} {'elapsed s':>9s} {'startup s':>9s} {'TTFT mean/p99 ms':>18s}  requests")
+print(f"{'run':28s} {'out tok/s':>10s} {'elapsed s':>9s} {'startup s':>9s} {'TTFT mean/p99 ms':>18s}  requests  weights GB / KV tokens")
 for path in sorted(glob.glob(os.path.join(sys.argv[1], "*_*.json"))):
     try:
         r = json.load(open(path))
@@ -54,5 +71,5 @@ for path in sorted(glob.glob(os.path.join(sys.argv[1], "*_*.json"))):
     ttft = f"{t['mean']}/{t['p99']}" if t else ""
     sha = (r.get("requests") or {}).get("requests_sha256", "")[:12]
     print(f"{os.path.basename(path)[:-5]:28s} {r.get('output_tokens_per_s', ''):>10} {r.get('elapsed_s', ''):>9} "
-          f"{r.get('startup_s', ''):>9} {ttft:>18s}  {sha}")
+          f"{r.get('startup_s', ''):>9} {ttft:>18s}  {sha}  {r.get('decode_weight_gb', '')} / {r.get('kv_cache_tokens', '')}")
 PY

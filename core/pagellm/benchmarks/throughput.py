@@ -156,6 +156,10 @@ def run_pagellm(
         }
     result["num_preemptions"] = core.scheduler.num_preemptions
     result["kv_cache_blocks"] = core.kv_cache_manager.block_pool.num_blocks
+    result["kv_cache_tokens"] = result["kv_cache_blocks"] * spec.block_size
+    result["kv_cache_dtype"] = config.cache.cache_dtype
+    result["quantization"] = config.quantization
+    result["decode_weight_gb"] = round(weight_bytes / 1e9, 3)
     result["attention_backend"] = config.attention_backend
     result["cudagraph_mode"] = config.compilation.cudagraph_mode
     if steady_steps:

@@ -11,6 +11,12 @@ it is built, and falls back to torch when the platform has none. The contracts:
   [tokens, heads * head_size] and ``k`` [tokens, kv_heads * head_size] in place, rotate-half
   layout, with ``cos_sin_cache`` [max_position, head_size] float32 (cos halves, then sin halves).
 - ``silu_and_mul(x) -> out``: ``silu(x[:, :d]) * x[:, d:]`` for ``x`` [tokens, 2 * d].
+- ``write_paged_kv(key, value, key_cache, value_cache, slot_mapping) -> None``: stores ``key`` and
+  ``value`` [tokens, kv_heads, head_size] at their slots of caches of token-major pages,
+  [num_blocks, block_size, kv_heads, head_size] (any strides, the last dimension contiguous),
+  slot ``s`` being position ``s % block_size`` of block ``s // block_size``; a slot of -1 (a
+  padding token of a captured graph) is written nowhere. Attention backends use it;
+  `write_paged_kv` below is the torch version.
 """
 
 from __future__ import annotations
@@ -18,7 +24,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-OP_NAMES = ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul")
+import torch
+
+OP_NAMES = ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "write_paged_kv")
 
 
 def get_custom_op(name: str) -> Callable[..., Any] | None:
@@ -28,3 +36,21 @@ def get_custom_op(name: str) -> Callable[..., Any] | None:
     if name not in OP_NAMES:
         raise ValueError(f"Unknown custom op {name!r}; known: {list(OP_NAMES)}.")
     return current_platform.custom_ops().get(name)
+
+
+def write_paged_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """``write_paged_kv`` in torch (``index_copy_``), for caches whose pages are contiguous
+    (slot ``s`` is row ``s`` of the cache seen as [num_blocks * block_size, kv_heads, head_size]).
+    Padding slots (-1) copy slot 0 onto itself; slot 0 is in the null block, which no request's
+    K/V goes to."""
+    padded = slot_mapping < 0
+    slots = slot_mapping.clamp(min=0)
+    for new, cache in ((key, key_cache), (value, value_cache)):
+        flat = cache.view(-1, *cache.shape[2:])
+        flat.index_copy_(0, slots, torch.where(padded[:, None, None], flat[0], new))

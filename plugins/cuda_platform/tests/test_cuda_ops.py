@@ -236,6 +236,33 @@ class TestInInterpreter:
         assert result is out
         assert_matches(out, SiluAndMul()(x), max_ulps=2)
 
+    @pytest.mark.parametrize("heads,head_size", [(8, 128), (3, 80), (1, 64)])
+    def test_write_paged_kv_matches_the_torch_version(
+        self, ops: Ops, heads: int, head_size: int
+    ) -> None:
+        """Token-major pages of a [2, blocks, block_size, heads, head_size] cache, the new keys
+        and values strided views of a fused projection, padding slots (-1) written nowhere."""
+        from pagellm.layers.custom_ops import write_paged_kv
+
+        gen = torch.Generator().manual_seed(heads)
+        blocks, block_size, tokens = 7, 16, 21
+        fused = torch.randn(tokens, 3 * heads * head_size, generator=gen).bfloat16()
+        key = fused[:, heads * head_size : 2 * heads * head_size].view(tokens, heads, head_size)
+        value = fused[:, 2 * heads * head_size :].view(tokens, heads, head_size)
+        slots = torch.randperm(blocks * block_size - block_size, generator=gen)[:tokens] + 16
+        slots[[4, 11]] = -1
+        caches = []
+        for op in (ops["write_paged_kv"], write_paged_kv):
+            cache = torch.full((2, blocks, block_size, heads, head_size), 7.0).bfloat16()
+            op(key, value, cache[0], cache[1], slots)
+            caches.append(cache)
+        assert torch.equal(caches[0], caches[1])
+        flat = caches[0].view(2, -1, heads, head_size)
+        written = slots >= 0
+        assert torch.equal(flat[0, slots[written]], key[written])
+        assert torch.equal(flat[1, slots[written]], value[written])
+        assert (flat[:, :block_size] == 7.0).all()  # the null block: padding went nowhere
+
     @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
     def test_qwen3_attention_prologue_through_layers_matches_torch_layers(
         self, ops: Ops, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype

@@ -184,6 +184,25 @@ def test_silu_and_mul_matches_torch_layer(
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_write_paged_kv_matches_the_torch_version(ops: Ops, tokens: int) -> None:
+    from pagellm.layers.custom_ops import write_paged_kv
+
+    heads, block_size = 8, 16
+    blocks = tokens // block_size + 2
+    fused = torch.randn(tokens, 3 * heads * HEAD_SIZE, device="cuda", dtype=torch.bfloat16)
+    key = fused[:, heads * HEAD_SIZE : 2 * heads * HEAD_SIZE].view(tokens, heads, HEAD_SIZE)
+    value = fused[:, 2 * heads * HEAD_SIZE :].view(tokens, heads, HEAD_SIZE)
+    slots = torch.randperm((blocks - 1) * block_size, device="cuda")[:tokens] + block_size
+    slots[::5] = -1
+    caches = []
+    for op in (ops["write_paged_kv"], write_paged_kv):
+        cache = torch.zeros(2, blocks, block_size, heads, HEAD_SIZE, device="cuda").bfloat16()
+        op(key, value, cache[0], cache[1], slots)
+        caches.append(cache)
+    assert torch.equal(caches[0], caches[1])
+
+
 def test_every_op_matches_torch_layers_in_other_dtypes(
     ops: Ops, torch_layers: None, dtype: torch.dtype
 ) -> None:

@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 
 from pagellm.attention.backend import AttentionBackend, AttentionImpl, AttentionMetadataBuilder
+from pagellm.layers.custom_ops import get_custom_op, write_paged_kv
 from pagellm_flash_attn.builder import FlashAttnMetadataBuilder
 from pagellm_flash_attn.kernels import PROVIDERS, LayerParams, gpu_capability
-from pagellm_flash_attn.kv_write import write_kv_cache
 from pagellm_flash_attn.metadata import FlashAttnMetadata
 from pagellm_flash_attn.phases import NoFlashKernel, choose_phases
 
@@ -33,6 +33,8 @@ class FlashAttnImpl(AttentionImpl):
                 f"({num_kv_heads})."
             )
         self.layer = LayerParams(num_heads, num_kv_heads, head_size, scale, sliding_window)
+        # The platform's kernel (on CUDA, a Triton one), else torch's index_copy_.
+        self.write_kv = get_custom_op("write_paged_kv") or write_paged_kv
 
     def forward(
         self,
@@ -48,7 +50,7 @@ class FlashAttnImpl(AttentionImpl):
         k = key[:n].view(n, self.num_kv_heads, self.head_size)
         v = value[:n].view(n, self.num_kv_heads, self.head_size)
         key_cache, value_cache = kv_cache[0], kv_cache[1]
-        write_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping, meta.padded_slots)
+        self.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
         prefill, decode = meta.prefill_kernel, meta.decode_kernel
         if prefill is None:
             if decode is None:

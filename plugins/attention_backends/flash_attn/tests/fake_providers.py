@@ -26,6 +26,8 @@ from pagellm_flash_attn.kernels.fa4_setup import CACHE_ENABLED_VAR
 @dataclass
 class Recorder:
     calls: list[dict[str, Any]] = field(default_factory=list)
+    launches: int = 0
+    """FA4's compiled kernel launches (through its entry point, or replayed by the backend)."""
     allow_float32: bool = False
     """Accept float32 (the real builds take half precision only), for exact engine tests."""
 
@@ -88,9 +90,40 @@ def _module(name: str, **attrs: Any) -> types.ModuleType:
     return module
 
 
+class FakeJitCache:
+    """FA4's in-memory compile cache (``flash_attn.cute.cache_utils.JITCache``)."""
+
+    def __init__(self) -> None:
+        self.cache: dict[Any, Any] = {}
+
+    def __setitem__(self, key: Any, fn: Any) -> None:
+        self.cache[key] = fn
+
+    def __getitem__(self, key: Any) -> Any:
+        return self.cache[key]
+
+    def __contains__(self, key: Any) -> bool:
+        return key in self.cache
+
+
 def fake_fa4(recorder: Recorder) -> dict[str, types.ModuleType]:
-    """``flash_attn.cute`` of flash-attn-4: ``flash_attn_varlen_func`` returns (out, lse)."""
-    compile_cache = types.SimpleNamespace(cache={})
+    """``flash_attn.cute`` of flash-attn-4: ``flash_attn_varlen_func`` returns (out, lse). As
+    the real one, it launches a "compiled" kernel from its compile cache with sm_90's argument
+    layout (q, k, v, out, lse, scale, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+    page_table, window left, window right, sink, ...)."""
+    compile_cache = FakeJitCache()
+
+    def compile_kernel(causal: bool) -> Any:
+        def kernel(q, k, v, out, lse, scale, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+                   page_table, window_left, window_right, *rest):  # fmt: skip
+            recorder.launches += 1
+            q_lens = (seqused_q if seqused_q is not None else cu_seqlens_q.diff()).tolist()
+            paged_attention(
+                q, k, v, cu_seqlens_q, q_lens, seqused_k.tolist(), page_table, scale, causal,
+                window_left, out,
+            )  # fmt: skip
+
+        return kernel
 
     def flash_attn_varlen_func(
         q: torch.Tensor,
@@ -127,14 +160,16 @@ def fake_fa4(recorder: Recorder) -> dict[str, types.ModuleType]:
         assert seqused_q is None or seqused_q.shape == (batch,)
         assert q.shape[1] % k.shape[2] == 0
         assert window_size[1] in (None, 0), "causal windows only"
-        variant = (q.dtype, q.shape[1:], seqused_q is None, max_seqlen_q == 1, num_splits)
-        compile_cache.cache.setdefault(variant, "compiled")
-        q_lens = (seqused_q if seqused_q is not None else cu_seqlens_q.diff()).tolist()
+        variant = (q.dtype, q.shape[1:], seqused_q is None, max_seqlen_q == 1, num_splits, causal)
+        cache = interface._flash_attn_fwd.compile_cache  # looked up per call, as FA4 does
+        if variant not in cache:
+            cache[variant] = compile_kernel(causal)
+        q = q if q.is_contiguous() else q.contiguous()
         out = torch.full(q.shape, float("nan"), dtype=q.dtype)  # rows left alone stay NaN
         scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-        paged_attention(
-            q, k, v, cu_seqlens_q, q_lens, seqused_k.tolist(), page_table, scale, causal,
-            window_size[0], out,
+        cache[variant](
+            q, k, v, out, None, scale, cu_seqlens_q, None, seqused_q, seqused_k, page_table,
+            window_size[0], window_size[1], None, None, None, None, None,
         )  # fmt: skip
         return out, None
 

@@ -24,7 +24,7 @@ from pagellm_flash_attn import backend as backend_module
 from pagellm_flash_attn import builder as builder_module
 from pagellm_flash_attn.backend import FlashAttnBackend
 from pagellm_flash_attn.builder import FlashAttnMetadataBuilder, startup_line
-from pagellm_flash_attn.kernels import FA4Kernel, TritonDecodeKernel
+from pagellm_flash_attn.kernels import FA4Kernel, TritonDecodeKernel, fa4
 from pagellm_flash_attn.measurements import Measurement
 from pagellm_flash_attn.phases import DECODE_VAR, PREFILL_VAR, NoFlashKernel, choose_phases
 
@@ -220,6 +220,47 @@ def test_fa4_gets_the_runners_arrays_and_serves_prefill_and_mixed_steps(monkeypa
     run_layer(decodes, builder)
     call = recorder.calls[-1]
     assert (call["max_seqlen_q"], call["window_size"]) == (1, (None, None))
+
+
+def _a_later_layer(rows: list[tuple[int, int]]):
+    """A step laid out as ``make_step(rows)`` (the same pages and slots) with other contents:
+    what a later attention layer of that step sees."""
+    layer = make_step(rows, **KW)
+    layer.query.mul_(-1)
+    for t in (layer.kv_cache, layer.key, layer.value, layer.keys, layer.values):
+        t.mul_(2)
+    return layer
+
+
+def test_a_steps_later_layers_launch_the_kernel_its_first_layer_chose(monkeypatch, gpu):
+    recorder = install(monkeypatch, {"FA4": "4.0.0b36", "FA3": None, "FA2": None})
+    monkeypatch.setattr(FA4Kernel, "replays_layers", True)
+    rows = [(40, 9), (90, 1), (0, 5)]
+    first = make_step(rows, **KW)
+    builder = FlashAttnMetadataBuilder(spec_for(first), torch.device("cpu"))
+    meta = builder.build(first.common())
+    out_first = run_layer(first, builder, meta=meta)
+    out_later = run_layer(_a_later_layer(rows), builder, meta=meta)  # checked against its own
+    assert (len(recorder.calls), recorder.launches) == (1, 2)
+    assert builder.prefill_kernel.entry_calls == 1
+    assert not torch.equal(out_first, out_later)
+    run_layer(make_step(rows, **KW, seed=5), builder)  # a new step: through the entry point
+    assert (len(recorder.calls), recorder.launches) == (2, 3)
+
+
+def test_a_kernel_launched_with_other_arguments_turns_replays_off(monkeypatch, gpu, caplog):
+    recorder = install(monkeypatch, {"FA4": "4.0.0b36", "FA3": None, "FA2": None})
+    monkeypatch.setattr(FA4Kernel, "replays_layers", True)
+    monkeypatch.setattr(fa4, "_OUT", 4)  # where the fake passes lse (None), not the output
+    rows = [(40, 9), (0, 5)]
+    first = make_step(rows, **KW)
+    builder = FlashAttnMetadataBuilder(spec_for(first), torch.device("cpu"))
+    meta = builder.build(first.common())
+    with caplog.at_level("WARNING", logger="pagellm_flash_attn"):
+        run_layer(first, builder, meta=meta)
+    assert "laid out otherwise" in caplog.text and not FA4Kernel.replays_layers
+    run_layer(_a_later_layer(rows), builder, meta=meta)
+    assert (len(recorder.calls), recorder.launches) == (2, 2)
 
 
 def test_mixed_steps_leave_decode_rows_to_triton_once_there_are_enough(monkeypatch, gpu):

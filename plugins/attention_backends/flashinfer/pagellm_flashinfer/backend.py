@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from pagellm.attention.backend import AttentionBackend, AttentionImpl, AttentionMetadataBuilder
+from pagellm.layers.custom_ops import get_custom_op, write_paged_kv
 from pagellm_flashinfer.availability import flashinfer_unavailable_reason
 from pagellm_flashinfer.builder import FlashInferMetadata, FlashInferMetadataBuilder
 from pagellm_flashinfer.planning import LayerParams, window_left
@@ -27,6 +28,9 @@ class FlashInferImpl(AttentionImpl):
                 f"({num_kv_heads})."
             )
         self.params = LayerParams(num_heads, float(scale), window_left(sliding_window))
+        # The platform's kernel (on CUDA, a Triton one), else torch's index_copy_. Pages are
+        # [block_size, num_kv_heads, head_size]: token-major, as the op takes them.
+        self.write_kv = get_custom_op("write_paged_kv") or write_paged_kv
 
     def forward(
         self,
@@ -43,12 +47,7 @@ class FlashInferImpl(AttentionImpl):
         k = key[:n].view(n, self.num_kv_heads, self.head_size)
         v = value[:n].view(n, self.num_kv_heads, self.head_size)
         key_cache, value_cache = kv_cache[0], kv_cache[1]
-        slots = meta.slot_mapping
-        if meta.pads_with_null_slots:
-            slots = slots.clamp(min=0)  # padding (-1) into the null block, which no row reads
-        # A page is [block_size, num_kv_heads, head_size], so slot s is row s of this view.
-        key_cache.view(-1, self.num_kv_heads, self.head_size).index_copy_(0, slots, k)
-        value_cache.view(-1, self.num_kv_heads, self.head_size).index_copy_(0, slots, v)
+        self.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
         out = torch.empty(n, self.num_heads, self.head_size, dtype=query.dtype, device=query.device)
         if len(meta.parts) == 1:
             meta.parts[0].wrapper.run(q, (key_cache, value_cache), out=out)

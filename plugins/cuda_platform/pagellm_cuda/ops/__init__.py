@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .activation import silu_and_mul
+from .kv_write import write_paged_kv
 from .layernorm import fused_add_rms_norm, rms_norm
 from .rotary import rotary_embedding
 
@@ -16,6 +17,14 @@ CUSTOM_OPS: dict[str, Callable[..., Any]] = {
     "fused_add_rms_norm": fused_add_rms_norm,
     "rotary_embedding": rotary_embedding,
     "silu_and_mul": silu_and_mul,
+    "write_paged_kv": write_paged_kv,
 }
 
-__all__ = ["CUSTOM_OPS", "fused_add_rms_norm", "rms_norm", "rotary_embedding", "silu_and_mul"]
+__all__ = [
+    "CUSTOM_OPS",
+    "fused_add_rms_norm",
+    "rms_norm",
+    "rotary_embedding",
+    "silu_and_mul",
+    "write_paged_kv",
+]

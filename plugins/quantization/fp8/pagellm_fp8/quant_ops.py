@@ -14,6 +14,13 @@ FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
 _MIN_AMAX = 1e-12
 
 
+def _over_fp8_max(amax: torch.Tensor) -> torch.Tensor:
+    """``amax / 448``, rounded as IEEE division on every device (on CUDA, torch divides by a
+    Python number as a multiplication by its reciprocal, which can differ in the last bit from
+    the fused kernels' division)."""
+    return amax / amax.new_full((), FP8_MAX)
+
+
 def to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``x / scale`` (``scale`` broadcast over ``x``), saturated to the float8 range."""
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
@@ -34,12 +41,12 @@ def quantize_weight(
     """Float ``w`` [N, K] -> (float8 [N, K], scales: [1], [N, 1] or [N/128, K/128])."""
     w = w.float()
     if granularity == "tensor":
-        scale = w.abs().amax().clamp(min=_MIN_AMAX).reshape(1) / FP8_MAX
+        scale = _over_fp8_max(w.abs().amax().clamp(min=_MIN_AMAX).reshape(1))
         return to_fp8(w, scale), scale
     if granularity == "channel":
-        scale = w.abs().amax(dim=1, keepdim=True).clamp(min=_MIN_AMAX) / FP8_MAX
+        scale = _over_fp8_max(w.abs().amax(dim=1, keepdim=True).clamp(min=_MIN_AMAX))
         return to_fp8(w, scale), scale
-    scale = _blocks(w).abs().amax(dim=(1, 3)).clamp(min=_MIN_AMAX) / FP8_MAX
+    scale = _over_fp8_max(_blocks(w).abs().amax(dim=(1, 3)).clamp(min=_MIN_AMAX))
     return to_fp8(w, _expand_block_scales(scale)), scale
 
 
@@ -60,14 +67,14 @@ def quantize_activation(
     if static_scale is not None:
         return to_fp8(x, static_scale), static_scale
     if granularity == "tensor":
-        scale = x.abs().amax().float().clamp(min=_MIN_AMAX).reshape(1) / FP8_MAX
+        scale = _over_fp8_max(x.abs().amax().float().clamp(min=_MIN_AMAX).reshape(1))
         return to_fp8(x, scale), scale
     if granularity == "token":
-        scale = x.abs().amax(dim=1, keepdim=True).float().clamp(min=_MIN_AMAX) / FP8_MAX
+        scale = _over_fp8_max(x.abs().amax(dim=1, keepdim=True).float().clamp(min=_MIN_AMAX))
         return to_fp8(x, scale), scale
     m, k = x.shape
     groups = x.reshape(m, k // BLOCK[1], BLOCK[1])
-    scale = groups.abs().amax(dim=2).float().clamp(min=_MIN_AMAX) / FP8_MAX
+    scale = _over_fp8_max(groups.abs().amax(dim=2).float().clamp(min=_MIN_AMAX))
     return to_fp8(groups, scale.unsqueeze(2)).reshape(m, k), scale
 
 

@@ -27,7 +27,9 @@ def quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def scale_of(amax: torch.Tensor) -> torch.Tensor:
-    return (amax / FP8_MAX).clamp(min=MIN_SCALE)
+    # A tensor divisor: on CUDA, torch divides by a Python number as a multiplication by its
+    # reciprocal, not as the IEEE division the kernels do.
+    return (amax / amax.new_full((), FP8_MAX)).clamp(min=MIN_SCALE)
 
 
 def reference_per_token_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
