@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One round on the GPU machine: offline install (wheels carried in .whl), GPU tests, benchmarks.
 # Writes logs and JSON under $OUT. Stages: tests, tests-flashinfer, fi-jit, fi-cache-save, fa-tests,
-# fa-kernels, fp8-tests, fp8-gemm, prof, step-prof, w1, w2, overhead, hf (W1/W2 with the HF peer).
+# fa-kernels, fp8-tests, fp8-gemm, decode-tiles, prof, step-prof, w1, w2, overhead, hf (W1/W2 with the HF peer).
 #   bash benchmarks/gpu_round.sh tests w2 w1 overhead
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -71,6 +71,8 @@ for stage in "$@"; do
     # pagellm-fp8 (kernels, _scaled_mm paths, engine parity) and the FP8 KV cache of TRITON_ATTN.
     fp8-tests) run fp8_tests 300 python3 -m pytest -m gpu -q -s -p no:cacheprovider --timeout 200 \
         plugins/quantization/fp8/tests plugins/attention_backends/triton/tests/test_triton_attn_fp8_gpu.py ;;
+    # TRITON_ATTN's decode kernel over a sweep of tiles, bf16 and FP8 caches.
+    decode-tiles) run decode_tiles 300 python3 benchmarks/triton_decode_tiles.py --output-json "$OUT/decode_tiles.json" ;;
     fp8-gemm) run fp8_gemm 200 python3 benchmarks/fp8_gemm.py --output-json "$OUT/fp8_gemm.json" ;;
     w2) run w2 200 bash benchmarks/workloads.sh W2 --output-json "$OUT/w2.json" ;;
     w1) run w1 300 bash benchmarks/workloads.sh W1 --output-json "$OUT/w1.json" ;;

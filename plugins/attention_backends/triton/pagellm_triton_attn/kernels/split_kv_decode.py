@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import check_inner_contiguous, decode_tiles, dot_precision, is_fp8_cache
+from .launch import Tiles, check_inner_contiguous, decode_tiles, dot_precision, is_fp8_cache
 from .online_softmax import LOG2E, NO_MAX, attend_tile
 
 # Split-KV never cuts a sequence into more pieces than this (bounds the scratch and the merge).
@@ -183,6 +183,7 @@ def paged_decode(
     scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    tiles: Tiles | None = None,
 ) -> None:
     """Attention for the rows of exactly one query token (token ``query_start_loc[row]``);
     other rows are skipped, so this can share a mixed batch with `paged_attention`.
@@ -190,7 +191,8 @@ def paged_decode(
     With ``num_splits`` > 1 each row's key tiles are shared among that many programs, which write
     into ``scratch`` (from `split_scratch`), then merged. Rows with ``seq_len`` 0 produce zeros
     and read no cache. The launch reads no host-side per-step value besides its shapes. Float8
-    caches hold K/V divided by ``k_scale``/``v_scale``."""
+    caches hold K/V divided by ``k_scale``/``v_scale``. ``tiles``: other tiles than
+    `decode_tiles`' (for tile sweeps, `benchmarks/triton_decode_tiles.py`)."""
     if num_rows == 0:
         return
     num_heads, head_size = query.shape[1], query.shape[2]
@@ -198,7 +200,7 @@ def paged_decode(
     check_inner_contiguous(query, out, key_cache, value_cache)
     gqa = num_heads // num_kv_heads
     block_d = triton.next_power_of_2(head_size)
-    tiles = decode_tiles(query.dtype, head_size)
+    tiles = tiles or decode_tiles(query.dtype, head_size)
     split = num_splits > 1
     if split:
         if scratch is None:

@@ -1,0 +1,108 @@
+"""TRITON_ATTN's split-KV decode kernel over a sweep of tiles, with a bf16 and an FP8 KV cache.
+
+Why: on W1 the FP8 cache made the decode step slower (13.13 against 12.59 ms, docs/benchmarks.md)
+though it halves the K/V bytes read, with the tiles chosen for two-byte elements (64 keys of
+128: 16 KiB of K per tile in bf16, 8 KiB in fp8). This prints, per cache dtype and shape, GB/s
+of K and V read (the cache's own bytes, each once) for every tile of the sweep, the default's
+figure, and the best, then one JSON object.
+
+Shapes: 256 rows of 1k context with 16 query / 8 KV heads (the kernel table's), and W1's decode
+(200 rows of 768 context, 32 query / 8 KV heads). Block size 16, head 128.
+
+    python benchmarks/triton_decode_tiles.py [--output-json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import platform
+from typing import Any
+
+import torch
+import triton
+
+HEAD = 128
+BLOCK_SIZE = 16
+SHAPES = {"256x1k 16q/8kv": (256, 1024, 16, 8), "W1 200x768 32q/8kv": (200, 768, 32, 8)}
+SWEEP = {"block_n": (32, 64, 128), "num_warps": (4, 8), "num_stages": (2, 3, 4)}
+
+
+def batch(rows: int, context: int, heads: int, kv_heads: int, cache_dtype: torch.dtype) -> dict:
+    dev = torch.device("cuda")
+    pages = -(-context // BLOCK_SIZE)
+    num_blocks = rows * pages + 1
+    table = (torch.randperm(num_blocks - 1, device=dev) + 1).int().view(rows, pages)
+    # TRITON_ATTN's layout: [num_blocks, kv_heads, block_size, head] per K and per V.
+    kv = torch.randn(2, num_blocks, kv_heads, BLOCK_SIZE, HEAD, device=dev) * 0.5
+    return {
+        "query": torch.randn(rows, heads, HEAD, device=dev).bfloat16(),
+        "kv": kv.to(cache_dtype),
+        "out": torch.empty(rows, heads, HEAD, device=dev).bfloat16(),
+        "qsl": torch.arange(rows + 1, dtype=torch.int32, device=dev),
+        "seq_lens": torch.full((rows,), context, dtype=torch.int32, device=dev),
+        "table": table,
+        "bytes": 2 * rows * context * kv_heads * HEAD * kv.to(cache_dtype).element_size(),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--output-json", default=None)
+    args = parser.parse_args()
+    from pagellm_triton_attn.kernels.launch import Tiles, decode_tiles
+    from pagellm_triton_attn.kernels.split_kv_decode import paged_decode
+
+    results: list[dict[str, Any]] = []
+    for (shape, (rows, context, heads, kv_heads)), dtype in itertools.product(
+        SHAPES.items(), (torch.bfloat16, torch.float8_e4m3fn)
+    ):
+        b = batch(rows, context, heads, kv_heads, dtype)
+        default = decode_tiles(torch.bfloat16, HEAD)
+
+        def run(tiles: Tiles, b: dict = b, rows: int = rows) -> None:
+            paged_decode(
+                b["query"], b["kv"][0], b["kv"][1], b["out"], b["qsl"], b["seq_lens"], b["table"],
+                num_rows=rows, scale=HEAD**-0.5, sliding_window=None, tiles=tiles,
+            )  # fmt: skip
+
+        line: dict[str, Any] = {"shape": shape, "cache": str(dtype).split(".")[-1], "tiles": {}}
+        for block_n, warps, stages in itertools.product(*SWEEP.values()):
+            tiles = Tiles(block_n=block_n, num_warps=warps, num_stages=stages)
+            try:
+                ms = triton.testing.do_bench(lambda t=tiles: run(t), warmup=25, rep=100)
+            except Exception as exc:  # out of shared memory or registers: say so, go on
+                line["tiles"][f"{block_n}/{warps}/{stages}"] = f"{type(exc).__name__}"
+                continue
+            line["tiles"][f"{block_n}/{warps}/{stages}"] = round(b["bytes"] / ms / 1e6, 1)
+        measured = {k: v for k, v in line["tiles"].items() if isinstance(v, float)}
+        line["default"] = f"{default.block_n}/{default.num_warps}/{default.num_stages}"
+        line["best"] = max(measured, key=measured.get) if measured else None
+        print(
+            f"{shape:20s} {line['cache']:14s} default {line['default']}: "
+            f"{line['tiles'].get(line['default'])} GB/s; best {line['best']}: "
+            f"{measured.get(line['best'])} GB/s",
+            flush=True,
+        )
+        results.append(line)
+    report = {
+        "benchmark": "triton_decode_tiles",
+        "machine": {
+            "gpu": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+            "triton": triton.__version__,
+            "python": platform.python_version(),
+        },
+        "results": results,
+    }
+    text = json.dumps(report, indent=1)
+    print(text)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
