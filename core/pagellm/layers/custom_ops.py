@@ -3,7 +3,8 @@
 The platform's `custom_ops()` maps these names to callables; each layer looks its op up once, when
 it is built, and falls back to torch when the platform has none. The contracts:
 
-- ``rms_norm(x, weight, eps) -> out``: ``x`` [tokens, hidden] (rows may be strided); normalises
+- ``rms_norm(x, weight, eps) -> out``: ``x`` [tokens, hidden] (rows may be strided) or [tokens,
+  heads, head_size] (tokens and heads may be strided; normalised per head); normalises
   in float32, then scales by ``weight`` in ``x``'s dtype, as the Hugging Face models do.
 - ``fused_add_rms_norm(x, residual, weight, eps) -> (out, new_residual)``: ``new_residual = x +
   residual`` and ``out = rms_norm(new_residual)``. May write the results into ``x`` and ``residual``.

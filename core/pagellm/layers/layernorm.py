@@ -27,8 +27,10 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             if self._rms_norm_op is not None:
-                out = self._rms_norm_op(x.reshape(-1, x.shape[-1]), self.weight, self.eps)
-                return out.view(x.shape)
+                # [tokens, heads, head_size] views (per-head q/k norms) go as they are: their
+                # rows cannot be one strided 2-D view, and reshaping would copy them.
+                rows = x if x.dim() in (2, 3) else x.reshape(-1, x.shape[-1])
+                return self._rms_norm_op(rows, self.weight, self.eps).view(x.shape)
             return self._norm(x)
         if self._fused_add_op is not None:
             return self._fused_add_op(x, residual, self.weight, self.eps)

@@ -177,6 +177,21 @@ class TestInInterpreter:
         assert_matches(out, layer(x), max_ulps=2)
         assert torch.equal(x, x_before)
 
+    @pytest.mark.parametrize("heads,head_size", [(16, 128), (3, 64)])
+    def test_rms_norm_of_a_strided_heads_view_matches_torch_layer(
+        self, ops: Ops, torch_layers: None, heads: int, head_size: int
+    ) -> None:
+        """Per-head q/k norms over a [tokens, heads, head_size] view of a fused QKV row, whose
+        tokens and heads cannot be one strided 2-D view: read in place, not copied."""
+        tokens = 5
+        layer = _rms_norm_layer(head_size, torch.bfloat16)
+        fused = _strided_rows(tokens, 3 * heads * head_size, torch.bfloat16)
+        view = fused[:, heads * head_size : 2 * heads * head_size].view(tokens, heads, head_size)
+        assert view.reshape(-1, head_size).data_ptr() != view.data_ptr()  # reshape would copy
+        out = ops["rms_norm"](view, layer.weight, EPS)
+        assert out.shape == view.shape and out.is_contiguous()
+        assert_matches(out, layer(view), max_ulps=2)
+
     @pytest.mark.parametrize("hidden", [64, 128, 1024, 4096])
     @pytest.mark.parametrize("dtype", DTYPES)
     def test_fused_add_rms_norm_writes_torch_layer_results_in_place(

@@ -133,6 +133,8 @@ def test_per_head_rms_norm_of_q_view_matches_torch_layer(
     assert_matches(rows.view(heads.shape), expected, max_ulps=2)
     first_head = heads[:, 0]  # [tokens, head_size], row stride of the whole qkv row
     assert_matches(ops["rms_norm"](first_head, layer.weight, EPS), expected[:, 0], max_ulps=2)
+    # The [tokens, heads, head_size] view itself, read in place (the layer's path).
+    assert_matches(ops["rms_norm"](heads, layer.weight, EPS), expected, max_ulps=2)
 
 
 @pytest.mark.parametrize("hidden", [1024, 4096])

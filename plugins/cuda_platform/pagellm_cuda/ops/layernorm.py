@@ -22,6 +22,8 @@ _ELEMENTS_PER_PROGRAM = 2048
 def _rms_norm_kernel(
     x_ptr,
     x_row_stride,
+    x_head_stride,
+    heads,
     residual_ptr,
     residual_row_stride,
     out_ptr,
@@ -39,7 +41,9 @@ def _rms_norm_kernel(
     cols = tl.arange(0, BLOCK)
     mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
     rows = rows.to(tl.int64)[:, None]
-    x = tl.load(x_ptr + rows * x_row_stride + cols[None, :], mask=mask, other=0.0)
+    # Row r of x is head r % heads of token r // heads (heads is 1 for [tokens, hidden] rows).
+    x_rows = (rows // heads) * x_row_stride + (rows % heads) * x_head_stride
+    x = tl.load(x_ptr + x_rows + cols[None, :], mask=mask, other=0.0)
     if HAS_RESIDUAL:
         residual_ptrs = residual_ptr + rows * residual_row_stride + cols[None, :]
         residual = tl.load(residual_ptrs, mask=mask, other=0.0)
@@ -66,7 +70,14 @@ def _launch(
     weight: torch.Tensor,
     eps: float,
 ) -> None:
-    n_rows, n_cols = x.shape
+    """``x`` [rows, hidden], or [tokens, heads, head_size] normalised per head; either with any
+    strides but the last; ``residual`` and ``out`` [rows, hidden]."""
+    if x.dim() == 3:
+        heads, head_stride = x.shape[1], x.stride(1)
+        n_rows, n_cols = x.shape[0] * heads, x.shape[2]
+    else:
+        heads, head_stride = 1, 0
+        n_rows, n_cols = x.shape
     if weight.numel() != n_cols:
         raise ValueError(f"RMSNorm weight has {weight.numel()} elements; rows have {n_cols}.")
     if n_cols > MAX_HIDDEN_SIZE:
@@ -84,6 +95,8 @@ def _launch(
     _rms_norm_kernel[(triton.cdiv(n_rows, rows_per_program),)](
         x,
         x.stride(0),
+        head_stride,
+        heads,
         res,
         res.stride(0),
         out,
@@ -102,10 +115,12 @@ def _launch(
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``weight * rms_norm(x)`` over the last dimension; rows of ``x`` may be strided.
+    """``weight * rms_norm(x)`` over the last dimension; rows of ``x`` may be strided, and so
+    may the heads of a [tokens, heads, head_size] ``x`` (per-head norms of a fused QKV's views,
+    read in place rather than copied).
 
     ``out`` (contiguous, ``x``'s shape and dtype) is written when given, else allocated."""
-    rows = _as_rows(x)
+    rows = x if x.dim() == 3 and x.stride(-1) == 1 else _as_rows(x)
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     elif out.shape != x.shape or out.dtype != x.dtype or not out.is_contiguous():
@@ -113,7 +128,7 @@ def rms_norm(
             f"rms_norm out must be contiguous {x.dtype} of shape {tuple(x.shape)}, got "
             f"{out.dtype} of shape {tuple(out.shape)} (contiguous={out.is_contiguous()})."
         )
-    _launch(rows, None, out.view(rows.shape), weight, eps)
+    _launch(rows, None, out.view(-1, x.shape[-1]), weight, eps)
     return out
 
 
