@@ -185,7 +185,6 @@ def test_silu_and_mul_matches_torch_layer(
     assert_matches(out, SiluAndMul()(x), max_ulps=2)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("tokens", TOKENS)
 def test_write_paged_kv_matches_the_torch_version(ops: Ops, tokens: int) -> None:
     from pagellm.layers.custom_ops import write_paged_kv
@@ -205,6 +204,7 @@ def test_write_paged_kv_matches_the_torch_version(ops: Ops, tokens: int) -> None
     assert torch.equal(caches[0], caches[1])
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_every_op_matches_torch_layers_in_other_dtypes(
     ops: Ops, torch_layers: None, dtype: torch.dtype
 ) -> None:
