@@ -4,8 +4,8 @@ spent in kernels, and the kernels that took it, grouped by family.
 Runs the engine in process on random prompts (the `pagellm bench throughput` flags), times every
 step, and records every other step of a window with torch.profiler (CUDA activity; the steps in
 between run without it, for wall times the profiler does not inflate). Prints one JSON object:
-per phase (prefill steps, decode-only steps) the mean wall time, the mean kernel time, and the
-top kernels by total time.
+per phase (prefill steps, decode-only steps) the mean wall time, the mean kernel time, the host
+time of the model's eager forward pass (its launches), and the top kernels by total time.
 
     python benchmarks/step_profile.py --model benchmarks/configs/qwen3-0.6b --load-format dummy \
         --dtype bfloat16 --skip-tokenizer-init --num-prompts 64 --input-len 2048 --output-len 16
@@ -46,6 +46,11 @@ def family(name: str) -> str:
         if re.search(pattern, name, re.IGNORECASE):
             return fam
     return "other"
+
+
+def mean_of(steps: list[dict[str, Any]], key: str) -> float | None:
+    values = [s[key] for s in steps if s[key] is not None]
+    return round(sum(values) / len(values), 3) if values else None
 
 
 def phase_of(step: dict[str, Any]) -> str:
@@ -96,8 +101,23 @@ def main() -> int:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     steps: list[dict[str, Any]] = []
 
+    # The host time of the model's eager forward pass (its kernel launches; the GPU runs them
+    # behind it): a step whose forward takes about as long as its kernels is bound by the host.
+    model = core.executor.worker.model_runner.model
+    eager_forward = model.forward
+    forward_ms: list[float] = []
+
+    def timed_forward(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        result = eager_forward(*args, **kwargs)
+        forward_ms.append((time.perf_counter() - t0) * 1e3)
+        return result
+
+    model.forward = timed_forward
+
     def one_step() -> None:
         sync()
+        forward_ms.clear()
         t0 = time.perf_counter()
         engine.step()
         sync()
@@ -105,6 +125,7 @@ def main() -> int:
         steps.append(
             {
                 "wall_ms": (time.perf_counter() - t0) * 1e3,
+                "forward_host_ms": sum(forward_ms) if forward_ms else None,  # None: a graph ran
                 "tokens": stats.num_scheduled_tokens,
                 "reqs": stats.num_scheduled_reqs,
             }
@@ -115,13 +136,13 @@ def main() -> int:
     # Record a window of steps, one profiler per step so that each step's kernels are its own;
     # every other step of the window runs without the profiler, for its true wall time.
     phases: dict[str, dict[str, Any]] = {}
-    unprofiled: dict[str, list[float]] = collections.defaultdict(list)
+    unprofiled: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
     while engine.has_unfinished_requests():
         index = len(steps) - args.skip_steps
         if index >= args.profile_steps or index % 2:
             one_step()
             if index < args.profile_steps:
-                unprofiled[phase_of(steps[-1])].append(steps[-1]["wall_ms"])
+                unprofiled[phase_of(steps[-1])].append(steps[-1])
             continue
         with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
             one_step()
@@ -157,11 +178,8 @@ def main() -> int:
             "steps": n,
             "tokens_per_step": round(agg["tokens"] / n, 1),
             "wall_ms_per_step": round(agg["wall_ms"] / n, 3),
-            "wall_ms_per_step_unprofiled": (
-                round(sum(unprofiled[phase]) / len(unprofiled[phase]), 3)
-                if unprofiled[phase]
-                else None
-            ),
+            "wall_ms_per_step_unprofiled": mean_of(unprofiled[phase], "wall_ms"),
+            "forward_host_ms_per_step_unprofiled": mean_of(unprofiled[phase], "forward_host_ms"),
             "kernel_ms_per_step": round(agg["kernel_ms"] / n, 3),
             "kernels_per_step": round(agg["launches"] / n, 1),
             "gpu_busy_fraction": round(agg["kernel_ms"] / agg["wall_ms"], 3),
