@@ -248,6 +248,20 @@ def test_a_steps_later_layers_launch_the_kernel_its_first_layer_chose(monkeypatc
     assert (len(recorder.calls), recorder.launches) == (2, 3)
 
 
+def test_layers_of_other_windows_each_replay_their_own_kernel(monkeypatch, gpu):
+    """Alternating windowed and full layers in one step (as some models have): each kind goes
+    through FA4's entry point once, then replays its own kernel."""
+    recorder = install(monkeypatch, {"FA4": "4.0.0b36", "FA3": None, "FA2": None})
+    monkeypatch.setattr(FA4Kernel, "replays_layers", True)
+    rows = [(40, 9), (0, 5)]
+    first = make_step(rows, **KW)
+    builder = FlashAttnMetadataBuilder(spec_for(first, window=24), torch.device("cpu"))
+    meta = builder.build(first.common())
+    for window in (24, None, 24, None):
+        run_layer(_a_later_layer(rows), builder, window=window, meta=meta)
+    assert (len(recorder.calls), recorder.launches) == (2, 4)
+
+
 def test_a_kernel_launched_with_other_arguments_turns_replays_off(monkeypatch, gpu, caplog):
     recorder = install(monkeypatch, {"FA4": "4.0.0b36", "FA3": None, "FA2": None})
     monkeypatch.setattr(FA4Kernel, "replays_layers", True)

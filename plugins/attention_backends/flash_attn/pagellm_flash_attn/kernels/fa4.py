@@ -17,7 +17,7 @@ scheduler choice, a compile key of some 70 fields) before it launches its compil
 attention layer of a step makes the same call but for its query, caches and output, so only the
 first layer's goes through the entry point; `_KernelRecorder` notes which compiled kernel it
 launched with which arguments, and the step's other layers launch that kernel directly with
-their own tensors in those four places (`_Replay`). The recorded arguments are checked against
+their own tensors in those four places (`_Replays`). The recorded arguments are checked against
 the call's own tensors first; where they do not match (another FA4 release laying them out
 otherwise), every call goes through the entry point, as before.
 """
@@ -97,14 +97,13 @@ def _recorder(interface: Any) -> _KernelRecorder | None:
 
 
 @dataclass
-class _Replay:
-    """The kernel the first layer of a step launched, with its arguments."""
+class _Replays:
+    """The kernels a step's first layers launched, with their arguments, per variant of the
+    call (layers of other windows or heads in one model make other variants)."""
 
     meta: Any
     """The step's `FlashAttnMetadata` (the same object for every layer of the step)."""
-    variant: tuple[Any, ...]
-    kernel: Any
-    args: tuple[Any, ...]
+    launches: dict[tuple[Any, ...], tuple[Any, tuple[Any, ...]]]
 
 
 class FA4Kernel(AttentionKernel):
@@ -171,7 +170,7 @@ class FA4Kernel(AttentionKernel):
         super().__init__(kv_cache_spec, device, capability)
         # 0: FA4's split heuristic; sm_90 has no split-KV and asserts on any other value than 1.
         self._decode_splits = 0 if self.splits_kv(capability) else 1
-        self._replay: _Replay | None = None
+        self._replays = _Replays(None, {})
         self.entry_calls = 0
         """Calls through FA4's entry point (the others launched a recorded kernel)."""
 
@@ -195,14 +194,17 @@ class FA4Kernel(AttentionKernel):
             layer, seqused_q is not None, query.shape, query.dtype, key_cache.shape,
             value_cache.shape, key_cache.stride(), query.stride(),
         )  # fmt: skip
-        replay = self._replay
-        if replayable and replay is not None and replay.meta is meta and replay.variant == variant:
+        if self._replays.meta is not meta:
+            self._replays = _Replays(meta, {})
+        launch = self._replays.launches.get(variant) if replayable else None
+        if launch is not None:
+            kernel, recorded = launch
             out = torch.empty(
                 *query.shape[:2], value_cache.shape[-1], dtype=query.dtype, device=query.device
             )
-            args = list(replay.args)
+            args = list(recorded)
             args[_Q], args[_K], args[_V], args[_OUT] = query, key_cache, value_cache, out
-            replay.kernel(*args)
+            kernel(*args)
             return out
         self.entry_calls += 1
         kernels = self._kernels
@@ -227,11 +229,10 @@ class FA4Kernel(AttentionKernel):
         )
         if log is not None:
             log.after_call(entries, started, what)
-        self._replay = None
         if replayable and kernels is not None and kernels.last is not None:
             kernel, args = kernels.last
             if _launched_with(args, query, key_cache, value_cache, out):
-                self._replay = _Replay(meta, variant, kernel, args)
+                self._replays.launches[variant] = (kernel, args)
             else:
                 logger.warning(
                     "FLASH_ATTN: FA4 %s launches its kernel with arguments laid out otherwise "
