@@ -88,7 +88,7 @@ def _recorder(interface: Any) -> _KernelRecorder | None:
     """Put a `_KernelRecorder` in front of FA4's forward compile cache (once per process)."""
     forward = getattr(interface, "_flash_attn_fwd", None)
     cache = getattr(forward, "compile_cache", None)
-    if cache is None:
+    if forward is None or cache is None:
         return None
     if not isinstance(cache, _KernelRecorder):
         cache = _KernelRecorder(cache)
@@ -230,9 +230,9 @@ class FA4Kernel(AttentionKernel):
         if log is not None:
             log.after_call(entries, started, what)
         if replayable and kernels is not None and kernels.last is not None:
-            kernel, args = kernels.last
-            if _launched_with(args, query, key_cache, value_cache, out):
-                self._replays.launches[variant] = (kernel, args)
+            kernel, launched = kernels.last
+            if _launched_with(launched, query, key_cache, value_cache, out):
+                self._replays.launches[variant] = (kernel, launched)
             else:
                 logger.warning(
                     "FLASH_ATTN: FA4 %s launches its kernel with arguments laid out otherwise "
