@@ -1,0 +1,84 @@
+"""pagellm-int4's Triton kernels on the CPU, through Triton's interpreter (conftest.py sets
+TRITON_INTERPRET=1 when torch has no CUDA), against the torch reference of the kernel layout, at
+shapes that are not multiples of the tiles. Sizes stay tiny: the interpreter runs each program
+in NumPy. GPU sizes are in test_int4_gpu.py.
+
+bfloat16 is left to the GPU tests: Triton's interpreter multiplies bfloat16's raw bits in
+``tl.dot`` and truncates float32 -> bfloat16 casts (pagellm-triton-attn's ``interpreter_compat``
+describes the first); float16 takes the same code path here."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pagellm_int4.int4_values import Int4Values
+from pagellm_int4.kernel_layout import KernelLayout, dequantize, to_kernel_layout
+from pagellm_int4.kernels import w4a16
+from pagellm_int4.kernels.w4a16 import Int4KernelInputError
+
+from pagellm_int4 import gemm
+
+
+def _layout(k: int, n: int, group: int, act_order: bool, seed: int = 0) -> KernelLayout:
+    g = torch.Generator().manual_seed(seed)
+    groups = k // group
+    values = Int4Values(
+        q=torch.randint(0, 16, (k, n), generator=g, dtype=torch.uint8),
+        zeros=torch.randint(0, 17, (groups, n), generator=g, dtype=torch.uint8),
+        scales=torch.rand(groups, n, generator=g) * 0.1 + 0.01,
+        g_idx=(torch.randperm(k, generator=g) % groups) if act_order else torch.arange(k) // group,
+    )
+    return to_kernel_layout(values, group, "test")
+
+
+# (M, N, K, group): one group over K = 200 (not a multiple of the K tile), groups of 32 and 16,
+# groups of 40 (no K tile divides them: per-row scales), M past one M tile.
+SHAPES = [(1, 40, 200, 200), (5, 24, 96, 32), (17, 40, 64, 16), (3, 24, 120, 40)]
+
+
+@pytest.mark.parametrize(("m", "n", "k", "group"), SHAPES)
+def test_w4a16_gemm_matches_the_reference_in_float32(m, n, k, group):
+    layout = _layout(k, n, group, act_order=group == 32)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(1))
+    a = x if layout.perm is None else x[:, layout.perm]
+    out = w4a16.w4a16_gemm(a, layout.qweight, layout.scales, layout.zeros, group)
+    ref = gemm.reference_gemm(x, layout)
+    assert out.shape == (m, n) and out.dtype == torch.float32
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_w4a16_gemm_in_float16_accumulates_in_float32():
+    layout = _layout(96, 24, 32, act_order=False)
+    x = torch.randn(4, 96, generator=torch.Generator().manual_seed(2)).half()
+    out = w4a16.w4a16_gemm(x, layout.qweight, layout.scales, layout.zeros, 32)
+    exact = x.float() @ dequantize(layout, torch.float16).float()
+    assert out.dtype == torch.float16
+    # float32 sums of float16 products: only the final rounding to float16 remains.
+    torch.testing.assert_close(out.float(), exact, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize(("k", "n", "group"), [(200, 40, 200), (120, 136, 40)])
+def test_dequantize_kernel_is_the_reference_bit_for_bit(k, n, group):
+    layout = _layout(k, n, group, act_order=False, seed=3)
+    for dtype in (torch.float32, torch.float16):
+        out = w4a16.dequantize_int4(
+            layout.qweight, layout.scales, layout.zeros, group, k, dtype
+        )
+        assert torch.equal(out, dequantize(layout, dtype))
+
+
+def test_kernel_inputs_of_the_wrong_layout_are_refused():
+    layout = _layout(64, 16, 32, act_order=False)
+    x = torch.randn(2, 64)
+    with pytest.raises(Int4KernelInputError, match=r"qweight has dtype torch.int32 and shape \(16, 8\)"):
+        w4a16.w4a16_gemm(x, layout.qweight.t().contiguous(), layout.scales, layout.zeros, 32)
+    with pytest.raises(Int4KernelInputError, match=r"scales has dtype torch.float16"):
+        w4a16.w4a16_gemm(x, layout.qweight, layout.scales.half(), layout.zeros, 32)
+
+
+def test_tiles_keep_one_scale_row_per_k_tile_when_the_group_allows():
+    assert w4a16.tile_config(1, 128, 4096).block_k == 128
+    assert w4a16.tile_config(16, 32, 4096).block_k == 32
+    assert w4a16.tile_config(1, 4096, 4096).scales_per_tile  # one group: any K tile
+    assert not w4a16.tile_config(1, 40, 120).scales_per_tile
+    assert w4a16.tile_config(64, 128, 4096).block_m == 64
