@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from pagellm_int4.scheme import Int4Scheme
 
 # Dimensions that groups of 32, 64 and 128 divide; q is 256 rows, k and v 128 each.
 TINY_INT4_LLAMA = dict(
@@ -99,3 +100,26 @@ def dense_checkpoint(
     config = json.loads((source / "config.json").read_text())
     (target / "config.json").write_text(json.dumps(config))
     return target
+
+
+def compressed_tensors_unpack(scheme: Int4Scheme):
+    """compressed-tensors' own decompressor (its unpacker and dequantization) of ``scheme``'s
+    layer tensors -> the float32 weight [N, K]."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    args = QuantizationArgs(
+        num_bits=4,
+        type="int",
+        symmetric=scheme.sym,
+        strategy="channel" if scheme.group_size == -1 else "group",
+        group_size=None if scheme.group_size == -1 else scheme.group_size,
+    )
+    ct_scheme = QuantizationScheme(targets=["Linear"], weights=args)
+
+    def unpack(tensors):
+        state = {k: v.float() if k == "weight_scale" else v for k, v in tensors.items()}
+        out = PackedQuantizationCompressor.decompress(state, ct_scheme)
+        return out["weight"].float().numpy()
+
+    return unpack

@@ -6,12 +6,19 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import logging
 import re
 from pathlib import Path
 
 import pytest
 import torch
-from int4_checkpoints import awq_unpack, dense_checkpoint, gptq_unpack, tiny_llama
+from int4_checkpoints import (
+    awq_unpack,
+    compressed_tensors_unpack,
+    dense_checkpoint,
+    gptq_unpack,
+    tiny_llama,
+)
 from pagellm_int4.gemm import FUSED_MAX_M, gemm_refusal
 from pagellm_int4.rtn import write_checkpoint
 from pagellm_int4.scheme import Int4Scheme
@@ -19,6 +26,7 @@ from pagellm_int4.scheme import Int4Scheme
 from pagellm import LLM, SamplingParams
 from pagellm.config import ConfigError
 from pagellm.layers.linear import Linear
+from pagellm.model_loader.weight_memory import weight_bytes_by_method
 from pagellm.quantization.registry import quantization_methods
 
 PROMPTS = [[5, 6, 7, 8, 9], [40, 41, 300, 12], [700, 3, 18, 19, 20, 21]]
@@ -31,34 +39,12 @@ def float_model(tmp_path_factory, smollm2_tokenizer_dir):
     return tiny_llama(tmp_path_factory.mktemp("int4") / "float", smollm2_tokenizer_dir)
 
 
-def _ct_unpack(scheme: Int4Scheme):
-    """compressed-tensors' own decompressor (its unpacker and dequantization)."""
-    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
-    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
-
-    args = QuantizationArgs(
-        num_bits=4,
-        type="int",
-        symmetric=scheme.sym,
-        strategy="channel" if scheme.group_size == -1 else "group",
-        group_size=None if scheme.group_size == -1 else scheme.group_size,
-    )
-    ct_scheme = QuantizationScheme(targets=["Linear"], weights=args)
-
-    def unpack(tensors):
-        state = {k: v.float() if k == "weight_scale" else v for k, v in tensors.items()}
-        out = PackedQuantizationCompressor.decompress(state, ct_scheme)
-        return out["weight"].float().numpy()
-
-    return unpack
-
-
 def _unpacker(scheme: Int4Scheme):
     if scheme.format == "gptq":
         return lambda t: gptq_unpack(t, scheme.gptq_v1)
     if scheme.format == "awq":
         return lambda t: awq_unpack(t, scheme.group_size)
-    return _ct_unpack(scheme)
+    return compressed_tensors_unpack(scheme)
 
 
 def _greedy(llm: LLM) -> list[list[int]]:
@@ -110,13 +96,25 @@ def test_rtn_checkpoint_loads_without_a_flag_and_decodes_as_its_dense_weights(
         assert got == expected
 
 
-def test_int4_weights_take_an_eighth_of_float32(float_model, tmp_path):
+def test_int4_weights_take_an_eighth_of_float32_and_the_start_up_line_says_so(
+    float_model, tmp_path, caplog
+):
     path = write_checkpoint(float_model, tmp_path / "gptq", Int4Scheme("gptq", 128))
-    linears = _linears(LLM(str(path), **ENGINE))
+    with caplog.at_level(logging.INFO, logger="pagellm.worker.worker"):
+        llm = LLM(str(path), **ENGINE)
+    linears = _linears(llm)
     elements = sum(lin.qweight.numel() * 8 for lin in linears)
     stored = sum(p.numel() * p.element_size() for lin in linears for p in lin.parameters())
     # 4 bits a weight, plus a float32 scale and a uint8 zero per output and group of 128.
     assert stored == elements // 2 + elements // 128 * 5
+    model = llm.llm_engine.engine_core.executor.worker.model_runner.model
+    by_method = weight_bytes_by_method(model, "gptq")
+    assert by_method["gptq"] == (stored, 8)  # qkv, o, gate_up, down in 2 layers
+    assert by_method["dense"][1] == 0
+    assert any(
+        r.getMessage().startswith("Weights: ") and "gptq 0.00 GiB in 8 linear layers" in r.getMessage()
+        for r in caplog.records
+    )
 
 
 def _with_config(path: Path, change: dict) -> None:
