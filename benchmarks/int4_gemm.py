@@ -65,6 +65,30 @@ def packed_bytes(layout: KernelLayout) -> int:
     return sum(t.numel() * t.element_size() for t in (layout.qweight, layout.scales, layout.zeros))
 
 
+def time_paths(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    layout: KernelLayout,
+    path: Callable[[torch.Tensor, KernelLayout], torch.Tensor],
+) -> dict[str, float]:
+    group, k = layout.group_size, layout.in_features
+    return {
+        "bf16": median_us(lambda: F.linear(x, weight)),
+        "int4": median_us(lambda: path(x, layout)),
+        "fused": median_us(
+            lambda: w4a16.w4a16_gemm(x, layout.qweight, layout.scales, layout.zeros, group)
+        ),
+        "dequant_mm": median_us(
+            lambda: torch.mm(
+                x,
+                w4a16.dequantize_int4(
+                    layout.qweight, layout.scales, layout.zeros, group, k, torch.bfloat16
+                ),
+            )
+        ),
+    }
+
+
 def time_layer(name: str, n: int, k: int, ms: list[int], group: int) -> list[dict[str, Any]]:
     layout = random_layout(n, k, group)
     weight = dequantize(layout, torch.bfloat16).t().contiguous()  # [N, K], the same weights
@@ -76,21 +100,7 @@ def time_layer(name: str, n: int, k: int, ms: list[int], group: int) -> list[dic
         ref = F.linear(x, weight)
         out = path(x, layout)
         err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-        timings = {
-            "bf16": median_us(lambda: F.linear(x, weight)),
-            "int4": median_us(lambda: path(x, layout)),
-            "fused": median_us(
-                lambda: w4a16.w4a16_gemm(x, layout.qweight, layout.scales, layout.zeros, group)
-            ),
-            "dequant_mm": median_us(
-                lambda: torch.mm(
-                    x,
-                    w4a16.dequantize_int4(
-                        layout.qweight, layout.scales, layout.zeros, group, k, torch.bfloat16
-                    ),
-                )
-            ),
-        }
+        timings = time_paths(x, weight, layout, path)
         row: dict[str, Any] = {"layer": name, "N": n, "K": k, "M": m, "rel_err": round(err, 5)}
         for key, us in timings.items():
             moved = bf16_bytes if key == "bf16" else int4_bytes

@@ -35,7 +35,8 @@ def describe_weight_bytes(model: nn.Module, method: str | None) -> str:
     parts = weight_bytes_by_method(model, method)
     total = sum(b for b, _ in parts.values())
     details = ", ".join(
-        f"{name} {b / 2**30:.2f} GiB in {n} linear layers" if name != "dense" or n
+        f"{name} {b / 2**30:.2f} GiB in {n} linear layers"
+        if name != "dense" or n
         else f"{name} {b / 2**30:.2f} GiB"
         for name, (b, n) in parts.items()
     )

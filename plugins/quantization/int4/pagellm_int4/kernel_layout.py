@@ -42,8 +42,10 @@ def to_kernel_layout(values: Int4Values, group_size: int, name: str) -> KernelLa
     q, perm = values.q, None
     if not torch.equal(g_idx, sequential):
         counts = torch.bincount(g_idx, minlength=values.scales.shape[0])
-        if g_idx.min() < 0 or counts.numel() != values.scales.shape[0] or bool(
-            (counts != group_size).any()
+        if (
+            g_idx.min() < 0
+            or counts.numel() != values.scales.shape[0]
+            or bool((counts != group_size).any())
         ):
             raise ValueError(
                 f"{name}: g_idx does not give each of the {values.scales.shape[0]} groups "

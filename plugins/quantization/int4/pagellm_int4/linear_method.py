@@ -166,7 +166,9 @@ class Int4LinearMethod(LinearMethodBase):
         layer.register_parameter("qweight", _parameter(layout.qweight))
         layer.register_parameter("scales", _parameter(layout.scales))
         layer.register_parameter("zeros", _parameter(layout.zeros))
-        layer.register_parameter("perm", _parameter(layout.perm) if layout.perm is not None else None)
+        layer.register_parameter(
+            "perm", _parameter(layout.perm) if layout.perm is not None else None
+        )
         self._layout = layout
         self.gemm_path, self._gemm = choose_gemm(layout.qweight.device)
 

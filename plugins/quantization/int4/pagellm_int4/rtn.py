@@ -172,9 +172,10 @@ def write_checkpoint(source: Path, target: Path, scheme: Int4Scheme) -> Path:
     config["quantization_config"] = quantization_config(scheme)
     (target / "config.json").write_text(json.dumps(config, indent=2))
     for path in source.iterdir():
-        if path.is_file() and path.name != "config.json" and path.suffix in (".json", ".txt", ".model"):
-            if not path.name.endswith(".index.json"):
-                shutil.copy(path, target / path.name)
+        # Tokenizer and generation files; not the float checkpoint's config or shard index.
+        copied = path.suffix in (".json", ".txt", ".model") and path.name != "config.json"
+        if path.is_file() and copied and not path.name.endswith(".index.json"):
+            shutil.copy(path, target / path.name)
     return target
 
 

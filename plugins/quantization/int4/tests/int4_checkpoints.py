@@ -79,9 +79,7 @@ def awq_unpack(tensors: dict[str, torch.Tensor], group_size: int) -> np.ndarray:
     return ((q - z[g]) * s[g]).T.astype(np.float32)
 
 
-def dense_checkpoint(
-    source: Path, quantized: Path, target: Path, unpack: object
-) -> Path:
+def dense_checkpoint(source: Path, quantized: Path, target: Path, unpack: object) -> Path:
     """The float checkpoint ``source`` with each quantized layer of ``quantized`` replaced by
     its dequantized weight (``unpack(layer tensors) -> [N, K]``): the same weights, dense."""
     from safetensors.torch import load_file, save_file

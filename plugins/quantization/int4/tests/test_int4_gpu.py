@@ -44,12 +44,15 @@ def _layout(k: int, n: int, group: int, act_order: bool) -> KernelLayout:
 
 
 @pytest.mark.parametrize("m", [1, 7, 16, 64, 65, 300, 1024])
-@pytest.mark.parametrize(("n", "k", "group", "act_order"), [
-    (6144, 4096, 128, False),
-    (4096, 14336, 128, True),
-    (1000, 4096, 4096, False),  # one group (-1), N not a multiple of the N tile
-    (4096, 4096, 32, False),
-])
+@pytest.mark.parametrize(
+    ("n", "k", "group", "act_order"),
+    [
+        (6144, 4096, 128, False),
+        (4096, 14336, 128, True),
+        (1000, 4096, 4096, False),  # one group (-1), N not a multiple of the N tile
+        (4096, 4096, 32, False),
+    ],
+)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_cuda_paths_match_the_reference_path(m, n, k, group, act_order, dtype):
     from pagellm_int4.gemm import FUSED_MAX_M, choose_gemm, reference_gemm
@@ -108,8 +111,12 @@ def test_graph_replay_of_the_fused_gemm_is_identical_to_eager():
 
 @pytest.mark.parametrize(
     "scheme_args",
-    [("gptq", 128, True, False), ("gptq", 64, False, True), ("awq", 128, False, False),
-     ("compressed-tensors", 128, True, False)],
+    [
+        ("gptq", 128, True, False),
+        ("gptq", 64, False, True),
+        ("awq", 128, False, False),
+        ("compressed-tensors", 128, True, False),
+    ],
     ids=["gptq_sym", "gptq_asym_desc_act", "awq", "compressed_tensors"],
 )
 def test_engine_on_the_gpu_agrees_with_the_bf16_model_of_the_same_weights(
@@ -165,7 +172,7 @@ def test_engine_on_the_gpu_agrees_with_the_bf16_model_of_the_same_weights(
     same = sum(
         a == b
         for s, p, o in zip(seqs, prompts, generated, strict=True)
-        for a, b in zip(s[len(p):], o.outputs[0].token_ids, strict=True)
+        for a, b in zip(s[len(p) :], o.outputs[0].token_ids, strict=True)
     )
     print(
         f"{fmt} on the GPU vs bf16 of the same weights: teacher-forced top-1 {agreement:.1%} "

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from pagellm_int4 import gemm
 from pagellm_int4.int4_values import Int4Values
 from pagellm_int4.kernel_layout import KernelLayout, dequantize, to_kernel_layout
 from pagellm_int4.kernels import w4a16
 from pagellm_int4.kernels.w4a16 import Int4KernelInputError
-
-from pagellm_int4 import gemm
 
 
 def _layout(k: int, n: int, group: int, act_order: bool, seed: int = 0) -> KernelLayout:
@@ -61,16 +60,16 @@ def test_w4a16_gemm_in_float16_accumulates_in_float32():
 def test_dequantize_kernel_is_the_reference_bit_for_bit(k, n, group):
     layout = _layout(k, n, group, act_order=False, seed=3)
     for dtype in (torch.float32, torch.float16):
-        out = w4a16.dequantize_int4(
-            layout.qweight, layout.scales, layout.zeros, group, k, dtype
-        )
+        out = w4a16.dequantize_int4(layout.qweight, layout.scales, layout.zeros, group, k, dtype)
         assert torch.equal(out, dequantize(layout, dtype))
 
 
 def test_kernel_inputs_of_the_wrong_layout_are_refused():
     layout = _layout(64, 16, 32, act_order=False)
     x = torch.randn(2, 64)
-    with pytest.raises(Int4KernelInputError, match=r"qweight has dtype torch.int32 and shape \(16, 8\)"):
+    with pytest.raises(
+        Int4KernelInputError, match=r"qweight has dtype torch.int32 and shape \(16, 8\)"
+    ):
         w4a16.w4a16_gemm(x, layout.qweight.t().contiguous(), layout.scales, layout.zeros, 32)
     with pytest.raises(Int4KernelInputError, match=r"scales has dtype torch.float16"):
         w4a16.w4a16_gemm(x, layout.qweight, layout.scales.half(), layout.zeros, 32)

@@ -90,7 +90,9 @@ def test_rtn_checkpoint_loads_without_a_flag_and_decodes_as_its_dense_weights(
     expected = _greedy(LLM(str(dense), **ENGINE))
     if scheme.desc_act:
         # Permuted inputs sum in another order: float32 rounding may differ, tokens rarely.
-        same = sum(a == b for g, e in zip(got, expected, strict=True) for a, b in zip(g, e))
+        same = sum(
+            a == b for g, e in zip(got, expected, strict=True) for a, b in zip(g, e, strict=True)
+        )
         assert same / (len(PROMPTS) * GEN_TOKENS) >= 0.99, (got, expected)
     else:
         assert got == expected
@@ -112,7 +114,8 @@ def test_int4_weights_take_an_eighth_of_float32_and_the_start_up_line_says_so(
     assert by_method["gptq"] == (stored, 8)  # qkv, o, gate_up, down in 2 layers
     assert by_method["dense"][1] == 0
     assert any(
-        r.getMessage().startswith("Weights: ") and "gptq 0.00 GiB in 8 linear layers" in r.getMessage()
+        r.getMessage().startswith("Weights: ")
+        and "gptq 0.00 GiB in 8 linear layers" in r.getMessage()
         for r in caplog.records
     )
 
@@ -127,7 +130,10 @@ def test_bad_int4_configs_are_refused_with_the_reason(float_model, tmp_path):
     path = write_checkpoint(float_model, tmp_path / "gptq", Int4Scheme("gptq", 128))
     cases = {
         "GPTQ with 8 bits is not supported": {"bits": 8},
-        "GPTQ checkpoint_format 'marlin' is not supported": {"bits": 4, "checkpoint_format": "marlin"},
+        "GPTQ checkpoint_format 'marlin' is not supported": {
+            "bits": 4,
+            "checkpoint_format": "marlin",
+        },
     }
     for message, change in cases.items():
         _with_config(path, change)

@@ -102,7 +102,9 @@ def test_compressed_tensors_tensors_are_what_its_packer_writes(n, k, group, sym)
         assert "weight_zero_point" not in tensors
     else:
         signed_zero = (values.zeros.t().to(torch.int16) - 8).to(torch.int8)  # [N, G]
-        assert torch.equal(tensors["weight_zero_point"], pack_to_int32(signed_zero, 4, packed_dim=0))
+        assert torch.equal(
+            tensors["weight_zero_point"], pack_to_int32(signed_zero, 4, packed_dim=0)
+        )
         unpacked = unpack_from_int32(
             tensors["weight_zero_point"], 4, torch.Size([n, k // group]), packed_dim=0
         )

@@ -129,7 +129,9 @@ def _dequantize_kernel(
     s = tl.load(s_ptr + g_rows, mask=mask, other=0.0)
     z = tl.load(z_ptr + g_rows, mask=mask, other=0).to(tl.float32)
     w = (q - z) * s
-    tl.store(out_ptr + offs_k[:, None] * N + offs_n[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(
+        out_ptr + offs_k[:, None] * N + offs_n[None, :], w.to(out_ptr.dtype.element_ty), mask=mask
+    )
 
 
 def _check_weight(
