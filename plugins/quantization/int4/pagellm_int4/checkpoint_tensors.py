@@ -96,7 +96,7 @@ def write_layer(
     out = {
         "weight_packed": pack_cols(values.q.t()),
         "weight_scale": scales.t().contiguous(),
-        "weight_shape": torch.tensor([n, k]),
+        "weight_shape": torch.tensor([n, k], device=values.q.device),
     }
     if not scheme.sym:
         out["weight_zero_point"] = pack_rows(values.zeros.t())

@@ -21,26 +21,20 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 _MASK = (1 << BITS) - 1
 
 
-def _shifts(order: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """The bit offset of each of the eight values of a group (value j sits in nibble
-    ``order.index(j)``)."""
-    return torch.tensor([BITS * order.index(j) for j in range(PACK)], device=device)
-
-
-def _to_int32(words: torch.Tensor) -> torch.Tensor:
-    """Unsigned 32-bit words held in int64 -> the same bits as int32."""
-    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
-
-
 def pack_cols(values: torch.Tensor, order: tuple[int, ...] = NATURAL_ORDER) -> torch.Tensor:
     """[R, C] nibbles -> [R, ceil(C / 8)] int32, eight consecutive columns a word."""
     if values.dim() != 2:
         raise ValueError(f"pack_cols takes a 2-D tensor, got shape {tuple(values.shape)}.")
     rows, cols = values.shape
     pad = -cols % PACK
-    v = torch.nn.functional.pad(values.to(torch.int64), (0, pad)) & _MASK
+    v = torch.nn.functional.pad(values.to(torch.int32), (0, pad)) & _MASK
     v = v.reshape(rows, (cols + pad) // PACK, PACK)
-    return _to_int32((v << _shifts(order, values.device)).sum(-1))
+    words = torch.zeros(v.shape[:2], dtype=torch.int32, device=values.device)
+    # One nibble position at a time (int32 all along: large layers pack on the GPU at load);
+    # the top nibble's shift sets bit 31, the sign, as the formats store it.
+    for nibble, column in enumerate(order):
+        words |= v[:, :, column] << (BITS * nibble)
+    return words
 
 
 def unpack_cols(
@@ -49,9 +43,10 @@ def unpack_cols(
     """[R, W] int32 -> [R, cols] uint8 nibbles (the padding dropped)."""
     if words.dtype != torch.int32:
         raise ValueError(f"Packed 4-bit words must be int32, got {words.dtype}.")
-    shifts = _shifts(order, words.device).to(torch.int32)
-    v = (words.unsqueeze(-1) >> shifts) & _MASK
-    return v.reshape(words.shape[0], -1)[:, :cols].to(torch.uint8)
+    out = torch.empty(*words.shape, PACK, dtype=torch.uint8, device=words.device)
+    for nibble, column in enumerate(order):
+        out[:, :, column] = ((words >> (BITS * nibble)) & _MASK).to(torch.uint8)
+    return out.reshape(words.shape[0], -1)[:, :cols]
 
 
 def pack_rows(values: torch.Tensor, order: tuple[int, ...] = NATURAL_ORDER) -> torch.Tensor:

@@ -75,9 +75,26 @@ def test_kernel_inputs_of_the_wrong_layout_are_refused():
         w4a16.w4a16_gemm(x, layout.qweight, layout.scales.half(), layout.zeros, 32)
 
 
-def test_tiles_keep_one_scale_row_per_k_tile_when_the_group_allows():
-    assert w4a16.tile_config(1, 128, 4096).block_k == 128
-    assert w4a16.tile_config(16, 32, 4096).block_k == 32
-    assert w4a16.tile_config(1, 4096, 4096).scales_per_tile  # one group: any K tile
-    assert not w4a16.tile_config(1, 40, 120).scales_per_tile
-    assert w4a16.tile_config(64, 128, 4096).block_m == 64
+@pytest.mark.parametrize("split_k", [2, 3])
+def test_split_k_partial_sums_add_up_to_the_reference(split_k):
+    """K = 200 in tiles of 128 (one group): the last split gets no K tile at all for split 3."""
+    layout = _layout(200, 40, 200, act_order=False, seed=4)
+    x = torch.randn(2, 200, generator=torch.Generator().manual_seed(5))
+    out = w4a16.w4a16_gemm(
+        x, layout.qweight, layout.scales, layout.zeros, 200, split_k=split_k
+    )
+    torch.testing.assert_close(out, gemm.reference_gemm(x, layout), rtol=1e-5, atol=1e-5)
+
+
+def test_tiles_keep_one_scale_row_per_k_tile_and_split_k_fills_the_sms():
+    h200 = 132
+    assert w4a16.tile_config(1, 4096, 4096, 128, h200).block_k == 128
+    assert w4a16.tile_config(16, 4096, 4096, 32, h200).block_k == 32
+    assert w4a16.tile_config(1, 100, 4096, 4096, h200).scales_per_tile  # one group: any K tile
+    assert not w4a16.tile_config(1, 40, 120, 40, h200).scales_per_tile
+    assert w4a16.tile_config(64, 4096, 4096, 128, h200).block_m == 64
+    # 128 output tiles for N = 4096: split in 4 (512 programs); none at prefill sizes; the
+    # 896 tiles of gate_up (N = 28672) fill the GPU without a split.
+    assert w4a16.tile_config(1, 4096, 4096, 128, h200).split_k == 4
+    assert w4a16.tile_config(64, 4096, 4096, 128, h200).split_k == 1
+    assert w4a16.tile_config(1, 28672, 4096, 128, h200).split_k == 1

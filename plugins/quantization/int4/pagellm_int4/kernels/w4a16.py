@@ -5,7 +5,8 @@ words of eight input rows, float32 scales and uint8 zeros [G, N], contiguous gro
   its weight tile, unpacks and dequantizes them in registers (float32 ``(q - z) * s``, rounded
   once to the activation dtype), and ``tl.dot``s them into a float32 accumulator; the output is
   written in the activation dtype. Weight bytes are read once per M tile: at decode sizes (one
-  M tile) the GEMM reads a quarter of the bf16 weight's bytes.
+  M tile) the GEMM reads a quarter of the bf16 weight's bytes. Small M splits K over several
+  programs (`tile_config`), whose float32 partial sums a second kernel adds in a fixed order.
 - `dequantize_int4` (prefill): the whole weight [K, N] in the activation dtype, for a cuBLAS GEMM.
 """
 
@@ -34,19 +35,39 @@ class TileConfig:
     scales_per_tile: bool
     """Every K tile lies in one group (block_k divides the group, or one group spans K): one
     scale and zero row per tile instead of one per input row."""
+    split_k: int
+    """Programs sharing one output tile, each over its own K range; their float32 partial sums
+    are added in a fixed order by a second kernel (deterministic, unlike atomics)."""
     num_warps: int
     num_stages: int
 
 
-def tile_config(m: int, group_size: int, in_features: int) -> TileConfig:
-    """Narrow N tiles give N / 32 programs (128 for N = 4096 on 132 SMs) to keep the weight
-    reads in flight; K tiles as long as the group allows."""
+SPLIT_K_MAX_M = 16
+"""Split-K only up to this M: its float32 workspace (split_k x M x N) stays small next to the
+weight it helps stream."""
+
+
+def tile_config(m: int, n: int, k: int, group_size: int, num_sms: int) -> TileConfig:
+    """Narrow N tiles give N / 32 programs (128 for N = 4096); at decode sizes K is split until
+    there are about four programs per SM (``num_sms``) to keep enough weight reads in flight,
+    as long as each program keeps at least four K tiles."""
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    one_group = group_size >= in_features
-    for block_k in (128, 64, 32, 16):
-        if one_group or group_size % block_k == 0:
-            return TileConfig(block_m, 32, block_k, True, 4, 4)
-    return TileConfig(block_m, 32, 32, False, 4, 4)
+    block_n = 32
+    one_group = group_size >= k
+    block_k, per_tile = 32, False
+    for candidate in (128, 64, 32, 16):
+        if one_group or group_size % candidate == 0:
+            block_k, per_tile = candidate, True
+            break
+    programs = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    split = 1
+    while (
+        m <= SPLIT_K_MAX_M
+        and programs * split * 2 <= 4 * num_sms
+        and k >= split * 2 * 4 * block_k
+    ):
+        split *= 2
+    return TileConfig(block_m, block_n, block_k, per_tile, split, 4, 4)
 
 
 @triton.jit
@@ -62,7 +83,9 @@ def _w4a16_gemm_kernel(
     stride_xk,
     stride_qk,
     stride_om,
+    stride_os,
     K: tl.constexpr,
+    K_TILES_PER_SPLIT: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -71,12 +94,17 @@ def _w4a16_gemm_kernel(
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = offs_m < M
     n_mask = offs_n < N
+    # Nibble i of a word is input row 8r + i: words [BLOCK_K / 8, BLOCK_N] are loaded once and
+    # unpacked into [BLOCK_K, BLOCK_N] by a reshape that keeps (r, i) -> 8r + i.
+    shifts = tl.arange(0, 8) * 4
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for t in range(K_TILES_PER_SPLIT):
+        k0 = (pid_s * K_TILES_PER_SPLIT + t) * BLOCK_K
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         a = tl.load(
@@ -84,28 +112,41 @@ def _w4a16_gemm_kernel(
             mask=m_mask[:, None] & k_mask[None, :],
             other=0.0,
         )
-        wk_mask = k_mask[:, None] & n_mask[None, :]
+        offs_r = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         words = tl.load(
-            qw_ptr + (offs_k[:, None] // 8) * stride_qk + offs_n[None, :], mask=wk_mask, other=0
+            qw_ptr + offs_r[:, None] * stride_qk + offs_n[None, :],
+            mask=(offs_r < (K + 7) // 8)[:, None] & n_mask[None, :],
+            other=0,
         )
-        q = ((words >> ((offs_k[:, None] % 8) * 4)) & 0xF).to(tl.float32)
+        nibbles = (words[:, None, :] >> shifts[None, :, None]) & 0xF
+        q = tl.reshape(nibbles, (BLOCK_K, BLOCK_N)).to(tl.float32)
         if SCALES_PER_TILE:
             g = k0 // GROUP_SIZE
-            s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0)
-            z = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0).to(tl.float32)
+            s = tl.load(s_ptr + g * N + offs_n, mask=n_mask & (k0 < K), other=0.0)
+            z = tl.load(z_ptr + g * N + offs_n, mask=n_mask & (k0 < K), other=0).to(tl.float32)
             w = (q - z[None, :]) * s[None, :]
         else:
+            wk_mask = k_mask[:, None] & n_mask[None, :]
             g_rows = (offs_k // GROUP_SIZE)[:, None] * N + offs_n[None, :]
             s2 = tl.load(s_ptr + g_rows, mask=wk_mask, other=0.0)
             z2 = tl.load(z_ptr + g_rows, mask=wk_mask, other=0).to(tl.float32)
             w = (q - z2) * s2
         acc += tl.dot(a, w.to(a.dtype))
-    out = acc.to(out_ptr.dtype.element_ty)
     tl.store(
-        out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
-        out,
+        out_ptr + pid_s * stride_os + offs_m[:, None] * stride_om + offs_n[None, :],
+        acc.to(out_ptr.dtype.element_ty),
         mask=m_mask[:, None] & n_mask[None, :],
     )
+
+
+@triton.jit
+def _sum_splits_kernel(ws_ptr, out_ptr, numel, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    total = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(SPLIT_K):
+        total += tl.load(ws_ptr + s * numel + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -159,14 +200,22 @@ def _check_weight(
     return n
 
 
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # the interpreter runs one program after another
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def w4a16_gemm(
     x: torch.Tensor,
     qweight: torch.Tensor,
     scales: torch.Tensor,
     zeros: torch.Tensor,
     group_size: int,
+    split_k: int | None = None,
 ) -> torch.Tensor:
-    """``x`` [M, K] (bf16, fp16; fp32 in the interpreter) times the int4 weight: [M, N] in x's dtype."""
+    """``x`` [M, K] (bf16, fp16; fp32 in the interpreter) times the int4 weight: [M, N] in x's
+    dtype. ``split_k`` overrides the tile heuristic's (tests)."""
     if x.dim() != 2 or x.dtype not in ACTIVATION_DTYPES:
         raise Int4KernelInputError(
             f"x has shape {tuple(x.shape)} and dtype {x.dtype}; expected [M, K] bf16/fp16/fp32"
@@ -176,21 +225,26 @@ def w4a16_gemm(
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    cfg = tile_config(m, group_size, k)
-    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n))
+    cfg = tile_config(m, n, k, group_size, _num_sms(x.device))
+    splits = split_k or cfg.split_k
+    k_tiles = triton.cdiv(triton.cdiv(k, cfg.block_k), splits)
+    target = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), splits)
     _w4a16_gemm_kernel[grid](
         x,
         qweight,
         scales,
         zeros,
-        out,
+        target,
         m,
         n,
         x.stride(0),
         x.stride(1),
         qweight.stride(0),
-        out.stride(0),
+        n,
+        m * n,
         K=k,
+        K_TILES_PER_SPLIT=k_tiles,
         GROUP_SIZE=group_size,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
@@ -199,6 +253,11 @@ def w4a16_gemm(
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
+    if splits > 1:
+        block = 1024
+        _sum_splits_kernel[(triton.cdiv(m * n, block),)](
+            target, out, m * n, SPLIT_K=splits, BLOCK=block
+        )
     return out
 
 
