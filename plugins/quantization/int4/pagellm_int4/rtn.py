@@ -145,9 +145,7 @@ def _is_quantized(name: str, tensor: torch.Tensor) -> bool:
     )
 
 
-def write_checkpoint(
-    source: Path, target: Path, scheme: Int4Scheme, device: str = "cpu"
-) -> Path:
+def write_checkpoint(source: Path, target: Path, scheme: Int4Scheme, device: str = "cpu") -> Path:
     """Quantize the float checkpoint in ``source`` into ``target`` (safetensors, config.json,
     and the tokenizer and generation files copied), computing on ``device`` (``cuda`` is much
     faster for an 8B model)."""

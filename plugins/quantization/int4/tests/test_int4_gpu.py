@@ -7,6 +7,7 @@ to benchmarks/int4_gemm.py."""
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -23,7 +24,9 @@ pytestmark = [
 ]
 
 
+@functools.cache
 def _layout(k: int, n: int, group: int, act_order: bool) -> KernelLayout:
+    """Random 4-bit weights, repacked once per shape (on the GPU)."""
     g = torch.Generator().manual_seed(0)
     groups = k // group
     values = Int4Values(
@@ -32,15 +35,13 @@ def _layout(k: int, n: int, group: int, act_order: bool) -> KernelLayout:
         scales=torch.rand(groups, n, generator=g) * 0.01 + 0.001,
         g_idx=(torch.randperm(k, generator=g) % groups) if act_order else torch.arange(k) // group,
     )
-    cpu = to_kernel_layout(values, group, "test")
-    return KernelLayout(
-        qweight=cpu.qweight.cuda(),
-        scales=cpu.scales.cuda(),
-        zeros=cpu.zeros.cuda(),
-        perm=cpu.perm.cuda() if cpu.perm is not None else None,
-        group_size=group,
-        in_features=k,
+    on_gpu = Int4Values(
+        q=values.q.cuda(),
+        zeros=values.zeros.cuda(),
+        scales=values.scales.cuda(),
+        g_idx=values.g_idx.cuda(),
     )
+    return to_kernel_layout(on_gpu, group, "test")
 
 
 @pytest.mark.parametrize("m", [1, 7, 16, 64, 65, 300, 1024])

@@ -80,9 +80,7 @@ def test_split_k_partial_sums_add_up_to_the_reference(split_k):
     """K = 200 in tiles of 128 (one group): the last split gets no K tile at all for split 3."""
     layout = _layout(200, 40, 200, act_order=False, seed=4)
     x = torch.randn(2, 200, generator=torch.Generator().manual_seed(5))
-    out = w4a16.w4a16_gemm(
-        x, layout.qweight, layout.scales, layout.zeros, 200, split_k=split_k
-    )
+    out = w4a16.w4a16_gemm(x, layout.qweight, layout.scales, layout.zeros, 200, split_k=split_k)
     torch.testing.assert_close(out, gemm.reference_gemm(x, layout), rtol=1e-5, atol=1e-5)
 
 
@@ -98,3 +96,20 @@ def test_tiles_keep_one_scale_row_per_k_tile_and_split_k_fills_the_sms():
     assert w4a16.tile_config(1, 4096, 4096, 128, h200).split_k == 4
     assert w4a16.tile_config(64, 4096, 4096, 128, h200).split_k == 1
     assert w4a16.tile_config(1, 28672, 4096, 128, h200).split_k == 1
+
+
+@pytest.mark.parametrize("m", [3, gemm.FUSED_MAX_M + 1])
+def test_the_cuda_path_takes_the_fused_kernel_or_dequantize_then_matmul_by_m(m, monkeypatch):
+    """The CUDA path's function, run here on CPU tensors through the interpreter: act-order
+    inputs permuted, the fused kernel up to FUSED_MAX_M rows, dequantize + mm above."""
+    calls: list[str] = []
+    for name in ("w4a16_gemm", "dequantize_int4"):
+        kernel = getattr(w4a16, name)
+        monkeypatch.setattr(
+            w4a16, name, lambda *a, _k=kernel, _n=name, **kw: calls.append(_n) or _k(*a, **kw)
+        )
+    layout = _layout(64, 24, 16, act_order=True, seed=6)
+    x = torch.randn(m, 64, generator=torch.Generator().manual_seed(7))
+    out = gemm._cuda_gemm(w4a16)(x, layout)
+    assert calls == (["w4a16_gemm"] if m <= gemm.FUSED_MAX_M else ["dequantize_int4"])
+    torch.testing.assert_close(out, gemm.reference_gemm(x, layout), rtol=1e-5, atol=1e-5)

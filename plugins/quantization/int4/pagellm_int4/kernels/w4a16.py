@@ -62,9 +62,7 @@ def tile_config(m: int, n: int, k: int, group_size: int, num_sms: int) -> TileCo
     programs = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     split = 1
     while (
-        m <= SPLIT_K_MAX_M
-        and programs * split * 2 <= 4 * num_sms
-        and k >= split * 2 * 4 * block_k
+        m <= SPLIT_K_MAX_M and programs * split * 2 <= 4 * num_sms and k >= split * 2 * 4 * block_k
     ):
         split *= 2
     return TileConfig(block_m, block_n, block_k, per_tile, split, 4, 4)
