@@ -41,6 +41,9 @@ def parse_gptq(config: dict[str, Any]) -> Int4Scheme:
             f"GPTQ checkpoint_format {fmt!r} is not supported (gptq or gptq_v2; marlin and "
             "bitblas repackings are not read)."
         )
+    pack_dtype = str(config.get("pack_dtype", "int32")).removeprefix("torch.")
+    if pack_dtype != "int32":
+        raise Int4FormatError(f"GPTQ pack_dtype {pack_dtype!r} is not supported (int32 only).")
     if config.get("lm_head"):
         raise Int4FormatError("GPTQ checkpoints with a quantized lm_head are not supported.")
     if config.get("dynamic"):
@@ -76,6 +79,14 @@ def _ct_groups(config: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def parse_compressed_tensors(config: dict[str, Any]) -> Int4Scheme:
+    status = config.get("quantization_status", "compressed")
+    if status != "compressed":
+        raise Int4FormatError(
+            f"compressed-tensors quantization_status {status!r} is not supported: only "
+            "compressed checkpoints hold packed weights."
+        )
+    if config.get("sparsity_config"):
+        raise Int4FormatError("compressed-tensors sparsity_config is not supported.")
     groups = _ct_groups(config)
     if len(groups) != 1:
         raise Int4FormatError(

@@ -155,6 +155,29 @@ def test_bad_int4_configs_are_refused_with_the_reason(float_model, tmp_path):
         LLM(str(ct), **ENGINE)
 
 
+def test_checkpoint_scheme_errors_name_what_was_found():
+    from pagellm_int4.checkpoint_formats import parse_checkpoint
+    from pagellm_int4.rtn import quantization_config
+
+    ct = quantization_config(Int4Scheme("compressed-tensors", 128))
+    cases = [
+        ({**ct, "quantization_status": "frozen"}, "quantization_status 'frozen' is not supported"),
+        ({**ct, "format": "int-quantized", "config_groups": {}}, "not an int4 checkpoint format"),
+        ({"quant_method": "gptq", "bits": 4, "pack_dtype": "int16"}, "pack_dtype 'int16'"),
+        ({"quant_method": "gptq", "bits": 4, "lm_head": True}, "quantized lm_head"),
+        ({"quant_method": "awq", "w_bit": 3}, "AWQ with 3 bits is not supported"),
+    ]
+    group = ct["config_groups"]["group_0"]
+    with_acts = {**group, "input_activations": {"num_bits": 8, "type": "int"}}
+    cases.append(({**ct, "config_groups": {"g": with_acts}}, "quantize activations"))
+    for config, message in cases:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            parse_checkpoint(config)
+    assert parse_checkpoint(quantization_config(Int4Scheme("gptq", -1, desc_act=True))) == (
+        Int4Scheme("gptq", -1, desc_act=True)
+    )
+
+
 def test_a_float_model_is_not_quantized_at_load(float_model):
     with pytest.raises(ConfigError, match="does not quantize a float model at load"):
         LLM(str(float_model), quantization="gptq", **ENGINE)
