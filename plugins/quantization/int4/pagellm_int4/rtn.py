@@ -14,7 +14,11 @@ that share their input, as real act-order checkpoints have), so that readers' ac
 exercised; it does not improve accuracy.
 
     python -m pagellm_int4.rtn SRC DST --format gptq|awq|compressed-tensors [--group-size 128]
-        [--asym] [--desc-act] [--gptq-v2] [--device cuda]
+        [--asym] [--desc-act] [--gptq-v2] [--device cuda] [--random-weights]
+
+``--random-weights`` takes a directory with only a config.json (e.g. benchmarks/configs/
+llama-3.1-8b) and quantizes random weights of its shapes: an 8B-shaped int4 checkpoint without
+writing the 16 GB bf16 one first.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import argparse
 import json
 import shutil
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -145,10 +150,41 @@ def _is_quantized(name: str, tensor: torch.Tensor) -> bool:
     )
 
 
-def write_checkpoint(source: Path, target: Path, scheme: Int4Scheme, device: str = "cpu") -> Path:
+def random_float_weights(
+    config_dir: Path, device: str, seed: int = 0
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the model ``config_dir/config.json`` describes, drawn at random (normal
+    with the config's ``initializer_range``; norms 1) in bfloat16: for benchmarks at a real
+    model's shapes without its weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(config_dir)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    shapes = {name: t.shape for name, t in model.state_dict().items()}
+    if getattr(config, "tie_word_embeddings", False):
+        shapes.pop("lm_head.weight", None)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    std = float(getattr(config, "initializer_range", 0.02))
+    for name, shape in shapes.items():
+        if "norm" in name:
+            yield name, torch.ones(shape, dtype=torch.bfloat16, device=device)
+        else:
+            values = torch.randn(shape, generator=generator, device=device) * std
+            yield name, values.to(torch.bfloat16)
+
+
+def write_checkpoint(
+    source: Path,
+    target: Path,
+    scheme: Int4Scheme,
+    device: str = "cpu",
+    random_weights: bool = False,
+) -> Path:
     """Quantize the float checkpoint in ``source`` into ``target`` (safetensors, config.json,
     and the tokenizer and generation files copied), computing on ``device`` (``cuda`` is much
-    faster for an 8B model)."""
+    faster for an 8B model). ``random_weights``: ``source`` holds only a config.json, whose
+    model's weights are drawn at random (`random_float_weights`)."""
     from safetensors.torch import save_file
     from tqdm import tqdm
 
@@ -158,9 +194,14 @@ def write_checkpoint(source: Path, target: Path, scheme: Int4Scheme, device: str
         raise ValueError("AWQ has no act-order (desc_act): its columns are in natural order.")
     target.mkdir(parents=True, exist_ok=True)
     out: dict[str, torch.Tensor] = {}
-    for name, tensor in tqdm(iterate_safetensors_weights(str(source)), desc="int4 RTN tensors"):
+    weights = (
+        random_float_weights(source, device)
+        if random_weights
+        else iterate_safetensors_weights(str(source))
+    )
+    for name, tensor in tqdm(weights, desc="int4 RTN tensors"):
         if not _is_quantized(name, tensor):
-            out[name] = tensor.contiguous()
+            out[name] = tensor.cpu().contiguous()
             continue
         layer = name.removesuffix(".weight")
         order = act_order(name, tensor.shape[1]) if scheme.desc_act else None
@@ -192,6 +233,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--desc-act", action="store_true", help="GPTQ/compressed-tensors act-order")
     parser.add_argument("--gptq-v2", action="store_true", help="checkpoint_format gptq_v2")
     parser.add_argument("--device", default="cpu", help="where to quantize (e.g. cuda)")
+    parser.add_argument(
+        "--random-weights",
+        action="store_true",
+        help="SOURCE holds only config.json: quantize random weights of its shapes (benchmarks)",
+    )
     args = parser.parse_args(argv)
     scheme = Int4Scheme(
         args.format,
@@ -200,7 +246,7 @@ def main(argv: list[str] | None = None) -> None:
         desc_act=args.desc_act,
         gptq_v1=not args.gptq_v2,
     )
-    path = write_checkpoint(args.source, args.target, scheme, args.device)
+    path = write_checkpoint(args.source, args.target, scheme, args.device, args.random_weights)
     print(f"wrote {scheme.format} int4 checkpoint (group size {scheme.group_size}) to {path}")
 
 

@@ -155,6 +155,20 @@ def test_bad_int4_configs_are_refused_with_the_reason(float_model, tmp_path):
         LLM(str(ct), **ENGINE)
 
 
+def test_the_cli_quantizes_random_weights_of_a_configs_shapes(float_model, tmp_path):
+    from pagellm_int4.rtn import main
+
+    shapes_only = tmp_path / "config_only"
+    shapes_only.mkdir()
+    (shapes_only / "config.json").write_text((float_model / "config.json").read_text())
+    main([str(shapes_only), str(tmp_path / "awq"), "--format", "awq", "--asym", "--random-weights"])
+    config = json.loads((tmp_path / "awq" / "config.json").read_text())
+    assert config["quantization_config"]["version"] == "gemm"
+    llm = LLM(str(tmp_path / "awq"), skip_tokenizer_init=True, **ENGINE)
+    assert llm.llm_engine.config.quantization == "awq"
+    assert len(_greedy(llm)[0]) == GEN_TOKENS
+
+
 def test_checkpoint_scheme_errors_name_what_was_found():
     from pagellm_int4.checkpoint_formats import parse_checkpoint
     from pagellm_int4.rtn import quantization_config
