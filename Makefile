@@ -15,9 +15,11 @@ install:
 # reasons, registration and metadata builder with the library absent.
 PLUGINS = plugins/cuda_platform plugins/attention_backends/triton \
 	plugins/attention_backends/flashinfer plugins/attention_backends/flash_attn \
-	plugins/endpoints/openai plugins/endpoints/admin plugins/quantization/fp8
+	plugins/endpoints/openai plugins/endpoints/admin plugins/quantization/fp8 \
+	plugins/quantization/int4
 
-# pagellm-fp8's tests write checkpoints with compressed-tensors (pure Python): its requirements
+# pagellm-fp8's tests write checkpoints with compressed-tensors (pure Python; pagellm-int4's
+# check their packing against it): its requirements
 # are the core's (torch, transformers, pydantic) and loguru, installed with it.
 install-test: install
 	$(PIP) install -q -e '.[test,lint]'

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One round on the GPU machine: offline install (wheels carried in .whl), GPU tests, benchmarks.
 # Writes logs and JSON under $OUT. Stages: tests, tests-flashinfer, fi-jit, fi-cache-save, fa-tests,
-# fa-kernels, fp8-tests, fp8-gemm, decode-tiles, prof, step-prof, w1, w2, overhead, hf (W1/W2 with the HF peer).
+# fa-kernels, fp8-tests, fp8-gemm, decode-tiles, int4-tests, int4-gemm, int4-w1, prof, step-prof, w1, w2,
+# overhead, hf (W1/W2 with the HF peer).
 #   bash benchmarks/gpu_round.sh tests w2 w1 overhead
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -28,6 +29,7 @@ if [ ! -e "/tmp/site/.installed-$wheels" ]; then
     -e . -e plugins/cuda_platform -e plugins/attention_backends/triton \
     -e plugins/attention_backends/flashinfer \
     -e plugins/attention_backends/flash_attn -e plugins/quantization/fp8 \
+    -e plugins/quantization/int4 \
     -e plugins/endpoints/openai -e plugins/endpoints/admin >"$OUT/install.log" 2>&1 \
     || { tail -20 "$OUT/install.log"; exit 1; }
   touch "/tmp/site/.installed-$wheels"
@@ -74,6 +76,25 @@ for stage in "$@"; do
     # TRITON_ATTN's decode kernel over a sweep of tiles, bf16 and FP8 caches.
     decode-tiles) run decode_tiles 300 python3 benchmarks/triton_decode_tiles.py --output-json "$OUT/decode_tiles.json" ;;
     fp8-gemm) run fp8_gemm 200 python3 benchmarks/fp8_gemm.py --output-json "$OUT/fp8_gemm.json" ;;
+    # pagellm-int4 (kernels, both CUDA paths, graphs, engine parity) and its GEMM table.
+    int4-tests) run int4_tests 400 python3 -m pytest -m gpu -q -s -p no:cacheprovider --timeout 300 \
+        plugins/quantization/int4/tests ;;
+    int4-gemm) run int4_gemm 400 python3 benchmarks/int4_gemm.py --output-json "$OUT/int4_gemm.json" ;;
+    # W1's model as a GPTQ int4 checkpoint of random weights (our RTN writer, on the GPU, kept
+    # under build/), then low-batch decode (1 and 16 requests at once, 512 in / 512 out) against
+    # the bf16 model with dummy weights.
+    int4-w1) ckpt=build/int4/llama-3.1-8b-gptq
+      [ -f "$ckpt/model.safetensors" ] || run int4_write 500 python3 -m pagellm_int4.rtn \
+        benchmarks/configs/llama-3.1-8b "$ckpt" --format gptq --random-weights --device cuda
+      for c in 1 16; do
+        run "int4_w1_gptq_c$c" 500 pagellm bench throughput --model "$ckpt" --dtype bfloat16 \
+          --skip-tokenizer-init --temperature 0 --seed 0 --num-prompts $((c * 2)) --input-len 512 \
+          --output-len 512 --max-num-seqs "$c" --output-json "$OUT/int4_w1_gptq_c$c.json"
+        run "int4_w1_bf16_c$c" 500 pagellm bench throughput --model benchmarks/configs/llama-3.1-8b \
+          --load-format dummy --dtype bfloat16 --skip-tokenizer-init --temperature 0 --seed 0 \
+          --num-prompts $((c * 2)) --input-len 512 --output-len 512 --max-num-seqs "$c" \
+          --output-json "$OUT/int4_w1_bf16_c$c.json"
+      done ;;
     w2) run w2 200 bash benchmarks/workloads.sh W2 --output-json "$OUT/w2.json" ;;
     w1) run w1 300 bash benchmarks/workloads.sh W1 --output-json "$OUT/w1.json" ;;
     w2-eager) run w2_eager 300 bash benchmarks/workloads.sh W2 --enforce-eager --output-json "$OUT/w2_eager.json" ;;

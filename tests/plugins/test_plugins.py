@@ -429,8 +429,11 @@ def test_quantization_method_from_plugin_by_name(tiny_models):
     proc = run(code, None, tiny_models["llama3"], "{'quantization': 'dummy_int8'}")
     assert proc.returncode == 0, proc.stderr
     assert "['Int8WeightOnlyLinearMethod'] {'torch.int8'}" in proc.stdout
-    unknown = run(GENERATE, None, tiny_models["llama3"], "{'quantization': 'awq'}")
-    assert "Quantization method 'awq' is not installed; installed: dummy_int8" in unknown.stderr
+    unknown = run(GENERATE, None, tiny_models["llama3"], "{'quantization': 'bitsandbytes'}")
+    assert (
+        "Quantization method 'bitsandbytes' is not installed; installed: dummy_int8"
+        in unknown.stderr
+    )
 
 
 def test_front_end_groups_fill_their_registries_in_the_front_end(tiny_models):

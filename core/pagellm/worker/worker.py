@@ -3,6 +3,8 @@ each step through its model runner."""
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from pagellm.attention.layer import Attention
@@ -10,10 +12,13 @@ from pagellm.config import EngineConfig
 from pagellm.forward_context import set_forward_context
 from pagellm.kv_cache.spec import KVCacheSpec
 from pagellm.model_loader import load_model
+from pagellm.model_loader.weight_memory import describe_weight_bytes
 from pagellm.platforms import current_platform
 from pagellm.plugins import load_general_plugins
 from pagellm.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from pagellm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
 
 
 def _bytes(module: torch.nn.Module) -> int:
@@ -31,6 +36,7 @@ class Worker:
     def load_model(self) -> None:
         runner = self.model_runner
         runner.model = load_model(self.config, runner.attn_backend, self.device)
+        logger.info("%s", describe_weight_bytes(runner.model, self.config.quantization))
 
     def get_kv_cache_spec(self) -> KVCacheSpec:
         return self.model_runner.kv_cache_spec

@@ -1,0 +1,102 @@
+"""The three registered methods, each the reader of one checkpoint format, picked from the
+checkpoint's ``quantization_config`` without a flag:
+
+| method | reads |
+|---|---|
+| ``gptq`` | ``quant_method: gptq`` (``checkpoint_format`` gptq (v1) or gptq_v2; sym or not; desc_act) |
+| ``awq`` | ``quant_method: awq``, ``version: gemm`` |
+| ``compressed_tensors_w4a16`` | ``quant_method: compressed-tensors``, ``format: pack-quantized``, int 4-bit weight-only (W4A16, W4A16_ASYM) |
+
+None quantizes a float checkpoint at load: `pagellm_int4.rtn` writes int4 checkpoints offline.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, ClassVar
+
+import torch
+
+from pagellm.quantization import LinearMethodBase, QuantizationConfig, UnquantizedLinearMethod
+from pagellm_int4.checkpoint_formats import checkpoint_format, parse_checkpoint
+from pagellm_int4.gemm import gemm_refusal
+from pagellm_int4.linear_method import Int4LinearMethod
+from pagellm_int4.scheme import Int4Format, Int4Scheme
+
+# A fused layer of pagellm's models and the checkpoint layers it is made of.
+_FUSED_PARTS = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+
+
+def _checkpoint_names(prefix: str) -> list[str]:
+    head, _, last = prefix.rpartition(".")
+    parts = _FUSED_PARTS.get(last)
+    return [f"{head}.{p}" if head else p for p in parts] if parts else [prefix]
+
+
+def _is_ignored(name: str, ignored: tuple[str, ...]) -> bool:
+    for entry in ignored:
+        if entry.startswith("re:"):
+            if re.match(entry[3:], name):
+                return True
+        elif name == entry or name.endswith("." + entry) or f".{entry}." in f".{name}.":
+            return True
+    return False
+
+
+class _Int4ConfigBase(QuantizationConfig):
+    format: ClassVar[Int4Format]
+
+    def __init__(self, scheme: Int4Scheme) -> None:
+        self.scheme = scheme
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> QuantizationConfig:
+        if not config:
+            raise ValueError(
+                f"{cls.name} reads int4 checkpoints and does not quantize a float model at load; "
+                "write an int4 checkpoint with `python -m pagellm_int4.rtn` and serve that."
+            )
+        if checkpoint_format(config) != cls.format:
+            raise ValueError(
+                f"{cls.name} does not read this checkpoint (quant_method "
+                f"{config.get('quant_method')!r})."
+            )
+        return cls(parse_checkpoint(config))
+
+    @classmethod
+    def matches_checkpoint(cls, checkpoint_config: dict[str, Any]) -> bool:
+        return checkpoint_format(checkpoint_config) == cls.format
+
+    @classmethod
+    def platform_refusal(cls, device_type: str, dtype: torch.dtype) -> str | None:
+        return gemm_refusal(device_type, dtype)
+
+    def get_linear_method(self, prefix: str) -> LinearMethodBase:
+        names = _checkpoint_names(prefix)
+        ignored = [_is_ignored(n, self.scheme.ignored) for n in names]
+        if all(ignored):
+            return UnquantizedLinearMethod()
+        if any(ignored):
+            raise ValueError(
+                f"The checkpoint leaves some parts of fused layer {prefix} ({names}) unquantized "
+                "and quantizes others; pagellm fuses them into one layer of one format."
+            )
+        return Int4LinearMethod(self.scheme, prefix)
+
+
+class GptqConfig(_Int4ConfigBase):
+    name = "gptq"
+    format = "gptq"
+
+
+class AwqConfig(_Int4ConfigBase):
+    name = "awq"
+    format = "awq"
+
+
+class CompressedTensorsW4A16Config(_Int4ConfigBase):
+    name = "compressed_tensors_w4a16"
+    format = "compressed-tensors"

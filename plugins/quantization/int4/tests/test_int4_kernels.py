@@ -1,0 +1,115 @@
+"""pagellm-int4's Triton kernels on the CPU, through Triton's interpreter (conftest.py sets
+TRITON_INTERPRET=1 when torch has no CUDA), against the torch reference of the kernel layout, at
+shapes that are not multiples of the tiles. Sizes stay tiny: the interpreter runs each program
+in NumPy. GPU sizes are in test_int4_gpu.py.
+
+bfloat16 is left to the GPU tests: Triton's interpreter multiplies bfloat16's raw bits in
+``tl.dot`` and truncates float32 -> bfloat16 casts (pagellm-triton-attn's ``interpreter_compat``
+describes the first); float16 takes the same code path here."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pagellm_int4 import gemm
+from pagellm_int4.int4_values import Int4Values
+from pagellm_int4.kernel_layout import KernelLayout, dequantize, to_kernel_layout
+from pagellm_int4.kernels import w4a16
+from pagellm_int4.kernels.w4a16 import Int4KernelInputError
+
+
+def _layout(k: int, n: int, group: int, act_order: bool, seed: int = 0) -> KernelLayout:
+    g = torch.Generator().manual_seed(seed)
+    groups = k // group
+    values = Int4Values(
+        q=torch.randint(0, 16, (k, n), generator=g, dtype=torch.uint8),
+        zeros=torch.randint(0, 17, (groups, n), generator=g, dtype=torch.uint8),
+        scales=torch.rand(groups, n, generator=g) * 0.1 + 0.01,
+        g_idx=(torch.randperm(k, generator=g) % groups) if act_order else torch.arange(k) // group,
+    )
+    return to_kernel_layout(values, group, "test")
+
+
+# (M, N, K, group): one group over K = 200 (not a multiple of the K tile), groups of 32 and 16,
+# groups of 40 (no K tile divides them: per-row scales), M past one M tile.
+SHAPES = [(1, 40, 200, 200), (5, 24, 96, 32), (17, 40, 64, 16), (3, 24, 120, 40)]
+
+
+@pytest.mark.parametrize(("m", "n", "k", "group"), SHAPES)
+def test_w4a16_gemm_matches_the_reference_in_float32(m, n, k, group):
+    layout = _layout(k, n, group, act_order=group == 32)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(1))
+    a = x if layout.perm is None else x[:, layout.perm]
+    out = w4a16.w4a16_gemm(a, layout.qweight, layout.scales, layout.zeros, group)
+    ref = gemm.reference_gemm(x, layout)
+    assert out.shape == (m, n) and out.dtype == torch.float32
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_w4a16_gemm_in_float16_accumulates_in_float32():
+    layout = _layout(96, 24, 32, act_order=False)
+    x = torch.randn(4, 96, generator=torch.Generator().manual_seed(2)).half()
+    out = w4a16.w4a16_gemm(x, layout.qweight, layout.scales, layout.zeros, 32)
+    exact = x.float() @ dequantize(layout, torch.float16).float()
+    assert out.dtype == torch.float16
+    # float32 sums of float16 products: only the final rounding to float16 remains.
+    torch.testing.assert_close(out.float(), exact, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize(("k", "n", "group"), [(200, 40, 200), (120, 136, 40)])
+def test_dequantize_kernel_is_the_reference_bit_for_bit(k, n, group):
+    layout = _layout(k, n, group, act_order=False, seed=3)
+    for dtype in (torch.float32, torch.float16):
+        out = w4a16.dequantize_int4(layout.qweight, layout.scales, layout.zeros, group, k, dtype)
+        assert torch.equal(out, dequantize(layout, dtype))
+
+
+def test_kernel_inputs_of_the_wrong_layout_are_refused():
+    layout = _layout(64, 16, 32, act_order=False)
+    x = torch.randn(2, 64)
+    with pytest.raises(
+        Int4KernelInputError, match=r"qweight has dtype torch.int32 and shape \(16, 8\)"
+    ):
+        w4a16.w4a16_gemm(x, layout.qweight.t().contiguous(), layout.scales, layout.zeros, 32)
+    with pytest.raises(Int4KernelInputError, match=r"scales has dtype torch.float16"):
+        w4a16.w4a16_gemm(x, layout.qweight, layout.scales.half(), layout.zeros, 32)
+
+
+@pytest.mark.parametrize("split_k", [2, 3])
+def test_split_k_partial_sums_add_up_to_the_reference(split_k):
+    """K = 200 in tiles of 128 (one group): the last split gets no K tile at all for split 3."""
+    layout = _layout(200, 40, 200, act_order=False, seed=4)
+    x = torch.randn(2, 200, generator=torch.Generator().manual_seed(5))
+    out = w4a16.w4a16_gemm(x, layout.qweight, layout.scales, layout.zeros, 200, split_k=split_k)
+    torch.testing.assert_close(out, gemm.reference_gemm(x, layout), rtol=1e-5, atol=1e-5)
+
+
+def test_tiles_keep_one_scale_row_per_k_tile_and_split_k_fills_the_sms():
+    h200 = 132
+    assert w4a16.tile_config(1, 4096, 4096, 128, h200).block_k == 128
+    assert w4a16.tile_config(16, 4096, 4096, 32, h200).block_k == 32
+    assert w4a16.tile_config(1, 100, 4096, 4096, h200).scales_per_tile  # one group: any K tile
+    assert not w4a16.tile_config(1, 40, 120, 40, h200).scales_per_tile
+    assert w4a16.tile_config(64, 4096, 4096, 128, h200).block_m == 64
+    # 128 output tiles for N = 4096: split in 4 (512 programs); none at prefill sizes; the
+    # 896 tiles of gate_up (N = 28672) fill the GPU without a split.
+    assert w4a16.tile_config(1, 4096, 4096, 128, h200).split_k == 4
+    assert w4a16.tile_config(64, 4096, 4096, 128, h200).split_k == 1
+    assert w4a16.tile_config(1, 28672, 4096, 128, h200).split_k == 1
+
+
+@pytest.mark.parametrize("m", [3, gemm.FUSED_MAX_M + 1])
+def test_the_cuda_path_takes_the_fused_kernel_or_dequantize_then_matmul_by_m(m, monkeypatch):
+    """The CUDA path's function, run here on CPU tensors through the interpreter: act-order
+    inputs permuted, the fused kernel up to FUSED_MAX_M rows, dequantize + mm above."""
+    calls: list[str] = []
+    for name in ("w4a16_gemm", "dequantize_int4"):
+        kernel = getattr(w4a16, name)
+        monkeypatch.setattr(
+            w4a16, name, lambda *a, _k=kernel, _n=name, **kw: calls.append(_n) or _k(*a, **kw)
+        )
+    layout = _layout(64, 24, 16, act_order=True, seed=6)
+    x = torch.randn(m, 64, generator=torch.Generator().manual_seed(7))
+    out = gemm._cuda_gemm(w4a16)(x, layout)
+    assert calls == (["w4a16_gemm"] if m <= gemm.FUSED_MAX_M else ["dequantize_int4"])
+    torch.testing.assert_close(out, gemm.reference_gemm(x, layout), rtol=1e-5, atol=1e-5)
