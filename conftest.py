@@ -4,7 +4,8 @@ runs on.
 
 This is the only conftest.py: test folders hold no conftest of their own. The helper modules the
 core's tests share (tests/servers.py, tests/editable_installs.py) are importable by name because
-pyproject.toml puts tests/ on sys.path (pytest's ``pythonpath``).
+pyproject.toml puts tests/ on sys.path (pytest's ``pythonpath``); tests/servers.py is also loaded as
+a plugin, so that its fixtures are shared across modules rather than made again in each.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ if torch.version.cuda is None and torch.version.hip is None:
 
 from pagellm.model_loader import default_model_path
 from pagellm.model_loader.gguf_cache import gguf_hf_dir
+
+# The server tests' fixtures (tests/servers.py), shared by tests/ and the endpoint plugins' tests.
+pytest_plugins = ["servers"]
 
 # Small enough to run on a 2-core CPU, large enough to exercise GQA, several blocks and windows.
 TINY_COMMON = dict(

@@ -1,6 +1,10 @@
 """Real ``pagellm serve`` processes on 127.0.0.1 for the server tests: a tiny random Llama with
 SmolLM2's whole vocabulary to serve, the endpoint packages installed, and `Server`, one process
-driven by httpx and the official ``openai`` client."""
+driven by httpx and the official ``openai`` client.
+
+conftest.py loads this module as a plugin (``pytest_plugins``), so its fixtures reach every test
+module without an import, and the session-scoped ones (the model, `shared_server`) are made once.
+"""
 
 from __future__ import annotations
 
@@ -46,22 +50,22 @@ def _missing_first_party() -> list[Path]:
 
 
 @pytest.fixture(scope="module")
-def endpoint_packages() -> Iterator[None]:
-    """The first-party endpoint packages unless installed already; the test package always, from
+def endpoint_packages(first_party_endpoints: None) -> Iterator[None]:
+    """The first-party endpoint packages (`first_party_endpoints`); the test package always, from
     this checkout (an install left by another checkout must not stand in for it)."""
-    with editable_installs([*_missing_first_party(), DUMMY_ENDPOINT]):
+    with editable_installs([DUMMY_ENDPOINT]):
         yield
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def first_party_endpoints() -> Iterator[None]:
     """The first-party endpoint packages unless installed already (``make install-test`` installs
-    them): for the tests that serve no test plugin."""
+    them), for the whole session: `shared_server` serves them to several modules."""
     with editable_installs(_missing_first_party()):
         yield
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer_dir: str) -> str:
     """A tiny random Llama whose vocabulary is the whole SmolLM2 tokenizer's, so that any text
     (and the chat template's special tokens) is a valid prompt."""
@@ -211,3 +215,16 @@ def started_servers(
     finally:
         for server in started.values():
             server.stop()
+
+
+@pytest.fixture(scope="session")
+def shared_server(
+    first_party_endpoints: None, model_dir: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
+    """One server with the defaults and ``VLLM_PLUGINS=openai,admin``, started once for the session
+    and shared by the modules whose tests need nothing else of it (each leaves it idle)."""
+    specs = {"shared": ({"VLLM_PLUGINS": "openai,admin"}, ())}
+    with started_servers(
+        model_dir, tmp_path_factory.mktemp("shared_server_logs"), specs
+    ) as running:
+        yield running["shared"]
