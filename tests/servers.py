@@ -217,14 +217,38 @@ def started_servers(
             server.stop()
 
 
+NEEDS_SHARED_SERVER = pytest.StashKey[bool]()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    session.config.stash[NEEDS_SHARED_SERVER] = any(
+        "shared_server" in getattr(item, "fixturenames", ()) for item in session.items
+    )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def prestart_shared_server(request: pytest.FixtureRequest) -> None:
+    """Starts `shared_server` with the session when a selected test uses it, and waits for it
+    only when a test first does: it starts meanwhile on the core that the in-process tests
+    (one OpenMP thread) leave idle on a 2-core machine."""
+    if request.config.stash.get(NEEDS_SHARED_SERVER, False):
+        request.getfixturevalue("shared_server_process")
+
+
 @pytest.fixture(scope="session")
-def shared_server(
+def shared_server_process(
     first_party_endpoints: None, model_dir: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Server]:
+    logs = tmp_path_factory.mktemp("shared_server_logs")
+    server = Server(model_dir, logs / "shared.log", {"VLLM_PLUGINS": "openai,admin"})
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def shared_server(shared_server_process: Server) -> Server:
     """One server with the defaults and ``VLLM_PLUGINS=openai,admin``, started once for the session
     and shared by the modules whose tests need nothing else of it (each leaves it idle)."""
-    specs = {"shared": ({"VLLM_PLUGINS": "openai,admin"}, ())}
-    with started_servers(
-        model_dir, tmp_path_factory.mktemp("shared_server_logs"), specs
-    ) as running:
-        yield running["shared"]
+    return shared_server_process.wait_ready()
