@@ -68,11 +68,13 @@ def run_together(*calls: tuple) -> list[subprocess.CompletedProcess]:
 PLUGINS_CLI = "from pagellm.entrypoints.cli import main; raise SystemExit(main(sys.argv[1:]))"
 
 
-PLUGINS_JSON = ("import sys\n" + PLUGINS_CLI, None, "plugins", "--json")
+def plugins_json_call(env: dict[str, str] | None = None) -> tuple:
+    """`run`'s arguments for ``pagellm plugins --json``."""
+    return ("import sys\n" + PLUGINS_CLI, env, "plugins", "--json")
 
 
 def plugins_json(env: dict[str, str] | None = None) -> dict:
-    return parse_plugins_json(run(PLUGINS_JSON[0], env, *PLUGINS_JSON[2:]))
+    return parse_plugins_json(run(*plugins_json_call(env)))
 
 
 def parse_plugins_json(proc: subprocess.CompletedProcess) -> dict:
@@ -233,7 +235,7 @@ def test_strict_mode_fails_start_up_naming_every_failed_plugin(tiny_models):
 
 def test_empty_allowlist_loads_nothing_and_runs_on_builtin_cpu_and_reference_backend(tiny_models):
     report_proc, proc = run_together(
-        (PLUGINS_JSON[0], {"VLLM_PLUGINS": ""}, *PLUGINS_JSON[2:]),
+        plugins_json_call({"VLLM_PLUGINS": ""}),
         (GENERATE, {"VLLM_PLUGINS": "", "PAGELLM_DUMMY_PLATFORM": "1"}, tiny_models["llama3"]),
     )
     report = parse_plugins_json(report_proc)
