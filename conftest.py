@@ -4,7 +4,8 @@ runs on.
 
 This is the only conftest.py: test folders hold no conftest of their own. The helper modules the
 core's tests share (tests/servers.py, tests/editable_installs.py) are importable by name because
-pyproject.toml puts tests/ on sys.path (pytest's ``pythonpath``).
+pyproject.toml puts tests/ on sys.path (pytest's ``pythonpath``); tests/servers.py is also loaded as
+a plugin, so that its fixtures are shared across modules rather than made again in each.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ if torch.version.cuda is None and torch.version.hip is None:
 
 from pagellm.model_loader import default_model_path
 from pagellm.model_loader.gguf_cache import gguf_hf_dir
+
+# The server tests' fixtures (tests/servers.py), shared by tests/ and the endpoint plugins' tests.
+pytest_plugins = ["servers"]
 
 # Small enough to run on a 2-core CPU, large enough to exercise GQA, several blocks and windows.
 TINY_COMMON = dict(
@@ -78,6 +82,27 @@ def device(request: pytest.FixtureRequest) -> str:
 @pytest.fixture(scope="session")
 def smollm2_path() -> str:
     return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm(smollm2_path: str):
+    """The packaged SmolLM2 on pagellm (float32 on the CPU), loaded once for the tests that only
+    generate with it."""
+    from pagellm import LLM
+
+    return LLM(smollm2_path, max_model_len=1024, kv_cache_memory=256 << 20)
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_model(smollm2_path: str):
+    """transformers' own load of the packaged SmolLM2 GGUF (float32, eval mode), the reference of
+    the GGUF tests: loaded once, for it takes a while."""
+    from transformers import AutoModelForCausalLM
+
+    directory, name = os.path.split(smollm2_path)
+    return AutoModelForCausalLM.from_pretrained(
+        directory, gguf_file=name, dtype=torch.float32
+    ).eval()
 
 
 @pytest.fixture(scope="session")

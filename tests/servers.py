@@ -1,6 +1,10 @@
 """Real ``pagellm serve`` processes on 127.0.0.1 for the server tests: a tiny random Llama with
 SmolLM2's whole vocabulary to serve, the endpoint packages installed, and `Server`, one process
-driven by httpx and the official ``openai`` client."""
+driven by httpx and the official ``openai`` client.
+
+conftest.py loads this module as a plugin (``pytest_plugins``), so its fixtures reach every test
+module without an import, and the session-scoped ones (the model, `shared_server`) are made once.
+"""
 
 from __future__ import annotations
 
@@ -46,22 +50,22 @@ def _missing_first_party() -> list[Path]:
 
 
 @pytest.fixture(scope="module")
-def endpoint_packages() -> Iterator[None]:
-    """The first-party endpoint packages unless installed already; the test package always, from
+def endpoint_packages(first_party_endpoints: None) -> Iterator[None]:
+    """The first-party endpoint packages (`first_party_endpoints`); the test package always, from
     this checkout (an install left by another checkout must not stand in for it)."""
-    with editable_installs([*_missing_first_party(), DUMMY_ENDPOINT]):
+    with editable_installs([DUMMY_ENDPOINT]):
         yield
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def first_party_endpoints() -> Iterator[None]:
     """The first-party endpoint packages unless installed already (``make install-test`` installs
-    them): for the tests that serve no test plugin."""
+    them), for the whole session: `shared_server` serves them to several modules."""
     with editable_installs(_missing_first_party()):
         yield
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer_dir: str) -> str:
     """A tiny random Llama whose vocabulary is the whole SmolLM2 tokenizer's, so that any text
     (and the chat template's special tokens) is a valid prompt."""
@@ -211,3 +215,40 @@ def started_servers(
     finally:
         for server in started.values():
             server.stop()
+
+
+NEEDS_SHARED_SERVER = pytest.StashKey[bool]()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    session.config.stash[NEEDS_SHARED_SERVER] = any(
+        "shared_server" in getattr(item, "fixturenames", ()) for item in session.items
+    )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def prestart_shared_server(request: pytest.FixtureRequest) -> None:
+    """Starts `shared_server` with the session when a selected test uses it, and waits for it
+    only when a test first does: it starts meanwhile on the core that the in-process tests
+    (one OpenMP thread) leave idle on a 2-core machine."""
+    if request.config.stash.get(NEEDS_SHARED_SERVER, False):
+        request.getfixturevalue("shared_server_process")
+
+
+@pytest.fixture(scope="session")
+def shared_server_process(
+    first_party_endpoints: None, model_dir: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
+    logs = tmp_path_factory.mktemp("shared_server_logs")
+    server = Server(model_dir, logs / "shared.log", {"VLLM_PLUGINS": "openai,admin"})
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def shared_server(shared_server_process: Server) -> Server:
+    """One server with the defaults and ``VLLM_PLUGINS=openai,admin``, started once for the session
+    and shared by the modules whose tests need nothing else of it (each leaves it idle)."""
+    return shared_server_process.wait_ready()

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -52,15 +50,11 @@ def test_dummy_weights_run_any_config_without_a_checkpoint(tiny_models, tmp_path
     assert all(len(o.outputs[0].token_ids) == 8 for o in out)
 
 
-def test_gguf_weights_equal_transformers_dequantized_weights(smollm2_path):
+def test_gguf_weights_equal_transformers_dequantized_weights(smollm2_path, smollm2_hf_model):
     """Our GGUF reader (names, q/k un-permutation, dequantization) against transformers' own."""
-    from transformers import AutoModelForCausalLM
-
     from pagellm.model_loader.gguf_loader import iterate_gguf_weights
 
-    directory, name = os.path.split(smollm2_path)
-    hf = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
-    reference = hf.state_dict()
+    reference = smollm2_hf_model.state_dict()
     seen = 0
     for weight_name, tensor in iterate_gguf_weights(smollm2_path, torch.float32):
         if weight_name.startswith("model.layers.") and not weight_name.startswith(

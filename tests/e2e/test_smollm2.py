@@ -3,12 +3,9 @@ same GGUF, and chat answers."""
 
 from __future__ import annotations
 
-import os
-
-import pytest
 import torch
 
-from pagellm import LLM, SamplingParams
+from pagellm import SamplingParams
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -22,21 +19,6 @@ QUESTIONS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def llm(smollm2_path):
-    return LLM(smollm2_path, max_model_len=1024, kv_cache_memory=256 << 20)
-
-
-@pytest.fixture(scope="module")
-def hf_model(smollm2_path):
-    from transformers import AutoModelForCausalLM
-
-    directory, name = os.path.split(smollm2_path)
-    return AutoModelForCausalLM.from_pretrained(
-        directory, gguf_file=name, dtype=torch.float32
-    ).eval()
-
-
 def chat_prompt_ids(tokenizer, question: str) -> list[int]:
     return list(
         tokenizer.apply_chat_template(
@@ -48,7 +30,8 @@ def chat_prompt_ids(tokenizer, question: str) -> list[int]:
     )
 
 
-def test_smollm2_gguf_greedy_matches_hf_on_eight_prompts(llm, hf_model):
+def test_smollm2_gguf_greedy_matches_hf_on_eight_prompts(smollm2_llm, smollm2_hf_model):
+    llm, hf_model = smollm2_llm, smollm2_hf_model
     tokenizer = llm.get_tokenizer()
     prompts = [chat_prompt_ids(tokenizer, q) for q in QUESTIONS]
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
@@ -67,8 +50,8 @@ def test_smollm2_gguf_greedy_matches_hf_on_eight_prompts(llm, hf_model):
         assert out.outputs[0].token_ids == ref
 
 
-def test_smollm2_answers_capital_of_france_with_paris(llm):
-    out = llm.chat(
+def test_smollm2_answers_capital_of_france_with_paris(smollm2_llm):
+    out = smollm2_llm.chat(
         [{"role": "user", "content": "What is the capital of France?"}],
         SamplingParams(temperature=0.0, max_tokens=32),
         use_tqdm=False,

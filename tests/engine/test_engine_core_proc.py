@@ -199,7 +199,9 @@ def test_multiprocess_llm_matches_in_process_llm(tiny_models):
 
 
 def test_killed_engine_process_fails_the_multiprocess_llm(tiny_models):
-    llm = LLM(tiny_models["llama3"], multiprocess_engine=True, max_model_len=128)
+    llm = LLM(
+        tiny_models["llama3"], multiprocess_engine=True, max_model_len=128, kv_cache_memory=8 << 20
+    )
     engine = llm.llm_engine
     try:
         long = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)

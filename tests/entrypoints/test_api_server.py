@@ -33,13 +33,11 @@ import httpx
 import openai
 import pytest
 
-from servers import (  # noqa: F401 (endpoint_packages and model_dir are fixtures)
+from servers import (
     MAX_MODEL_LEN,
     MAX_NUM_SEQS,
     MODEL_NAME,
     Server,
-    endpoint_packages,
-    model_dir,
     started_servers,
 )
 
@@ -52,8 +50,8 @@ LONG_TEXT = "word " * (MAX_MODEL_LEN + 10)
 
 @pytest.fixture(scope="module")
 def servers(
-    endpoint_packages: None,  # noqa: F811
-    model_dir: str,  # noqa: F811
+    endpoint_packages: None,
+    model_dir: str,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[dict[str, Server]]:
     logs = tmp_path_factory.mktemp("server_logs")
@@ -660,7 +658,7 @@ def test_server_args_are_typed_from_the_command_line():
 # ---------------------------------------------------------------- failures and shutdown
 
 
-def test_unknown_stat_logger_stops_serve_with_a_clear_error(model_dir: str):  # noqa: F811
+def test_unknown_stat_logger_stops_serve_with_a_clear_error(model_dir: str):
     proc = subprocess.run(
         [
             sys.executable,

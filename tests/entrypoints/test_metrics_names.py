@@ -11,12 +11,10 @@ from collections.abc import Iterator
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from servers import (  # noqa: F401 (first_party_endpoints and model_dir are fixtures)
+from servers import (
     MODEL_NAME,
     ROOT,
     Server,
-    first_party_endpoints,
-    model_dir,
     started_servers,
 )
 
@@ -35,8 +33,8 @@ Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 @pytest.fixture(scope="module")
 def server(
-    first_party_endpoints: None,  # noqa: F811
-    model_dir: str,  # noqa: F811
+    first_party_endpoints: None,
+    model_dir: str,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Server]:
     args = ("--max-model-len", "64", "--block-size", str(BLOCK_SIZE))

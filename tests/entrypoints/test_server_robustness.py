@@ -33,11 +33,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from editable_installs import editable_installs
-from servers import (  # noqa: F401 (endpoint_packages and model_dir are fixtures)
+from servers import (
     MODEL_NAME,
     Server,
-    endpoint_packages,
-    model_dir,
     started_servers,
 )
 
@@ -80,9 +78,9 @@ def fault_package() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def servers(
-    endpoint_packages: None,  # noqa: F811
+    first_party_endpoints: None,
     fault_package: None,
-    model_dir: str,  # noqa: F811
+    model_dir: str,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[dict[str, Server]]:
     logs = tmp_path_factory.mktemp("robustness_logs")

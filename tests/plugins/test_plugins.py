@@ -34,26 +34,59 @@ def installed_plugins():
         yield
 
 
-def run(code: str, env: dict[str, str] | None = None, *args: str) -> subprocess.CompletedProcess:
+def start(code: str, env: dict[str, str] | None = None, *args: str) -> subprocess.Popen:
     full_env = {k: v for k, v in os.environ.items() if k not in CONTROL_VARS}
     full_env.update(env or {})
-    return subprocess.run(
+    return subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(code), *args],
         env=full_env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=300,
     )
+
+
+def finish(proc: subprocess.Popen) -> subprocess.CompletedProcess:
+    try:
+        stdout, stderr = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def run(code: str, env: dict[str, str] | None = None, *args: str) -> subprocess.CompletedProcess:
+    return finish(start(code, env, *args))
+
+
+def run_together(*calls: tuple) -> list[subprocess.CompletedProcess]:
+    """`run` of each (code, env, *args), the processes started together: they are independent,
+    and each mostly imports (one core), so a 2-core machine runs two in the time of one."""
+    return [finish(proc) for proc in [start(*call) for call in calls]]
 
 
 PLUGINS_CLI = "from pagellm.entrypoints.cli import main; raise SystemExit(main(sys.argv[1:]))"
 
 
+def plugins_json_call(env: dict[str, str] | None = None) -> tuple:
+    """`run`'s arguments for ``pagellm plugins --json``."""
+    return ("import sys\n" + PLUGINS_CLI, env, "plugins", "--json")
+
+
 def plugins_json(env: dict[str, str] | None = None) -> dict:
-    proc = run("import sys\n" + PLUGINS_CLI, env, "plugins", "--json")
+    return parse_plugins_json(run(*plugins_json_call(env)))
+
+
+def parse_plugins_json(proc: subprocess.CompletedProcess) -> dict:
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     return {group: {r["name"]: r for r in records} for group, records in report.items()}
+
+
+@pytest.fixture(scope="module")
+def default_report() -> dict:
+    """``pagellm plugins --json`` with no allowlist: the same for each test that reads it."""
+    return plugins_json()
 
 
 GENERATE = """
@@ -67,8 +100,8 @@ print(current_platform.name, cfg.attention_backend, cfg.cache.block_size, out[0]
 """
 
 
-def test_plugins_json_reports_each_plugin_with_distribution_status_and_reason():
-    report = plugins_json()
+def test_plugins_json_reports_each_plugin_with_distribution_status_and_reason(default_report):
+    report = default_report
     assert list(report)[:8] == [
         "pagellm.general_plugins",
         "pagellm.platform_plugins",
@@ -123,8 +156,8 @@ def test_plugins_command_prints_a_table_per_group_and_plugins_log_at_info():
     assert "INFO pagellm_dummy_platform.plugin: dummy hardware found" in proc.stderr
 
 
-def test_vllm_style_entry_points_and_groups_are_answered_with_the_fix():
-    report = plugins_json()
+def test_vllm_style_entry_points_and_groups_are_answered_with_the_fix(default_report):
+    report = default_report
     function_value = report["pagellm.general_plugins"]["function_value"]
     assert function_value["status"] == "failed"
     assert "names an attribute (the vLLM style" in function_value["reason"]
@@ -145,8 +178,8 @@ def test_vllm_style_entry_points_and_groups_are_answered_with_the_fix():
     assert all(group.startswith(("pagellm.", "vllm.")) for group in report), sorted(report)
 
 
-def test_misregistered_classes_are_reported_by_plugin_name():
-    attention = plugins_json()["pagellm.attention_backends"]
+def test_misregistered_classes_are_reported_by_plugin_name(default_report):
+    attention = default_report["pagellm.attention_backends"]
     misnamed = attention["misnamed_backend"]
     assert misnamed["status"] == "misregistered"
     assert "'SDPA_ALIAS'" in misnamed["reason"] and "its name is 'TORCH_SDPA'" in misnamed["reason"]
@@ -186,24 +219,29 @@ BROKEN_GENERAL = ("broken_import", "misspelled_hook", "wrong_args", "future_api"
 
 
 def test_strict_mode_fails_start_up_naming_every_failed_plugin(tiny_models):
-    proc = run(GENERATE, {"PAGELLM_PLUGINS_STRICT": "1"}, tiny_models["llama3"])
+    strict = {"PAGELLM_PLUGINS_STRICT": "1"}
+    proc, cli = run_together(
+        (GENERATE, strict, tiny_models["llama3"]), ("import sys\n" + PLUGINS_CLI, strict, "plugins")
+    )
     assert proc.returncode != 0
     error = proc.stderr.splitlines()[-1]
     assert error.startswith("pagellm.plugins.loader.PluginError: 5 plugin(s) of group")
     assert all(f"'{name}'" in error for name in BROKEN_GENERAL)
     assert "PAGELLM_PLUGINS_STRICT=1" in error
-    cli = run("import sys\n" + PLUGINS_CLI, {"PAGELLM_PLUGINS_STRICT": "1"}, "plugins")
     assert cli.returncode == 2
     error = cli.stderr[cli.stderr.index("pagellm: error:") :]
     assert all(f"'{name}'" in error for name in (*BROKEN_GENERAL, "misnamed_backend"))
 
 
 def test_empty_allowlist_loads_nothing_and_runs_on_builtin_cpu_and_reference_backend(tiny_models):
-    report = plugins_json({"VLLM_PLUGINS": ""})
+    report_proc, proc = run_together(
+        plugins_json_call({"VLLM_PLUGINS": ""}),
+        (GENERATE, {"VLLM_PLUGINS": "", "PAGELLM_DUMMY_PLATFORM": "1"}, tiny_models["llama3"]),
+    )
+    report = parse_plugins_json(report_proc)
     records = [r for group in report.values() for r in group.values() if not _own_or_ignored(r)]
     assert records and all(r["status"] == "skipped" for r in records)
     assert all(r["reason"] == "not in the VLLM_PLUGINS allowlist" for r in records)
-    proc = run(GENERATE, {"VLLM_PLUGINS": "", "PAGELLM_DUMMY_PLATFORM": "1"}, tiny_models["llama3"])
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split()[0:2] == ["cpu", "TORCH_SDPA"]
     assert "WARNING" not in proc.stderr and "ERROR" not in proc.stderr
@@ -257,20 +295,21 @@ def test_endpoint_plugins_are_deny_by_default_and_need_matching_tasks():
     print(json.dumps([name for name, _ in enabled]))
     """
 
-    def served(endpoints, env=None):
-        proc = run(code, env, json.dumps(endpoints))
-        assert proc.returncode == 0, proc.stderr
-        return json.loads(proc.stdout), proc.stderr
-
-    assert served(None)[0] == []
-    assert served(["not_installed_endpoint"])[0] == []
-    assert served(["dummy_endpoint"])[0] == ["dummy_endpoint"]
-    names, log = served(["dummy_endpoint", "embed_endpoint"])
-    assert names == ["dummy_endpoint"]
+    cases = [
+        (None, None),
+        (["not_installed_endpoint"], None),
+        (["dummy_endpoint"], None),
+        (["dummy_endpoint", "embed_endpoint"], None),
+        # VLLM_PLUGINS, when set, is the allowlist whatever the serve command enables.
+        (["dummy_endpoint"], {"VLLM_PLUGINS": "dummy_model"}),
+        (None, {"VLLM_PLUGINS": "dummy_endpoint"}),
+    ]
+    procs = run_together(*((code, env, json.dumps(endpoints)) for endpoints, env in cases))
+    assert all(proc.returncode == 0 for proc in procs), [proc.stderr for proc in procs]
+    served = [json.loads(proc.stdout) for proc in procs]
+    assert served == [[], [], ["dummy_endpoint"], ["dummy_endpoint"], [], ["dummy_endpoint"]]
+    log = procs[3].stderr
     assert "embed_endpoint" in log and "required_tasks ['embed']" in log
-    # VLLM_PLUGINS, when set, is the allowlist whatever the serve command enables.
-    assert served(["dummy_endpoint"], {"VLLM_PLUGINS": "dummy_model"})[0] == []
-    assert served(None, {"VLLM_PLUGINS": "dummy_endpoint"})[0] == ["dummy_endpoint"]
 
 
 def make_dummy_arch_model(tiny_models, tmp_path) -> str:
@@ -286,10 +325,9 @@ def make_dummy_arch_model(tiny_models, tmp_path) -> str:
 
 def test_out_of_tree_model_from_general_plugin_is_usable_by_llm(tiny_models, tmp_path):
     model = make_dummy_arch_model(tiny_models, tmp_path)
-    proc = run(GENERATE, None, model)
+    proc, refused = run_together((GENERATE, None, model), (GENERATE, {"VLLM_PLUGINS": ""}, model))
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().endswith("[7, 7, 7, 7]")  # the plugin model's favoured token
-    refused = run(GENERATE, {"VLLM_PLUGINS": ""}, model)
     assert refused.returncode != 0 and "DummyLlamaForCausalLM" in refused.stderr
 
 
@@ -315,11 +353,18 @@ if __name__ == "__main__":
 """
 
 
-def run_engine_core_child(model: str, env: dict[str, str] | None = None, **kwargs) -> dict:
+def start_engine_core_child(
+    model: str, env: dict[str, str] | None = None, **kwargs
+) -> subprocess.Popen:
     """The front end resolves the config; a spawned engine-core process (a fresh interpreter that
-    never saw the front end's registrations) builds the engine from it and runs one request:
-    the config's backend, the child's platform, its tokens and the plugin groups it loaded."""
-    proc = run(ENGINE_CORE_CHILD, env, model, str(Path(__file__).parent), repr(kwargs))
+    never saw the front end's registrations) builds the engine from it and runs one request."""
+    return start(ENGINE_CORE_CHILD, env, model, str(Path(__file__).parent), repr(kwargs))
+
+
+def engine_core_child_result(proc: subprocess.Popen) -> dict:
+    """What `start_engine_core_child` reports: the config's backend, the child's platform, its
+    tokens and the plugin groups it loaded."""
+    proc = finish(proc)
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
     assert result["exitcode"] == 0
@@ -331,7 +376,7 @@ def test_general_plugin_registration_is_visible_in_a_separate_engine_core_proces
 ):
     """The engine-core process must resolve the out-of-tree architecture by itself."""
     model = make_dummy_arch_model(tiny_models, tmp_path)
-    child = run_engine_core_child(model)
+    child = engine_core_child_result(start_engine_core_child(model))
     assert child["tokens"] == [7, 7, 7]  # the plugin model's favoured token
     # The engine-core process loads its groups and not the front end's.
     groups = child["groups"]
@@ -346,9 +391,11 @@ def test_engine_core_process_loads_the_platform_backend_and_quantization_of_its_
     """The config crosses the process boundary resolved; the engine-core process still finds the
     plugins it names (platform, attention backend, quantization method) on its own."""
     env = {"PAGELLM_DUMMY_PLATFORM": "1"}
-    reference = run(GENERATE, env, tiny_models["llama3"], "{'quantization': 'dummy_int8'}")
+    # Both at once: the two processes are independent.
+    reference_proc = start(GENERATE, env, tiny_models["llama3"], "{'quantization': 'dummy_int8'}")
+    child_proc = start_engine_core_child(tiny_models["llama3"], env, quantization="dummy_int8")
+    reference, child = finish(reference_proc), engine_core_child_result(child_proc)
     assert reference.returncode == 0, reference.stderr
-    child = run_engine_core_child(tiny_models["llama3"], env, quantization="dummy_int8")
     assert (child["backend"], child["platform"]) == ("DUMMY_ATTN", "dummy")
     # In process, the same prompt and greedy decoding: the child's 3 tokens start its 4.
     assert child["tokens"] == json.loads(reference.stdout.split(" ", 3)[3])[:3]
@@ -361,8 +408,10 @@ def test_engine_core_process_loads_the_platform_backend_and_quantization_of_its_
 
 
 def test_active_platform_plugin_is_selected_and_ranks_its_backend_first(tiny_models):
-    reference = run(GENERATE, None, tiny_models["llama3"])
-    proc = run(GENERATE, {"PAGELLM_DUMMY_PLATFORM": "1"}, tiny_models["llama3"])
+    reference, proc = run_together(
+        (GENERATE, None, tiny_models["llama3"]),
+        (GENERATE, {"PAGELLM_DUMMY_PLATFORM": "1"}, tiny_models["llama3"]),
+    )
     assert proc.returncode == 0, proc.stderr
     name, backend, block_size, *tokens = proc.stdout.split()
     assert (name, backend, block_size) == (
@@ -375,43 +424,50 @@ def test_active_platform_plugin_is_selected_and_ranks_its_backend_first(tiny_mod
 
 def test_several_active_platforms_need_an_explicit_choice(tiny_models):
     both = {"PAGELLM_DUMMY_PLATFORM": "1", "PAGELLM_DUMMY_PLATFORM_B": "1"}
-    proc = run(GENERATE, both, tiny_models["llama3"])
+    proc, chosen, cpu = run_together(
+        (GENERATE, both, tiny_models["llama3"]),
+        (GENERATE, {**both, "PAGELLM_PLATFORM": "dummy_b"}, tiny_models["llama3"]),
+        (GENERATE, {**both, "PAGELLM_PLATFORM": "cpu"}, tiny_models["llama3"]),
+    )
     assert proc.returncode != 0 and "Several platforms are active (dummy, dummy_b)" in proc.stderr
-    chosen = run(GENERATE, {**both, "PAGELLM_PLATFORM": "dummy_b"}, tiny_models["llama3"])
     assert chosen.returncode == 0, chosen.stderr
     assert chosen.stdout.split()[0] == "dummy_b"
-    cpu = run(GENERATE, {**both, "PAGELLM_PLATFORM": "cpu"}, tiny_models["llama3"])
     assert cpu.stdout.split()[0] == "cpu"
 
 
 def test_attention_backend_override_and_rejections_are_explained(tiny_models):
-    forced = run(GENERATE, None, tiny_models["llama3"], "{'attention_backend': 'DUMMY_ATTN'}")
+    logged = "import logging\nlogging.basicConfig(level=logging.INFO)\n" + GENERATE
+    forced, bad_block, window, fallback, nothing_fits = run_together(
+        (GENERATE, None, tiny_models["llama3"], "{'attention_backend': 'DUMMY_ATTN'}"),
+        (
+            GENERATE,
+            None,
+            tiny_models["llama3"],
+            "{'attention_backend': 'DUMMY_ATTN', 'block_size': 16}",
+        ),
+        (GENERATE, None, tiny_models["mistral"], "{'attention_backend': 'DUMMY_ATTN'}"),
+        # With the dummy platform active, a sliding-window model falls back to the next ranked
+        # backend.
+        (logged, {"PAGELLM_DUMMY_PLATFORM": "1"}, tiny_models["mistral"]),
+        (
+            """
+    import torch
+    from pagellm.attention.selector import select_attention_backend
+    select_attention_backend(requested=None, ranking=["DUMMY_ATTN"], device_type="tpu", head_size=16,
+                             dtype=torch.float32, block_size=None, sliding_window=None)
+    """,
+        ),
+    )
     assert forced.returncode == 0, forced.stderr
     assert forced.stdout.split()[1:3] == ["DUMMY_ATTN", "32"]
-    bad_block = run(
-        GENERATE,
-        None,
-        tiny_models["llama3"],
-        "{'attention_backend': 'DUMMY_ATTN', 'block_size': 16}",
-    )
     assert "block_size 16 not supported (supports multiples of 32)" in bad_block.stderr
-    window = run(GENERATE, None, tiny_models["mistral"], "{'attention_backend': 'DUMMY_ATTN'}")
     assert "sliding window attention not supported" in window.stderr
-    # With the dummy platform active, a sliding-window model falls back to the next ranked backend.
-    logged = "import logging\nlogging.basicConfig(level=logging.INFO)\n" + GENERATE
-    fallback = run(logged, {"PAGELLM_DUMMY_PLATFORM": "1"}, tiny_models["mistral"])
     assert fallback.stdout.split()[0:2] == ["dummy", "TORCH_SDPA"]
     # One start-up line says what was chosen and what was passed over, and why.
     assert (
         "Platform dummy: attention backend TORCH_SDPA, block size 16, dtype float32; "
         "DUMMY_ATTN rejected: sliding window attention not supported" in fallback.stderr
     )
-    nothing_fits = run("""
-    import torch
-    from pagellm.attention.selector import select_attention_backend
-    select_attention_backend(requested=None, ranking=["DUMMY_ATTN"], device_type="tpu", head_size=16,
-                             dtype=torch.float32, block_size=None, sliding_window=None)
-    """)
     assert "TORCH_SDPA: device 'tpu' not supported" in nothing_fits.stderr
     assert "DUMMY_ATTN: device 'tpu' not supported" in nothing_fits.stderr
 
@@ -426,10 +482,12 @@ def test_quantization_method_from_plugin_by_name(tiny_models):
     print(sorted({type(m.linear_method).__name__ for m in linears}), {str(m.qweight.dtype) for m in linears})
     """.replace("\n    ", "\n")
     )
-    proc = run(code, None, tiny_models["llama3"], "{'quantization': 'dummy_int8'}")
+    proc, unknown = run_together(
+        (code, None, tiny_models["llama3"], "{'quantization': 'dummy_int8'}"),
+        (GENERATE, None, tiny_models["llama3"], "{'quantization': 'bitsandbytes'}"),
+    )
     assert proc.returncode == 0, proc.stderr
     assert "['Int8WeightOnlyLinearMethod'] {'torch.int8'}" in proc.stdout
-    unknown = run(GENERATE, None, tiny_models["llama3"], "{'quantization': 'bitsandbytes'}")
     assert (
         "Quantization method 'bitsandbytes' is not installed; installed: dummy_int8"
         in unknown.stderr

@@ -259,8 +259,8 @@ def test_min_tokens_is_respected_and_suppresses_stops(llm):
     assert len(held.token_ids) >= 5 and first not in held.token_ids[:5]
 
 
-def test_chat_on_smollm2_answers_a_two_turn_conversation(smollm2_path):
-    llm = LLM(smollm2_path, max_model_len=1024, kv_cache_memory=128 << 20)
+def test_chat_on_smollm2_answers_a_two_turn_conversation(smollm2_llm):
+    llm = smollm2_llm
     conversation = [
         {"role": "user", "content": "What is the capital of France?"},
         {"role": "assistant", "content": "The capital of France is Paris."},

@@ -25,12 +25,10 @@ import httpx
 import openai
 import pytest
 
-from servers import (  # noqa: F401 (first_party_endpoints and model_dir are fixtures)
+from servers import (
     MAX_MODEL_LEN,
     MODEL_NAME,
     Server,
-    first_party_endpoints,
-    model_dir,
     started_servers,
 )
 
@@ -54,7 +52,7 @@ PREFILL = [
 
 
 @pytest.fixture(scope="module")
-def bos_model_dir(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> str:  # noqa: F811
+def bos_model_dir(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> str:
     """The served model, its tokenizer adding a BOS token to what it encodes."""
     from transformers import AutoTokenizer
 
@@ -75,7 +73,7 @@ def hf(bos_model_dir: str) -> Any:
 
 @pytest.fixture(scope="module")
 def servers(
-    first_party_endpoints: None,  # noqa: F811
+    first_party_endpoints: None,
     bos_model_dir: str,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[dict[str, Server]]:

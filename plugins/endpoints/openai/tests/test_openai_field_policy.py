@@ -7,21 +7,18 @@ from __future__ import annotations
 
 import inspect
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 
-from servers import (  # noqa: F401 (first_party_endpoints and model_dir are fixtures)
+from servers import (
     MAX_MODEL_LEN,
     MAX_NUM_SEQS,
     MODEL_NAME,
     Server,
-    first_party_endpoints,
-    model_dir,
-    started_servers,
 )
 
 PROMPT = "The capital of France is"
@@ -111,21 +108,13 @@ def harmless_cases() -> list[tuple[str, str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def server(
-    first_party_endpoints: None,  # noqa: F811
-    model_dir: str,  # noqa: F811
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[Server]:
-    logs = tmp_path_factory.mktemp("field_policy_logs")
-    specs: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
-        "policy": ({"VLLM_PLUGINS": "openai,admin"}, ())
-    }
-    with started_servers(model_dir, logs, specs) as running:
-        yield running["policy"]
+def server(shared_server: Server) -> Server:
+    """The session's shared server (``VLLM_PLUGINS=openai,admin``, the defaults)."""
+    return shared_server
 
 
 @pytest.fixture(scope="module")
-def vocab_size(model_dir: str) -> int:  # noqa: F811
+def vocab_size(model_dir: str) -> int:
     return int(json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"])
 
 

@@ -2,9 +2,9 @@
 processes on 127.0.0.1 (a tiny random Llama with SmolLM2's vocabulary), the official ``openai``
 client (``extra_body`` for vLLM's fields) and httpx for what the client cannot send.
 
-Two servers, started together for the module:
+Two servers:
 
-- ``plain``: the defaults;
+- ``plain``: the defaults: the session's `shared_server`;
 - ``details``: ``--enable-prompt-tokens-details``, ``--return-tokens-as-token-ids``, and SmolLM2's
   tokenizer with a WordPiece decoder (``--tokenizer``), which puts a space between tokens, special
   ones included, as BERT-style tokenizers do: there ``spaces_between_special_tokens`` shows (with
@@ -25,12 +25,10 @@ import httpx
 import openai
 import pytest
 
-from servers import (  # noqa: F401 (first_party_endpoints and model_dir are fixtures)
+from servers import (
     MAX_MODEL_LEN,
     MODEL_NAME,
     Server,
-    first_party_endpoints,
-    model_dir,
     started_servers,
 )
 
@@ -43,7 +41,7 @@ GREEDY = {"model": MODEL_NAME, "temperature": 0}
 
 
 @pytest.fixture(scope="module")
-def wordpiece_tokenizer(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> str:  # noqa: F811
+def wordpiece_tokenizer(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> str:
     directory = tmp_path_factory.mktemp("wordpiece_tokenizer")
     for path in Path(model_dir).iterdir():  # all but the weights
         if path.suffix != ".safetensors":
@@ -55,32 +53,27 @@ def wordpiece_tokenizer(model_dir: str, tmp_path_factory: pytest.TempPathFactory
 
 
 @pytest.fixture(scope="module")
-def servers(
-    first_party_endpoints: None,  # noqa: F811
-    model_dir: str,  # noqa: F811
+def details(
+    first_party_endpoints: None,
+    model_dir: str,
     wordpiece_tokenizer: str,
     tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[dict[str, Server]]:
+) -> Iterator[Server]:
     env = {"VLLM_PLUGINS": "openai,admin"}
-    details = (
+    args = (
         "--enable-prompt-tokens-details",
         "--return-tokens-as-token-ids",
         "--tokenizer",
         wordpiece_tokenizer,
     )
-    specs = {"plain": (env, ()), "details": (env, details)}
+    specs = {"details": (env, args)}
     with started_servers(model_dir, tmp_path_factory.mktemp("server_logs"), specs) as running:
-        yield running
+        yield running["details"]
 
 
 @pytest.fixture(scope="module")
-def plain(servers: dict[str, Server]) -> Server:
-    return servers["plain"]
-
-
-@pytest.fixture(scope="module")
-def details(servers: dict[str, Server]) -> Server:
-    return servers["details"]
+def plain(shared_server: Server) -> Server:
+    return shared_server
 
 
 def tokenize(server: Server, **body: object) -> list[int]:
