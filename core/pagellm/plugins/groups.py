@@ -55,13 +55,15 @@ GROUPS: dict[str, PluginGroup] = {
             hookspecs.SchedulerPolicySpec,
             "where the engine config is built, and the engine-core process",
         ),
-        PluginGroup(
-            MODEL_FORMAT,
-            hookspecs.ModelFormatSpec,
-            "where a GGUF model's config, tokenizer and weights are read (engine config, front end, workers)",
-        ),
         PluginGroup(IO_PROCESSOR, hookspecs.IOProcessorSpec, "front end only"),
         PluginGroup(STAT_LOGGER, hookspecs.StatLoggerSpec, "front end only"),
         PluginGroup(ENDPOINT, hookspecs.EndpointSpec, "API-server process only", False),
+        PluginGroup(
+            MODEL_FORMAT,
+            hookspecs.ModelFormatSpec,
+            (
+                "where a GGUF model's config, tokenizer and weights are read (engine config, front end, workers)"
+            ),
+        ),
     )
 }

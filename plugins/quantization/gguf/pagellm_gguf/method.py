@@ -33,10 +33,8 @@ class GGUFLinearMethod(LinearMethodBase):
         parts: dict[int, torch.Tensor] = {}
 
         def load_part(param: nn.Parameter, tensor: torch.Tensor, shard: int | None) -> None:
-            qtype = getattr(tensor, "gguf_type", None)
-            part = tensor.to(param.device if qtype is not None else param.device)
-            if qtype is None:
-                part = part.to(params_dtype)
+            qtype = getattr(tensor, "gguf_type", None)  # None: a float part
+            part = tensor.to(param.device, params_dtype if qtype is None else torch.uint8)
             part.gguf_type = qtype  # type: ignore[attr-defined]
             parts[0 if shard is None else shard] = part
 
@@ -69,7 +67,9 @@ class GGUFLinearMethod(LinearMethodBase):
                 segments.append((qtype, [part]))
         types: list[int | None] = []
         for i, (qtype, tensors) in enumerate(segments):
-            layer.register_buffer(f"gguf_weight_{i}", torch.cat(tensors).contiguous())
+            # Parameters, not buffers: the worker counts a model's weight bytes from them.
+            weight = nn.Parameter(torch.cat(tensors).contiguous(), requires_grad=False)
+            layer.register_parameter(f"gguf_weight_{i}", weight)
             types.append(qtype)
         layer.gguf_types = types
         del layer.weight, layer.gguf_parts
@@ -79,7 +79,7 @@ class GGUFLinearMethod(LinearMethodBase):
 
         outputs = []
         for i, qtype in enumerate(layer.gguf_types):  # type: ignore[arg-type]
-            weight = layer.get_buffer(f"gguf_weight_{i}")
+            weight = layer.get_parameter(f"gguf_weight_{i}")
             outputs.append(F.linear(x, weight) if qtype is None else gguf_linear(x, weight, qtype))
         y = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
         return y if layer.bias is None else y + layer.bias

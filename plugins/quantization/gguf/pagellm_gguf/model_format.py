@@ -25,7 +25,9 @@ class GGUFModelFormat(ModelFormat):
     def iterate_weights(
         cls, path: str, dtype: torch.dtype, quant_config: QuantizationConfig | None
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        return iterate_gguf_weights(path, dtype, keep_quantized=isinstance(quant_config, GGUFConfig))
+        return iterate_gguf_weights(
+            path, dtype, keep_quantized=isinstance(quant_config, GGUFConfig)
+        )
 
     @classmethod
     def default_quantization(cls, path: str, device_type: str, dtype: torch.dtype) -> str | None:

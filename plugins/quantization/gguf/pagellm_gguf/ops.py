@@ -17,7 +17,9 @@ GEMM wins once the product, not the weight read, is the cost."""
 def _check(blocks: torch.Tensor, qtype: int, in_features: int) -> int:
     block_size, type_size = block_shape(qtype)
     if in_features % block_size:
-        raise ValueError(f"in_features={in_features} is not a whole number of {block_size}-weight blocks.")
+        raise ValueError(
+            f"in_features={in_features} is not a whole number of {block_size}-weight blocks."
+        )
     row_bytes = in_features // block_size * type_size
     if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != row_bytes:
         raise ValueError(
@@ -26,7 +28,9 @@ def _check(blocks: torch.Tensor, qtype: int, in_features: int) -> int:
     return row_bytes
 
 
-def dequantize(blocks: torch.Tensor, qtype: int, in_features: int, dtype: torch.dtype) -> torch.Tensor:
+def dequantize(
+    blocks: torch.Tensor, qtype: int, in_features: int, dtype: torch.dtype
+) -> torch.Tensor:
     """The [rows, in_features] weights of raw GGUF rows ``blocks`` of type ``qtype``, in ``dtype``."""
     row_bytes = _check(blocks, qtype, in_features)
     n = blocks.shape[0]
