@@ -53,7 +53,9 @@ def _k_scale_min(ptr, scales, sub, mask):
 def dequantize_tile(w_ptr, offs_n, offs_k, row_bytes, mask, QTYPE: tl.constexpr):
     """The float32 weights [len(offs_n), len(offs_k)] of raw GGUF rows of type ``QTYPE``."""
     row = offs_n.to(tl.int64)[:, None] * row_bytes
-    if QTYPE == Q4_0 or QTYPE == Q4_1 or QTYPE == Q8_0:
+    if (
+        QTYPE < Q4_K
+    ):  # Q4_0, Q4_1, Q8_0: 32-weight blocks (the K-quants are 256-weight super-blocks)
         j = (offs_k % 32)[None, :]
         if QTYPE == Q4_0:
             base = row + (offs_k // 32 * 18)[None, :]

@@ -20,6 +20,15 @@ from pagellm.quantization import LinearMethodBase, QuantizationConfig
 
 
 class GGUFLinearMethod(LinearMethodBase):
+    """One per linear layer (``get_linear_method`` makes a new one): it holds the layer's parts
+    while they load, then the GGUF type of each joined segment."""
+
+    def __init__(self) -> None:
+        self.parts: dict[int, tuple[int | None, torch.Tensor]] = {}
+        self.types: list[int | None] = []
+        """The GGUF type of each segment (parameter ``gguf_weight_<i>``); None: float weights."""
+        self.in_features = 0
+
     def create_weights(
         self,
         layer: nn.Module,
@@ -30,18 +39,15 @@ class GGUFLinearMethod(LinearMethodBase):
     ) -> None:
         # A placeholder the loader hands every part to: its size is known only from the file.
         weight = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
-        parts: dict[int, torch.Tensor] = {}
 
         def load_part(param: nn.Parameter, tensor: torch.Tensor, shard: int | None) -> None:
             qtype = getattr(tensor, "gguf_type", None)  # None: a float part
             part = tensor.to(param.device, params_dtype if qtype is None else torch.uint8)
-            part.gguf_type = qtype  # type: ignore[attr-defined]
-            parts[0 if shard is None else shard] = part
+            self.parts[0 if shard is None else shard] = (qtype, part)
 
         weight.weight_loader = load_part  # type: ignore[attr-defined]
         layer.register_parameter("weight", weight)
-        layer.gguf_parts = parts
-        layer.gguf_in_features = in_features
+        self.in_features = in_features
         bias_param = torch.empty(out_features, dtype=params_dtype) if bias else None
         layer.register_parameter(
             "bias",
@@ -49,40 +55,38 @@ class GGUFLinearMethod(LinearMethodBase):
         )
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        parts: dict[int, torch.Tensor] = layer.gguf_parts
-        sizes: list[int] = layer.output_sizes  # type: ignore[assignment]
-        if sorted(parts) != list(range(len(sizes))):
-            raise ValueError(f"GGUF weights for parts {sorted(parts)} of {len(sizes)} were loaded.")
+        sizes: list[int] = getattr(layer, "output_sizes", [])
+        if sorted(self.parts) != list(range(len(sizes))):
+            raise ValueError(
+                f"GGUF weights for parts {sorted(self.parts)} of {len(sizes)} were loaded."
+            )
         segments: list[tuple[int | None, list[torch.Tensor]]] = []
-        for shard in range(len(sizes)):
-            part = parts[shard]
-            if part.shape[0] != sizes[shard]:
-                raise ValueError(
-                    f"A GGUF weight part has {part.shape[0]} rows, expected {sizes[shard]}."
-                )
-            qtype = part.gguf_type
+        for shard, rows in enumerate(sizes):
+            qtype, part = self.parts[shard]
+            if part.shape[0] != rows:
+                raise ValueError(f"A GGUF weight part has {part.shape[0]} rows, expected {rows}.")
             if segments and segments[-1][0] == qtype:
                 segments[-1][1].append(part)
             else:
                 segments.append((qtype, [part]))
-        types: list[int | None] = []
         for i, (qtype, tensors) in enumerate(segments):
             # Parameters, not buffers: the worker counts a model's weight bytes from them.
             weight = nn.Parameter(torch.cat(tensors).contiguous(), requires_grad=False)
             layer.register_parameter(f"gguf_weight_{i}", weight)
-            types.append(qtype)
-        layer.gguf_types = types
-        del layer.weight, layer.gguf_parts
+            self.types.append(qtype)
+        del layer.weight
+        self.parts.clear()
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         from pagellm_gguf.ops import gguf_linear  # Triton: imported where the kernels run
 
         outputs = []
-        for i, qtype in enumerate(layer.gguf_types):  # type: ignore[arg-type]
+        for i, qtype in enumerate(self.types):
             weight = layer.get_parameter(f"gguf_weight_{i}")
             outputs.append(F.linear(x, weight) if qtype is None else gguf_linear(x, weight, qtype))
         y = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
-        return y if layer.bias is None else y + layer.bias
+        bias = layer.get_parameter("bias") if layer.bias is not None else None
+        return y if bias is None else y + bias
 
 
 class GGUFConfig(QuantizationConfig):

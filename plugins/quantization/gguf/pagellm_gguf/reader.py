@@ -11,9 +11,12 @@ A row of blocks holds one output feature, so the raw blocks are permuted the sam
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 import re
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -79,6 +82,20 @@ def _is_linear_weight(gguf_name: str) -> bool:
     return bool(m and m.group(2) in _LINEAR_PARTS and m.group(3) == "weight")
 
 
+@functools.lru_cache(maxsize=2)
+def _open(path: str, size: int, mtime_ns: int) -> Any:
+    import gguf
+
+    return gguf.GGUFReader(path)
+
+
+def open_gguf(path: str) -> Any:
+    """The file's `gguf.GGUFReader`, kept for the next load of the same file in this process:
+    parsing the metadata (the whole token table) takes seconds; the tensors stay memory-mapped."""
+    stat = os.stat(path)
+    return _open(os.path.abspath(path), stat.st_size, stat.st_mtime_ns)
+
+
 def iterate_gguf_weights(
     path: str, dtype: torch.dtype, keep_quantized: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -86,7 +103,7 @@ def iterate_gguf_weights(
     the kernel types come as raw blocks, a uint8 tensor with attribute ``gguf_type``."""
     import gguf
 
-    reader = gguf.GGUFReader(path)
+    reader = open_gguf(path)
     arch = str(field_value(reader, "general.architecture"))
     if arch not in SUPPORTED_ARCHS:
         raise ValueError(
@@ -112,7 +129,9 @@ def iterate_gguf_weights(
             heads = num_heads if "q_proj" in name else num_kv_heads
             array = _unpermute(array, heads)
         if raw:
-            blocks = torch.from_numpy(np.ascontiguousarray(array))
+            blocks = torch.from_numpy(
+                np.array(array, order="C")
+            )  # a copy: the file is mapped read-only
             blocks.gguf_type = int(qtype)  # type: ignore[attr-defined]
             yield name, blocks
         else:

@@ -9,7 +9,6 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import quantize
-
 from pagellm_gguf.block_types import block_shape
 
 # Offsets of the float16 fields of each block (d, and dmin/m where the type has one).

@@ -19,7 +19,6 @@ import gguf
 import pytest
 import torch
 from gguf_files import random_blocks
-
 from pagellm_gguf.block_types import KERNEL_TYPES, block_shape
 
 REPO = Path(__file__).resolve().parents[4]
@@ -82,8 +81,9 @@ def test_gguf_linear_matches_the_product_with_the_reference(qtype, m):
 @in_interpreter
 def test_fused_layer_with_parts_of_different_types_and_a_float_part():
     """qkv-like: parts in Q4_K, Q4_K, Q6_K and F32 (a type the kernels skip) with a bias."""
-    from pagellm.layers.linear import Linear
     from pagellm_gguf.method import GGUFConfig
+
+    from pagellm.layers.linear import Linear
 
     k = 256
     types = [gguf.GGMLQuantizationType.Q4_K] * 2 + [gguf.GGMLQuantizationType.Q6_K, None]
@@ -103,7 +103,7 @@ def test_fused_layer_with_parts_of_different_types_and_a_float_part():
         parts.append(dense)
     layer.bias.data.copy_(torch.randn(sum(sizes)))
     layer.linear_method.process_weights_after_loading(layer)
-    assert layer.gguf_types == [int(types[0]), int(types[2]), None]  # Q4_K parts joined
+    assert layer.linear_method.types == [int(types[0]), int(types[2]), None]  # Q4_K parts joined
     x = torch.randn(3, k)
     expected = x.double() @ torch.cat(parts).double().t() + layer.bias.double()
     torch.testing.assert_close(layer(x).double(), expected, rtol=1e-5, atol=1e-3)

@@ -10,13 +10,13 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from pagellm_gguf.method import GGUFConfig
+from pagellm_gguf.model_format import GGUFModelFormat
+from pagellm_gguf.reader import _unpermute, iterate_gguf_weights, open_gguf
 
 from pagellm.model_loader import formats
 from pagellm.model_loader.source import resolve_model_source
 from pagellm.quantization.registry import quantization_methods
-from pagellm_gguf.method import GGUFConfig
-from pagellm_gguf.model_format import GGUFModelFormat
-from pagellm_gguf.reader import iterate_gguf_weights
 
 CHECKED_LAYERS = ("model.layers.0.", "model.layers.29.")
 
@@ -42,23 +42,26 @@ def test_gguf_weights_equal_transformers_dequantized_weights(smollm2_path):
 
 
 def test_kept_blocks_are_the_rows_of_the_dequantized_weights(smollm2_path):
-    """With keep_quantized, linear weights come as raw Q4_1 rows, permuted like the float rows
-    (q/k): dequantizing them gives the float path's tensor; norms and embeddings stay float."""
-    dense = {n: t for n, t in iterate_gguf_weights(smollm2_path, torch.float32) if _checked(n)}
-    kept = 0
+    """With keep_quantized, layer 0's linear weights come as raw Q4_1 rows, permuted like the
+    float rows (q/k): dequantizing them gives the float path's tensor; norms stay float."""
+    q_rows = next(t for t in open_gguf(smollm2_path).tensors if t.name == "blk.0.attn_q.weight")
+    q_dense = gguf.quants.dequantize(q_rows.data, q_rows.tensor_type)
+    kept = {}
     for name, tensor in iterate_gguf_weights(smollm2_path, torch.float32, keep_quantized=True):
-        if not _checked(name):
-            continue
+        if name.startswith("model.layers.0."):
+            kept[name] = tensor
+        elif name.startswith("model.layers.1."):
+            break  # the file lists layer by layer: one layer is enough
+    linear = {n: t for n, t in kept.items() if n.endswith("proj.weight")}
+    assert len(linear) == 7 and len(kept) == 9
+    for name, tensor in kept.items():
         qtype = getattr(tensor, "gguf_type", None)
-        if qtype is None:
-            assert not name.endswith("proj.weight"), name
-            torch.testing.assert_close(tensor, dense[name], rtol=0, atol=0)
-            continue
-        assert qtype == gguf.GGMLQuantizationType.Q4_1 and tensor.dtype == torch.uint8
-        values = gguf.quants.dequantize(tensor.numpy(), gguf.GGMLQuantizationType(qtype))
-        np.testing.assert_array_equal(values, dense[name].numpy(), err_msg=name)
-        kept += 1
-    assert kept == 2 * 7  # q, k, v, o, gate, up, down of each checked layer
+        assert (qtype == gguf.GGMLQuantizationType.Q4_1) == (name in linear), name
+    assert all(t.dtype == torch.uint8 for t in linear.values())
+    q = linear["model.layers.0.self_attn.q_proj.weight"].numpy()
+    unpermuted = gguf.quants.dequantize(q, gguf.GGMLQuantizationType.Q4_1)
+    np.testing.assert_array_equal(unpermuted, _unpermute(q_dense, 9))  # SmolLM2: 9 heads
+    assert not np.array_equal(unpermuted, q_dense)
 
 
 def test_the_package_registers_the_format_and_the_method():
