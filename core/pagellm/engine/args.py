@@ -247,7 +247,7 @@ class EngineArgs:
             name = resolve_quantization(self.quantization, dict(checkpoint_quant or {}))
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-        if name is None and model_cfg.gguf_file:
+        if name is None and model_cfg.gguf_file and self.load_format != "dummy":
             # A GGUF file's weights are quantized without a quantization_config: its reader
             # names the method that keeps them so on this platform, if any.
             name = get_model_format("gguf").default_quantization(

@@ -58,7 +58,8 @@ class GGUFLinearMethod(LinearMethodBase):
         sizes: list[int] = getattr(layer, "output_sizes", [])
         if sorted(self.parts) != list(range(len(sizes))):
             raise ValueError(
-                f"GGUF weights for parts {sorted(self.parts)} of {len(sizes)} were loaded."
+                f"the gguf method got GGUF weights for parts {sorted(self.parts)} of "
+                f"{len(sizes)}: it runs the weights of a GGUF file (load_format gguf) only."
             )
         segments: list[tuple[int | None, list[torch.Tensor]]] = []
         for shard, rows in enumerate(sizes):
