@@ -37,7 +37,7 @@ run: install
 # is the one asked for.
 TRITON_EDGES = 3.2.0 3.9.0
 TRITON_KERNEL_TESTS = plugins/attention_backends/triton/tests/test_triton_attn_kernels.py \
-	plugins/cuda_platform/tests/test_cuda_ops.py
+	plugins/cuda_platform/tests/test_cuda_ops.py plugins/quantization/gguf/tests/test_gguf_kernels.py
 
 build/triton/%/triton/__init__.py:
 	rm -rf build/triton/$*

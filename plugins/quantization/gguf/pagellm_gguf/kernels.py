@@ -53,9 +53,8 @@ def _k_scale_min(ptr, scales, sub, mask):
 def dequantize_tile(w_ptr, offs_n, offs_k, row_bytes, mask, QTYPE: tl.constexpr):
     """The float32 weights [len(offs_n), len(offs_k)] of raw GGUF rows of type ``QTYPE``."""
     row = offs_n.to(tl.int64)[:, None] * row_bytes
-    if (
-        QTYPE < Q4_K
-    ):  # Q4_0, Q4_1, Q8_0: 32-weight blocks (the K-quants are 256-weight super-blocks)
+    # Q4_0, Q4_1, Q8_0 have 32-weight blocks; the K-quants (12-14) 256-weight super-blocks.
+    if QTYPE < Q4_K:
         j = (offs_k % 32)[None, :]
         if QTYPE == Q4_0:
             base = row + (offs_k // 32 * 18)[None, :]
@@ -123,24 +122,29 @@ def dequant_matmul_kernel(
     y_ptr,
     M,
     N,
-    K: tl.constexpr,
     row_bytes,
     stride_xm,
     stride_ym,
+    stride_ys,
+    K: tl.constexpr,
+    K_SPLIT: tl.constexpr,
     QTYPE: tl.constexpr,
     IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """y[M, N] = x[M, K] @ W[N, K]^T, W decoded tile by tile from its GGUF rows; float32
-    accumulation (IEEE products for float32 activations, not TF32). K is a compile-time
-    constant: a model has a few in_features, and the loop bound is then known."""
+    """y[s, M, N] = x[M, K_s] @ W[N, K_s]^T over the ``s``-th run of ``K_SPLIT`` columns
+    (program axis 2), W decoded tile by tile from its GGUF rows; float32 accumulation (IEEE
+    products for float32 activations, not TF32). With one split, y is the output; with several,
+    float32 partial sums that the caller adds. K is a compile-time constant: a model has a few
+    in_features, and the loop bound is then known."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    k_start = tl.program_id(2) * K_SPLIT
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
+    for k0 in range(0, K_SPLIT, BLOCK_K):
+        offs_k = k_start + k0 + tl.arange(0, BLOCK_K)
         k_in = offs_k < K
         x = tl.load(
             x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
@@ -153,5 +157,5 @@ def dequant_matmul_kernel(
             acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
         else:
             acc = tl.dot(x, tl.trans(w), acc)
-    y = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    y = y_ptr + tl.program_id(2) * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :]
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))

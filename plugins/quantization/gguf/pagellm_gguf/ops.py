@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 
@@ -43,31 +45,57 @@ def dequantize(
     return out
 
 
+@functools.lru_cache(maxsize=8)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # the interpreter: one program at a time anyway
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def k_splits(n_tiles: int, k_tiles: int, num_sms: int) -> int:
+    """How many runs of K to give separate programs: enough programs for about four per SM
+    (a decode matmul has few output tiles: 128 for N = 4096), each run at least four tiles."""
+    wanted = max(1, (4 * num_sms) // max(n_tiles, 1))
+    return max(1, min(wanted, k_tiles // 4))
+
+
 def dequant_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torch.Tensor:
     """x [M, K] @ W^T with W's tiles decoded in registers (the decode path)."""
     m, k = x.shape
     row_bytes = _check(blocks, qtype, k)
     n = blocks.shape[0]
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     block_m, block_n, block_k = 16, 32, 128
-    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
-    dequant_matmul_kernel[grid](
+    n_tiles, m_tiles, k_tiles = (
+        triton.cdiv(n, block_n),
+        triton.cdiv(m, block_m),
+        triton.cdiv(k, block_k),
+    )
+    splits = k_splits(n_tiles * m_tiles, k_tiles, _num_sms(x.device))
+    k_split = triton.cdiv(k_tiles, splits) * block_k
+    splits = triton.cdiv(k, k_split)
+    if splits == 1:
+        y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    else:
+        y = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+    dequant_matmul_kernel[(n_tiles, m_tiles, splits)](
         x,
         blocks,
         y,
         m,
         n,
-        k,
         row_bytes,
         x.stride(0),
-        y.stride(0),
+        n,
+        m * n,
+        K=k,
+        K_SPLIT=k_split,
         QTYPE=qtype,
         IEEE=x.dtype == torch.float32,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
     )
-    return y
+    return y if splits == 1 else y.sum(0).to(x.dtype)
 
 
 def gguf_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torch.Tensor:

@@ -107,3 +107,30 @@ def test_fused_layer_with_parts_of_different_types_and_a_float_part():
     x = torch.randn(3, k)
     expected = x.double() @ torch.cat(parts).double().t() + layer.bias.double()
     torch.testing.assert_close(layer(x).double(), expected, rtol=1e-5, atol=1e-3)
+
+
+@in_interpreter
+@pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_K])
+def test_decode_matmul_split_along_k_adds_up_to_the_product(qtype, monkeypatch):
+    """With few output tiles the decode matmul splits K over programs (as on a GPU with many
+    SMs: patched here) and adds their float32 partial sums."""
+    from pagellm_gguf import ops
+
+    monkeypatch.setattr(ops, "_num_sms", lambda device: 64)
+    assert ops.k_splits(n_tiles=1, k_tiles=8, num_sms=64) == 2
+    k = 1024
+    raw = random_blocks(qtype, 21, k, seed=3)
+    reference = torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(21, k).copy())
+    x = torch.randn(2, k, generator=torch.Generator().manual_seed(3))
+    got = ops.dequant_matmul(x, torch.from_numpy(raw), int(qtype))
+    expected = (x.double() @ reference.double().t()).float()
+    torch.testing.assert_close(got, expected, rtol=0, atol=2e-6 * expected.abs().max().item() * 32)
+
+
+def test_k_splits_give_each_sm_programs_without_runs_under_four_tiles():
+    pytest.importorskip("triton")
+    from pagellm_gguf.ops import k_splits
+
+    assert k_splits(n_tiles=128, k_tiles=32, num_sms=132) == 4  # N = 4096, K = 4096 on an H200
+    assert k_splits(n_tiles=896, k_tiles=32, num_sms=132) == 1  # gate_up: enough tiles already
+    assert k_splits(n_tiles=128, k_tiles=4, num_sms=132) == 1  # short K: one run
