@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from pagellm.plugins.groups import MODEL_FORMAT
+from pagellm.plugins.loader import load_group
 from pagellm.plugins.registry import NotRegisteredError, Registry
 
 if TYPE_CHECKING:
@@ -57,6 +58,12 @@ def get_model_format(name: str) -> type[ModelFormat]:
         return model_formats.get(name)
     except NotRegisteredError:
         package = FORMAT_PACKAGES.get(name, f"a plugin of {MODEL_FORMAT}")
+        for record in load_group(MODEL_FORMAT):  # installed, but not loaded (e.g. VLLM_PLUGINS)
+            if record.name == name and record.status != "loaded":
+                raise ValueError(
+                    f"{name.upper()} files are read by the {record.name!r} plugin of "
+                    f"{record.distribution}, which is {record.status}: {record.reason}."
+                ) from None
         raise ValueError(
             f"{name.upper()} files are read by the {package} package, which is not installed: "
             f"pip install {package} (in this repository: pip install -e plugins/quantization/{name})."

@@ -77,5 +77,22 @@ def test_the_package_registers_the_format_and_the_method():
 def test_a_gguf_model_without_the_package_says_what_to_install(smollm2_path, monkeypatch):
     monkeypatch.setattr(formats.model_formats, "_entries", {})
     monkeypatch.setattr(formats.model_formats, "_loaded", True)
+    monkeypatch.setattr(formats, "load_group", lambda group: [])  # no distribution declares it
     with pytest.raises(ValueError, match="pip install pagellm-gguf"):
         resolve_model_source(smollm2_path).hf_directory()
+
+
+def test_a_gguf_model_with_the_plugin_left_out_by_vllm_plugins_says_so(smollm2_path):
+    import subprocess
+    import sys
+
+    code = (
+        "from pagellm.model_loader.source import resolve_model_source\n"
+        f"resolve_model_source({smollm2_path!r}).hf_directory()\n"
+    )
+    env = {**os.environ, "VLLM_PLUGINS": "openai"}
+    child = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert child.returncode != 0
+    assert (
+        "'gguf' plugin of pagellm-gguf, which is skipped: not in the VLLM_PLUGINS" in child.stderr
+    )
