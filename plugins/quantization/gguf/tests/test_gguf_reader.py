@@ -4,6 +4,7 @@ package is absent."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import gguf
@@ -69,6 +70,8 @@ def test_the_package_registers_the_format_and_the_method():
     assert quantization_methods.get("gguf") is GGUFConfig
     # The CPU has no kernels for the blocks: the file's weights are dequantized at load there.
     assert GGUFModelFormat.default_quantization("x.gguf", "cpu", torch.float32) is None
+    if importlib.util.find_spec("triton") is not None:  # a CUDA platform with the kernels
+        assert GGUFModelFormat.default_quantization("x.gguf", "cuda", torch.bfloat16) == "gguf"
     assert "CUDA" in (GGUFConfig.platform_refusal("cpu", torch.float32) or "")
     with pytest.raises(ValueError, match="reads GGUF files"):
         GGUFConfig.from_config({"quant_method": "gptq"})
