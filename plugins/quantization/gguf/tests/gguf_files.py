@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGMLQuantizationType as T
 from gguf.quants import quantize
 from pagellm_gguf.block_types import block_shape
 
@@ -22,14 +23,16 @@ _F16_FIELDS = {
 }
 
 
-def random_blocks(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int = 0) -> np.ndarray:
-    """Random GGUF rows of type ``qtype`` (every quant bit pattern possible), with finite small
-    float16 scales: uint8 [rows, bytes per row]."""
+def random_blocks(
+    qtype: GGMLQuantizationType, rows: int, cols: int, seed: int = 0, scale: float = 0.1
+) -> np.ndarray:
+    """Random GGUF rows of type ``qtype`` (every quant bit pattern possible), with finite
+    float16 scales in [-scale, scale]: uint8 [rows, bytes per row]."""
     block_size, type_size = block_shape(qtype)
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, size=(rows, cols // block_size, type_size), dtype=np.uint8)
     for at in _F16_FIELDS[qtype.name]:
-        scales = rng.uniform(-0.1, 0.1, size=(rows, cols // block_size, 1)).astype(np.float16)
+        scales = rng.uniform(-scale, scale, size=(rows, cols // block_size, 1)).astype(np.float16)
         raw[..., at : at + 2] = scales.view(np.uint8)
     return raw.reshape(rows, -1)
 
@@ -66,7 +69,9 @@ def write_tiny_gguf(
     arch: str, path: str, types: dict[str, GGMLQuantizationType], **config: Any
 ) -> None:
     """A tiny random ``arch`` (qwen2, qwen3) model written as a GGUF file: linear weights in
-    ``types`` (by GGUF part name, e.g. ``ffn_down``; others F32), a byte-level vocabulary of 257 tokens."""
+    ``types`` (by GGUF part name, e.g. ``ffn_down``; others F32), a byte-level vocabulary of 257
+    tokens. The `gguf` package quantizes to Q4_0, Q4_1 and Q8_0 but not to the K-quants: a
+    K-quant weight is random blocks of its type instead (small scales), the same in both readers."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     hf_config = AutoConfig.for_model(arch, vocab_size=257, tie_word_embeddings=True, **config)
@@ -112,6 +117,10 @@ def write_tiny_gguf(
         )
         if qtype is None:
             writer.add_tensor(gguf_name, array)
+        elif qtype in (T.Q4_K, T.Q5_K, T.Q6_K):
+            rows, cols = array.shape
+            blocks = random_blocks(qtype, rows, cols, seed=rows + cols, scale=2e-3)
+            writer.add_tensor(gguf_name, blocks, raw_dtype=qtype)
         else:
             writer.add_tensor(gguf_name, quantize(array, qtype), raw_dtype=qtype)
     writer.write_header_to_file()

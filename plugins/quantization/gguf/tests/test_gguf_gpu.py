@@ -109,3 +109,21 @@ def test_smollm2_q4_1_is_kept_quantized_on_the_gpu_and_answers_paris():
         SamplingParams(temperature=0.0, max_tokens=32),
     )
     assert "Paris" in out[0].outputs[0].text, out[0].outputs[0].text
+
+
+def test_every_kernel_type_kept_quantized_matches_transformers_greedy(tmp_path):
+    """A tiny Qwen3 GGUF with every kernel type (fused layers mixing them) served on the GPU in
+    float32 with its blocks kept, greedy token for token like transformers (CPU, dequantized)."""
+    from test_gguf_families import greedy_matches_transformers, write_every_type_qwen3
+
+    from pagellm.layers.linear import Linear
+
+    path = tmp_path / "qwen3-every-type.gguf"
+    write_every_type_qwen3(str(path))
+    llm = greedy_matches_transformers(path, device="cuda")
+    assert llm.llm_engine.config.quantization == "gguf"
+    model = llm.llm_engine.engine_core.executor.worker.model_runner.model
+    qkv = next(m for n, m in model.named_modules() if n.endswith("qkv_proj"))
+    assert isinstance(qkv, Linear)
+    q4_k, q6_k = int(gguf.GGMLQuantizationType.Q4_K), int(gguf.GGMLQuantizationType.Q6_K)
+    assert qkv.linear_method.types == [q4_k, q6_k]  # q and k joined, v apart
