@@ -47,8 +47,10 @@ def test_dequantize_on_the_gpu_equals_the_numpy_reference(qtype):
 @pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("m", [1, 16, 32, 33, 300])  # both sides of DECODE_MAX_M
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_gguf_linear_on_the_gpu_matches_the_reference_product(qtype, m, dtype):
+def test_gguf_linear_on_the_gpu_matches_the_reference_product(qtype, m, dtype, monkeypatch):
     from pagellm_gguf import ops
+
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # fp32: IEEE products
 
     blocks, reference = _case(qtype)
     x = torch.randn(m, K, device="cuda", generator=torch.Generator("cuda").manual_seed(m))
@@ -111,13 +113,14 @@ def test_smollm2_q4_1_is_kept_quantized_on_the_gpu_and_answers_paris():
     assert "Paris" in out[0].outputs[0].text, out[0].outputs[0].text
 
 
-def test_every_kernel_type_kept_quantized_matches_transformers_greedy(tmp_path):
+def test_every_kernel_type_kept_quantized_matches_transformers_greedy(tmp_path, monkeypatch):
     """A tiny Qwen3 GGUF with every kernel type (fused layers mixing them) served on the GPU in
     float32 with its blocks kept, greedy token for token like transformers (CPU, dequantized)."""
     from test_gguf_families import greedy_matches_transformers, write_every_type_qwen3
 
     from pagellm.layers.linear import Linear
 
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # fp32 LM head
     path = tmp_path / "qwen3-every-type.gguf"
     write_every_type_qwen3(str(path))
     llm = greedy_matches_transformers(path, device="cuda")
