@@ -26,7 +26,7 @@ TYPES = [pytest.param(t, id=t.name) for t in KERNEL_TYPES]
 N, K = 1027, 4096  # an odd number of rows; a Llama-8B hidden size of columns
 
 
-@functools.lru_cache(maxsize=None)  # one weight per type for all the M and dtype cases
+@functools.cache  # one weight per type for all the M and dtype cases
 def _case(qtype: gguf.GGMLQuantizationType) -> tuple[torch.Tensor, torch.Tensor]:
     raw = random_blocks(qtype, N, K, seed=int(qtype))
     reference = torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(N, K).copy())
