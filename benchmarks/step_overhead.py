@@ -57,9 +57,9 @@ def make_stub_model_dir(directory: str, tokenizer_dir: str | None) -> str:
     from transformers import AutoConfig, AutoTokenizer
 
     from pagellm.model_loader import default_model_path
-    from pagellm.model_loader.gguf_cache import gguf_hf_dir
+    from pagellm.model_loader.source import resolve_model_source
 
-    tokenizer_dir = tokenizer_dir or gguf_hf_dir(default_model_path())
+    tokenizer_dir = tokenizer_dir or resolve_model_source(default_model_path()).hf_directory()
     config = AutoConfig.for_model(
         "llama",
         vocab_size=STUB_VOCAB,

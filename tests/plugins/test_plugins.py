@@ -102,7 +102,7 @@ print(current_platform.name, cfg.attention_backend, cfg.cache.block_size, out[0]
 
 def test_plugins_json_reports_each_plugin_with_distribution_status_and_reason(default_report):
     report = default_report
-    assert list(report)[:8] == [
+    assert list(report)[:9] == [
         "pagellm.general_plugins",
         "pagellm.platform_plugins",
         "pagellm.attention_backends",
@@ -111,6 +111,7 @@ def test_plugins_json_reports_each_plugin_with_distribution_status_and_reason(de
         "pagellm.io_processor_plugins",
         "pagellm.stat_logger_plugins",
         "pagellm.endpoint_plugins",
+        "pagellm.model_formats",
     ]
     general = report["pagellm.general_plugins"]
     model = general["dummy_model"]
@@ -130,7 +131,7 @@ def test_plugins_json_reports_each_plugin_with_distribution_status_and_reason(de
     wrong = general["wrong_args"]["reason"]
     assert "registry" in wrong and "pagellm_register()" in wrong
     future = general["future_api"]["reason"]
-    assert "2.0" in future and "1.1" in future
+    assert "2.0" in future and "1.2" in future
     assert report["pagellm.platform_plugins"]["dummy"]["reason"].startswith("inactive")
     assert report["pagellm.attention_backends"]["dummy_attn"]["status"] == "loaded"
     assert report["pagellm.quantization_methods"]["dummy_int8"]["status"] == "loaded"

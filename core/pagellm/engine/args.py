@@ -35,6 +35,7 @@ from pagellm.config import (
     ParallelConfig,
     SchedulerConfig,
 )
+from pagellm.model_loader.formats import get_model_format
 from pagellm.model_loader.source import load_hf_config, resolve_model_source
 from pagellm.models.registry import resolve_model_cls
 from pagellm.platforms import current_platform, current_platform_name
@@ -246,6 +247,12 @@ class EngineArgs:
             name = resolve_quantization(self.quantization, dict(checkpoint_quant or {}))
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+        if name is None and model_cfg.gguf_file and self.load_format != "dummy":
+            # A GGUF file's weights are quantized without a quantization_config: its reader
+            # names the method that keeps them so on this platform, if any.
+            name = get_model_format("gguf").default_quantization(
+                model_cfg.gguf_file, device_type, model_cfg.torch_dtype
+            )
         if name is None:
             return None
         quant_cls = quantization_methods.get(name)

@@ -1,4 +1,5 @@
-"""Building the model and filling its weights: HF safetensors, GGUF, or random (dummy)."""
+"""Building the model and filling its weights: HF safetensors, GGUF (through its plugin), or random
+(dummy)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from torch import nn
 from pagellm.attention import AttentionBackend
 from pagellm.config import EngineConfig
 from pagellm.layers.linear import Linear
+from pagellm.model_loader.formats import get_model_format
 from pagellm.model_loader.kv_scales import KVScales, apply_kv_scales, take_kv_scales
 from pagellm.model_loader.source import resolve_model_source
 from pagellm.models.registry import resolve_model_cls
@@ -91,9 +93,8 @@ def load_model(
     if load_format == "gguf":
         if not source.gguf_file:
             raise ValueError(f"load_format='gguf' but {model_cfg.model} is not a GGUF file.")
-        from pagellm.model_loader.gguf_loader import iterate_gguf_weights
-
-        weights = iterate_gguf_weights(source.gguf_file, model_cfg.torch_dtype)
+        gguf = get_model_format("gguf")  # pagellm-gguf's reader
+        weights = gguf.iterate_weights(source.gguf_file, model_cfg.torch_dtype, quant_config)
     else:
         weights = iterate_safetensors_weights(source.directory)
     with torch.no_grad():

@@ -36,9 +36,9 @@ class ModelSource:
         """Where transformers reads the config and tokenizer (a GGUF's are converted once)."""
         if self.gguf_file is None:
             return self.directory
-        from pagellm.model_loader.gguf_cache import gguf_hf_dir
+        from pagellm.model_loader.formats import get_model_format
 
-        return gguf_hf_dir(self.gguf_file)
+        return get_model_format("gguf").hf_directory(self.gguf_file)
 
 
 def resolve_model_source(model: str, field: str = "model") -> ModelSource:

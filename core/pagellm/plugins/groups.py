@@ -15,6 +15,7 @@ SCHEDULER_POLICY = "pagellm.scheduler_policies"
 IO_PROCESSOR = "pagellm.io_processor_plugins"
 STAT_LOGGER = "pagellm.stat_logger_plugins"
 ENDPOINT = "pagellm.endpoint_plugins"
+MODEL_FORMAT = "pagellm.model_formats"
 
 
 @dataclass(frozen=True)
@@ -57,5 +58,12 @@ GROUPS: dict[str, PluginGroup] = {
         PluginGroup(IO_PROCESSOR, hookspecs.IOProcessorSpec, "front end only"),
         PluginGroup(STAT_LOGGER, hookspecs.StatLoggerSpec, "front end only"),
         PluginGroup(ENDPOINT, hookspecs.EndpointSpec, "API-server process only", False),
+        PluginGroup(
+            MODEL_FORMAT,
+            hookspecs.ModelFormatSpec,
+            (
+                "where a GGUF model's config, tokenizer and weights are read (engine config, front end, workers)"
+            ),
+        ),
     )
 }

@@ -15,9 +15,10 @@ from typing import Any
 import pluggy
 
 PROJECT_NAME = "pagellm"
-PLUGIN_API_VERSION = "1.1"
+PLUGIN_API_VERSION = "1.2"
 """Plugins declaring the same major version and a minor version up to this one are accepted.
-1.1: the ``pagellm.scheduler_policies`` group; endpoint plugins' ``attach(app, ctx)``."""
+1.1: the ``pagellm.scheduler_policies`` group; endpoint plugins' ``attach(app, ctx)``.
+1.2: the ``pagellm.model_formats`` group (GGUF files are read by a plugin)."""
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
@@ -81,6 +82,14 @@ class SchedulerPolicySpec:
     @hookspec
     def pagellm_scheduler_policies(self) -> dict[str, str]:
         """Policy name (what ``--scheduling-policy`` takes) → class path of its `SchedulingPolicy`."""
+
+
+class ModelFormatSpec:
+    """``pagellm.model_formats``: loaded where a model file of such a format is read (API 1.2)."""
+
+    @hookspec
+    def pagellm_model_formats(self) -> dict[str, str]:
+        """Format name (a ``load_format`` value, e.g. ``gguf``) → class path of its `ModelFormat`."""
 
 
 class IOProcessorSpec:
