@@ -256,6 +256,16 @@ class EngineArgs:
         if name is None:
             return None
         quant_cls = quantization_methods.get(name)
+        model_format = (
+            "dummy"
+            if self.load_format == "dummy"
+            else ("gguf" if model_cfg.gguf_file else "safetensors")
+        )
+        if quant_cls.reads_model_format not in (None, model_format):
+            raise ConfigError(
+                f"quantization={name!r} keeps the quantized tensors of "
+                f"{quant_cls.reads_model_format} files; this model's weights are {model_format}."
+            )
         try:  # the checkpoint's scheme is judged here, not first in the engine-core process
             quant_cls.from_config(dict(checkpoint_quant or {}))
         except ValueError as exc:

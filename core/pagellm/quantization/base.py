@@ -55,6 +55,10 @@ class QuantizationConfig(ABC):
     def get_linear_method(self, prefix: str) -> LinearMethodBase:
         """The method for the linear layer named ``prefix`` (e.g. ``model.layers.0.mlp.down_proj``)."""
 
+    reads_model_format: ClassVar[str | None] = None
+    """The weight-file format whose own quantized tensors this method keeps (``"gguf"``), so
+    that it refuses any other model; None: it reads checkpoints of any format."""
+
     @classmethod
     def matches_checkpoint(cls, checkpoint_config: dict[str, Any]) -> bool:
         """True when this method is the one that reads a checkpoint whose config.json has this

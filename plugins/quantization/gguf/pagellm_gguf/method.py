@@ -94,6 +94,7 @@ class GGUFConfig(QuantizationConfig):
     """GGUF weights kept as their blocks on a CUDA GPU (chosen by itself for a GGUF file there)."""
 
     name: ClassVar[str] = "gguf"
+    reads_model_format: ClassVar[str | None] = "gguf"
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> GGUFConfig:

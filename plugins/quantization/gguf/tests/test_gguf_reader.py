@@ -98,3 +98,13 @@ def test_a_gguf_model_with_the_plugin_left_out_by_vllm_plugins_says_so(smollm2_p
     assert (
         "'gguf' plugin of pagellm-gguf, which is skipped: not in the VLLM_PLUGINS" in child.stderr
     )
+
+
+def test_the_gguf_method_refuses_a_model_of_another_format(tiny_models):
+    """``--quantization gguf`` keeps a GGUF file's blocks: on a safetensors checkpoint it would
+    run dense weights under its name, so it is refused with the reason."""
+    from pagellm.config import ConfigError
+    from pagellm.engine.args import EngineArgs
+
+    with pytest.raises(ConfigError, match="keeps the quantized tensors of gguf files"):
+        EngineArgs(model=tiny_models["llama3"], quantization="gguf").create_engine_config()
