@@ -11,12 +11,12 @@ scheme), and reads the fp8 checkpoints whose weight scales match its name:
 
 from __future__ import annotations
 
-import re
 from typing import Any, ClassVar
 
 import torch
 
 from pagellm.quantization import LinearMethodBase, QuantizationConfig, UnquantizedLinearMethod
+from pagellm.quantization.layers import checkpoint_layer_names, is_ignored_layer
 from pagellm_fp8.checkpoint_formats import (
     COMPRESSED_TENSORS,
     FP8_CONFIG,
@@ -26,28 +26,6 @@ from pagellm_fp8.checkpoint_formats import (
 from pagellm_fp8.gemm import gemm_refusal
 from pagellm_fp8.linear_method import Fp8LinearMethod
 from pagellm_fp8.scheme import Fp8Scheme, WeightGranularity
-
-# A fused layer of pagellm's models and the checkpoint layers it is made of.
-_FUSED_PARTS = {
-    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
-    "gate_up_proj": ("gate_proj", "up_proj"),
-}
-
-
-def _checkpoint_names(prefix: str) -> list[str]:
-    head, _, last = prefix.rpartition(".")
-    parts = _FUSED_PARTS.get(last)
-    return [f"{head}.{p}" if head else p for p in parts] if parts else [prefix]
-
-
-def _is_ignored(name: str, ignored: tuple[str, ...]) -> bool:
-    for entry in ignored:
-        if entry.startswith("re:"):
-            if re.match(entry[3:], name):
-                return True
-        elif name == entry or name.endswith("." + entry):
-            return True
-    return False
 
 
 class _Fp8ConfigBase(QuantizationConfig):
@@ -82,8 +60,8 @@ class _Fp8ConfigBase(QuantizationConfig):
         return gemm_refusal(cls.weights, device_type, dtype)
 
     def get_linear_method(self, prefix: str) -> LinearMethodBase:
-        names = _checkpoint_names(prefix)
-        ignored = [_is_ignored(n, self.scheme.ignored) for n in names]
+        names = checkpoint_layer_names(prefix)
+        ignored = [is_ignored_layer(n, self.scheme.ignored) for n in names]
         if all(ignored):
             return UnquantizedLinearMethod()
         if any(ignored):

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from pagellm.quantization import LinearMethodBase
+from pagellm.quantization.layers import frozen_parameter
 from pagellm_fp8.gemm import GemmFn, choose_gemm, shape_refusal
 from pagellm_fp8.quant_ops import FP8_DTYPE, dequantize_weight, quantize_weight, to_fp8
 from pagellm_fp8.scheme import BLOCK, Fp8Scheme
@@ -63,13 +64,6 @@ def _load_part_scalar(
     param.data[shard or 0] = tensor.reshape(())
 
 
-def _parameter(data: torch.Tensor, loader: object | None = None) -> nn.Parameter:
-    param = nn.Parameter(data, requires_grad=False)
-    if loader is not None:
-        param.weight_loader = loader  # type: ignore[attr-defined]
-    return param
-
-
 class Fp8LinearMethod(LinearMethodBase):
     def __init__(self, scheme: Fp8Scheme, prefix: str) -> None:
         self.scheme = scheme
@@ -92,22 +86,23 @@ class Fp8LinearMethod(LinearMethodBase):
         if scheme.serialized:
             weight = torch.empty(out_features, in_features, dtype=FP8_DTYPE)
             layer.register_parameter(
-                "weight", _parameter(weight, partial(_load_rows, sizes, 1, f"{self.prefix}.weight"))
+                "weight",
+                frozen_parameter(weight, partial(_load_rows, sizes, 1, f"{self.prefix}.weight")),
             )
             scale_name = f"{self.prefix}.{scheme.scale_name}"
             if scheme.weights == "tensor":
-                scale = _parameter(
+                scale = frozen_parameter(
                     torch.empty(len(sizes), dtype=torch.float32),
                     partial(_load_part_scalar, scale_name),
                 )
             elif scheme.weights == "channel":
-                scale = _parameter(
+                scale = frozen_parameter(
                     torch.empty(out_features, 1, dtype=torch.float32),
                     partial(_load_rows, sizes, 1, scale_name),
                 )
             else:
                 shape = (out_features // BLOCK[0], in_features // BLOCK[1])
-                scale = _parameter(
+                scale = frozen_parameter(
                     torch.empty(shape, dtype=torch.float32),
                     partial(_load_rows, sizes, BLOCK[0], scale_name),
                 )
@@ -115,12 +110,14 @@ class Fp8LinearMethod(LinearMethodBase):
             if scheme.static_activations:
                 input_scale = torch.empty(len(sizes), dtype=torch.float32)
                 loader = partial(_load_part_scalar, f"{self.prefix}.input_scale")
-                layer.register_parameter("input_scale", _parameter(input_scale, loader))
+                layer.register_parameter("input_scale", frozen_parameter(input_scale, loader))
         else:
             # Float weights from the checkpoint (the model loads their rows); quantized once loaded.
             weight = torch.empty(out_features, in_features, dtype=params_dtype)
-            layer.register_parameter("weight", _parameter(weight))
-        bias_param = _parameter(torch.empty(out_features, dtype=params_dtype)) if bias else None
+            layer.register_parameter("weight", frozen_parameter(weight))
+        bias_param = (
+            frozen_parameter(torch.empty(out_features, dtype=params_dtype)) if bias else None
+        )
         layer.register_parameter("bias", bias_param)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
@@ -137,10 +134,10 @@ class Fp8LinearMethod(LinearMethodBase):
                 # One calibrated scale for the fused input: the largest of the parts' covers each.
                 input_scale = layer.get_parameter("input_scale").data.amax().reshape(1)
             delattr(layer, scheme.scale_name)
-        layer.register_parameter("weight", _parameter(q))
-        layer.register_parameter("weight_scale", _parameter(scale.float().contiguous()))
+        layer.register_parameter("weight", frozen_parameter(q))
+        layer.register_parameter("weight_scale", frozen_parameter(scale.float().contiguous()))
         layer.register_parameter(
-            "input_scale", _parameter(input_scale) if input_scale is not None else None
+            "input_scale", frozen_parameter(input_scale) if input_scale is not None else None
         )
         refusal = shape_refusal(scheme, q.device, q.shape[0], q.shape[1])
         if refusal is not None:

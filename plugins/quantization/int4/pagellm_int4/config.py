@@ -12,38 +12,16 @@ None quantizes a float checkpoint at load: `pagellm_int4.rtn` writes int4 checkp
 
 from __future__ import annotations
 
-import re
 from typing import Any, ClassVar
 
 import torch
 
 from pagellm.quantization import LinearMethodBase, QuantizationConfig, UnquantizedLinearMethod
+from pagellm.quantization.layers import checkpoint_layer_names, is_ignored_layer
 from pagellm_int4.checkpoint_formats import checkpoint_format, parse_checkpoint
 from pagellm_int4.gemm import gemm_refusal
 from pagellm_int4.linear_method import Int4LinearMethod
 from pagellm_int4.scheme import Int4Format, Int4Scheme
-
-# A fused layer of pagellm's models and the checkpoint layers it is made of.
-_FUSED_PARTS = {
-    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
-    "gate_up_proj": ("gate_proj", "up_proj"),
-}
-
-
-def _checkpoint_names(prefix: str) -> list[str]:
-    head, _, last = prefix.rpartition(".")
-    parts = _FUSED_PARTS.get(last)
-    return [f"{head}.{p}" if head else p for p in parts] if parts else [prefix]
-
-
-def _is_ignored(name: str, ignored: tuple[str, ...]) -> bool:
-    for entry in ignored:
-        if entry.startswith("re:"):
-            if re.match(entry[3:], name):
-                return True
-        elif name == entry or name.endswith("." + entry) or f".{entry}." in f".{name}.":
-            return True
-    return False
 
 
 class _Int4ConfigBase(QuantizationConfig):
@@ -75,8 +53,8 @@ class _Int4ConfigBase(QuantizationConfig):
         return gemm_refusal(device_type, dtype)
 
     def get_linear_method(self, prefix: str) -> LinearMethodBase:
-        names = _checkpoint_names(prefix)
-        ignored = [_is_ignored(n, self.scheme.ignored) for n in names]
+        names = checkpoint_layer_names(prefix)
+        ignored = [is_ignored_layer(n, self.scheme.ignored, inner_modules=True) for n in names]
         if all(ignored):
             return UnquantizedLinearMethod()
         if any(ignored):

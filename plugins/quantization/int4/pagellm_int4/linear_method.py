@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from pagellm.quantization import LinearMethodBase
+from pagellm.quantization.layers import frozen_parameter
 from pagellm_int4.checkpoint_tensors import read_layer
 from pagellm_int4.gemm import GemmFn, choose_gemm
 from pagellm_int4.kernel_layout import KernelLayout, to_kernel_layout
@@ -83,13 +84,6 @@ def _load_part(
     dst.copy_(tensor)
 
 
-def _parameter(data: torch.Tensor, loader: object | None = None) -> nn.Parameter:
-    param = nn.Parameter(data, requires_grad=False)
-    if loader is not None:
-        param.weight_loader = loader  # type: ignore[attr-defined]
-    return param
-
-
 class Int4LinearMethod(LinearMethodBase):
     def __init__(self, scheme: Int4Scheme, prefix: str) -> None:
         self.scheme = scheme
@@ -135,8 +129,10 @@ class Int4LinearMethod(LinearMethodBase):
         for name, spec in self._specs.items():
             data = torch.zeros(spec.shape, dtype=spec.dtype)
             loader = partial(_load_part, spec, sizes, f"{self.prefix}.{name}")
-            layer.register_parameter(name, _parameter(data, loader))
-        bias_param = _parameter(torch.empty(out_features, dtype=params_dtype)) if bias else None
+            layer.register_parameter(name, frozen_parameter(data, loader))
+        bias_param = (
+            frozen_parameter(torch.empty(out_features, dtype=params_dtype)) if bias else None
+        )
         layer.register_parameter("bias", bias_param)
 
     def _one_row(self, layer: nn.Module, name: str) -> torch.Tensor:
@@ -163,11 +159,11 @@ class Int4LinearMethod(LinearMethodBase):
         layout = to_kernel_layout(values, self.scheme.group_of(k), self.prefix)
         for name in self._specs:
             delattr(layer, name)
-        layer.register_parameter("qweight", _parameter(layout.qweight))
-        layer.register_parameter("scales", _parameter(layout.scales))
-        layer.register_parameter("zeros", _parameter(layout.zeros))
+        layer.register_parameter("qweight", frozen_parameter(layout.qweight))
+        layer.register_parameter("scales", frozen_parameter(layout.scales))
+        layer.register_parameter("zeros", frozen_parameter(layout.zeros))
         layer.register_parameter(
-            "perm", _parameter(layout.perm) if layout.perm is not None else None
+            "perm", frozen_parameter(layout.perm) if layout.perm is not None else None
         )
         self._layout = layout
         self.gemm_path, self._gemm = choose_gemm(layout.qweight.device)
