@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One round on the GPU machine: offline install (wheels carried in .whl), GPU tests, benchmarks.
 # Writes logs and JSON under $OUT. Stages: tests, tests-flashinfer, fi-jit, fi-cache-save, fa-tests,
-# fa-kernels, fp8-tests, fp8-gemm, decode-tiles, int4-tests, int4-gemm, int4-w1, gguf-tests, gguf-gemm, prof, step-prof, w1, w2,
+# fa-kernels, fp8-tests, fp8-gemm, decode-tiles, int4-tests, int4-sweep, int4-gemm, int4-w1, gguf-tests, gguf-gemm, prof, step-prof, w1, w2,
 # overhead, hf (W1/W2 with the HF peer).
 #   bash benchmarks/gpu_round.sh tests w2 w1 overhead
 set -uo pipefail
@@ -84,6 +84,10 @@ for stage in "$@"; do
     gguf-tests) run gguf_tests 400 python3 -m pytest -m gpu -q -s -p no:cacheprovider --timeout 300 \
         plugins/quantization/gguf/tests ;;
     gguf-gemm) run gguf_gemm 300 python3 benchmarks/gguf_gemm.py --output-json "$OUT/gguf_gemm.json" ;;
+    # The fused kernel's tiles measured per matmul of W1's layer (written to the package's
+    # configs/<GPU>.json, which the kernel then reads; a copy in $OUT to commit).
+    int4-sweep) run int4_sweep 330 python3 benchmarks/int4_gemm.py --sweep --ms 1 \
+        --sweep-json "$OUT/int4_tiles.json" ;;
     int4-gemm) run int4_gemm 400 python3 benchmarks/int4_gemm.py --output-json "$OUT/int4_gemm.json" ;;
     # W1's model as a GPTQ int4 checkpoint of random weights (our RTN writer, on the GPU, kept
     # under build/), then low-batch decode (1 and 16 requests at once, 512 in / 512 out) against

@@ -8,18 +8,28 @@ at M = 1, 16, 64, 256, 1,024, 8,192 tokens, group size 128, each with:
   to ``FUSED_MAX_M`` rows, else dequantize + cuBLAS);
 - ``fused`` and ``dequant_mm``: both paths at every M, so the crossover can be read off.
 
-``triton.testing.do_bench`` medians (L2 flushed between runs); ``GB/s`` is the packed weight's
-bytes (int32 words, float32 scales, uint8 zeros) over the time, bf16's its bf16 bytes;
-``rel_err`` is ||int4 out - bf16 out of the same dequantized weights|| / ||bf16 out||.
+Times are GPU times per call, as a decode step runs them: the calls are captured in one CUDA
+graph (no launch gaps), each call on its own copy of the weights, with enough copies (at least
+256 MB in all) that every call reads its weight from memory, not from the 60 MB L2; the median of
+several replays. ``GB/s`` is the packed weight's bytes (int32 words, float32 scales, uint8 zeros)
+over the time, bf16's its bf16 bytes; ``rel_err`` is ||int4 out - bf16 out of the same dequantized
+weights|| / ||bf16 out||.
+
+``--sweep`` first measures candidate tiles of the fused kernel for each matmul at
+M = 1, 4, 16, 64 (`SWEEP_MS`) and writes the fastest to the kernel's table
+(``pagellm_int4/configs/<GPU name>.json``, which `w4a16.tile_config` reads; also
+``--sweep-json``), then times the table as above with the new entries.
 
 Prints one table line per (matmul, M), then one JSON object (also written to ``--output-json``).
 
-    python benchmarks/int4_gemm.py [--ms 1 16 64 256 1024 8192] [--group-size 128]
+    python benchmarks/int4_gemm.py [--ms 1 16 64 256 1024 8192] [--group-size 128] [--sweep]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import json
 import platform
 import sys
@@ -43,11 +53,39 @@ from pagellm_int4.kernels import w4a16
 
 LAYERS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 MS = [1, 16, 64, 256, 1024, 8192]
+SWEEP_MS = [1, 4, 16, 64]
 DEVICE = "cuda"
+L2_FLUSH_BYTES = 256 << 20
 
 
-def median_us(fn: Callable[[], object]) -> float:
-    return 1000.0 * triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median")
+def copies_for(nbytes: int) -> int:
+    return max(2, -(-L2_FLUSH_BYTES // nbytes))
+
+
+def graph_us(calls: list[Callable[[], object]], replays: int = 5) -> float:
+    """GPU microseconds per call: the calls (each on its own weights) captured in one graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for call in calls:  # compile and allocate outside the capture
+            call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for call in calls:
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000.0 / len(calls))
+    del graph
+    return sorted(times)[len(times) // 2]
 
 
 def random_layout(n: int, k: int, group: int) -> KernelLayout:
@@ -65,27 +103,38 @@ def packed_bytes(layout: KernelLayout) -> int:
     return sum(t.numel() * t.element_size() for t in (layout.qweight, layout.scales, layout.zeros))
 
 
+def layout_copies(layout: KernelLayout) -> list[KernelLayout]:
+    copy = lambda: KernelLayout(  # noqa: E731
+        layout.qweight.clone(),
+        layout.scales.clone(),
+        layout.zeros.clone(),
+        None,
+        layout.group_size,
+        layout.in_features,
+    )
+    return [layout] + [copy() for _ in range(copies_for(packed_bytes(layout)) - 1)]
+
+
 def time_paths(
     x: torch.Tensor,
-    weight: torch.Tensor,
-    layout: KernelLayout,
+    weights: list[torch.Tensor],
+    layouts: list[KernelLayout],
     path: Callable[[torch.Tensor, KernelLayout], torch.Tensor],
 ) -> dict[str, float]:
-    group, k = layout.group_size, layout.in_features
+    group, k = layouts[0].group_size, layouts[0].in_features
+
+    def fused(lay: KernelLayout) -> torch.Tensor:
+        return w4a16.w4a16_gemm(x, lay.qweight, lay.scales, lay.zeros, group)
+
+    def dequant_mm(lay: KernelLayout) -> torch.Tensor:
+        w = w4a16.dequantize_int4(lay.qweight, lay.scales, lay.zeros, group, k, torch.bfloat16)
+        return torch.mm(x, w)
+
     return {
-        "bf16": median_us(lambda: F.linear(x, weight)),
-        "int4": median_us(lambda: path(x, layout)),
-        "fused": median_us(
-            lambda: w4a16.w4a16_gemm(x, layout.qweight, layout.scales, layout.zeros, group)
-        ),
-        "dequant_mm": median_us(
-            lambda: torch.mm(
-                x,
-                w4a16.dequantize_int4(
-                    layout.qweight, layout.scales, layout.zeros, group, k, torch.bfloat16
-                ),
-            )
-        ),
+        "bf16": graph_us([functools.partial(F.linear, x, w) for w in weights]),
+        "int4": graph_us([functools.partial(path, x, lay) for lay in layouts]),
+        "fused": graph_us([functools.partial(fused, lay) for lay in layouts]),
+        "dequant_mm": graph_us([functools.partial(dequant_mm, lay) for lay in layouts]),
     }
 
 
@@ -94,13 +143,15 @@ def time_layer(name: str, n: int, k: int, ms: list[int], group: int) -> list[dic
     weight = dequantize(layout, torch.bfloat16).t().contiguous()  # [N, K], the same weights
     _, path = int4_gemm.choose_gemm(torch.device(DEVICE))
     int4_bytes, bf16_bytes = packed_bytes(layout), weight.numel() * 2
+    layouts = layout_copies(layout)
+    weights = [weight] + [weight.clone() for _ in range(copies_for(bf16_bytes) - 1)]
     rows = []
     for m in ms:
         x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
         ref = F.linear(x, weight)
         out = path(x, layout)
         err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-        timings = time_paths(x, weight, layout, path)
+        timings = time_paths(x, weights, layouts, path)
         row: dict[str, Any] = {"layer": name, "N": n, "K": k, "M": m, "rel_err": round(err, 5)}
         for key, us in timings.items():
             moved = bf16_bytes if key == "bf16" else int4_bytes
@@ -114,7 +165,78 @@ def time_layer(name: str, n: int, k: int, ms: list[int], group: int) -> list[dic
             f"rel_err {err:.1e}",
             flush=True,
         )
+    del layouts, weights
+    torch.cuda.empty_cache()
     return rows
+
+
+def candidates(m: int, n: int, k: int) -> list[w4a16.TileConfig]:
+    """First pass: kinds and row tiles that fit M, column tiles and splits, 4 warps, 3 stages."""
+    blocks_m = [("fma", bm) for bm in (1, 2, 4, 8) if bm >= m][:1]
+    blocks_m += [("dot", 16)] if m <= 16 else [("dot", 32), ("dot", 64)]
+    out = []
+    k_tiles = triton.cdiv(k, 128)
+    for kind, bm in blocks_m:
+        for bn in (64, 128, 256):
+            programs = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+            for split in (1, 2, 4, 8, 16, 32):
+                if split > k_tiles or (split > 1 and not 66 <= programs * split <= 8 * 132):
+                    continue
+                out.append(w4a16.TileConfig(kind, bm, bn, 128, split, 4, 3))
+    return out
+
+
+def time_tiles(x: torch.Tensor, layouts: list[KernelLayout], cfg: w4a16.TileConfig) -> float:
+    calls = [
+        functools.partial(
+            w4a16.w4a16_gemm, x, lay.qweight, lay.scales, lay.zeros, lay.group_size, tiles=cfg
+        )
+        for lay in layouts
+    ]
+    return graph_us(calls, replays=3)
+
+
+def sweep_layer(n: int, k: int, group: int) -> dict[str, dict[str, Any]]:
+    """The fastest tiles at each of SWEEP_MS for this matmul (graph-timed, L2 flushed)."""
+    layouts = layout_copies(random_layout(n, k, group))
+    best: dict[str, dict[str, Any]] = {}
+    for m in SWEEP_MS:
+        x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
+
+        timed = sorted((time_tiles(x, layouts, cfg), cfg) for cfg in candidates(m, n, k))
+        us, top = timed[0]
+        # Second pass around the winner: warps and pipeline depth.
+        for warps, stages in ((8, 3), (4, 4)):
+            cfg = dataclasses.replace(top, num_warps=warps, num_stages=stages)
+            t = time_tiles(x, layouts, cfg)
+            if t < us:
+                us, top = t, cfg
+        best[str(m)] = {**w4a16.table_entry(top), "us": round(us, 2)}
+        print(f"sweep N={n} K={k} M={m}: {top} {us:.1f} us (of {len(timed) + 2})", flush=True)
+    del layouts
+    torch.cuda.empty_cache()
+    return best
+
+
+def sweep(group: int, sweep_json: Path | None) -> None:
+    """Each matmul's fastest tiles into the device's table, written after each matmul."""
+    name = torch.cuda.get_device_name()
+    path = w4a16._device_file(name)
+    table = json.loads(path.read_text()) if path.is_file() else {"device": name, "tiles": {}}
+    table.setdefault("measured_us", {})
+    for n, k in LAYERS.values():
+        shape = f"{n},{k},{group}"
+        best = sweep_layer(n, k, group)
+        table["tiles"][shape] = {
+            m: {f: v for f, v in e.items() if f != "us"} for m, e in best.items()
+        }
+        table["measured_us"][shape] = {m: e["us"] for m, e in best.items()}
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+        if sweep_json:
+            sweep_json.write_text(path.read_text())
+    w4a16.measured_table.cache_clear()
+    print(f"wrote {path}")
 
 
 def main() -> None:
@@ -122,9 +244,13 @@ def main() -> None:
     parser.add_argument("--ms", type=int, nargs="+", default=MS)
     parser.add_argument("--group-size", type=int, default=128)
     parser.add_argument("--output-json", type=Path)
+    parser.add_argument("--sweep", action="store_true", help="measure tiles, write the table")
+    parser.add_argument("--sweep-json", type=Path, help="a copy of the table --sweep writes")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
+    if args.sweep:
+        sweep(args.group_size, args.sweep_json)
     rows = []
     for name, (n, k) in LAYERS.items():
         rows.extend(time_layer(name, n, k, args.ms, args.group_size))

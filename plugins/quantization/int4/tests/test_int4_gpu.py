@@ -65,9 +65,13 @@ def test_cuda_paths_match_the_reference_path(m, n, k, group, act_order, dtype):
     out = gemm(x, layout)
     assert out.shape == (m, n) and out.dtype == dtype
     expected = reference_gemm(x.float(), layout)
-    # Same dequantized weights rounded to dtype; float32 accumulation; the output rounding.
+    # The fused kernel multiplies the exact codes and scales once per group; dequantize + mm
+    # rounds every weight to dtype first (a relative 2^-9 each for bf16, summed over K): an
+    # output near zero can then miss by a few hundredths of the typical output.
     scale = expected.abs().mean().item()
-    torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2 * scale)
+    rel = ((out.float() - expected).norm() / expected.norm()).item()
+    assert rel < 5e-3, (m, n, k, group, rel)
+    torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=4e-2 * scale)
     if m <= FUSED_MAX_M:
         from pagellm_int4.kernels.w4a16 import w4a16_gemm
 

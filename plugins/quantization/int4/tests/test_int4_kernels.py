@@ -9,6 +9,9 @@ describes the first); float16 takes the same code path here."""
 
 from __future__ import annotations
 
+import functools
+import json
+
 import pytest
 import torch
 from pagellm_int4 import gemm
@@ -84,18 +87,64 @@ def test_split_k_partial_sums_add_up_to_the_reference(split_k):
     torch.testing.assert_close(out, gemm.reference_gemm(x, layout), rtol=1e-5, atol=1e-5)
 
 
-def test_tiles_keep_one_scale_row_per_k_tile_and_split_k_fills_the_sms():
+def test_tiles_without_a_measured_table_split_k_to_fill_the_sms():
     h200 = 132
-    assert w4a16.tile_config(1, 4096, 4096, 128, h200).block_k == 128
-    assert w4a16.tile_config(16, 4096, 4096, 32, h200).block_k == 32
-    assert w4a16.tile_config(1, 100, 4096, 4096, h200).scales_per_tile  # one group: any K tile
-    assert not w4a16.tile_config(1, 40, 120, 40, h200).scales_per_tile
+    assert w4a16.scales_per_tile(4096, 128, 128)
+    assert w4a16.scales_per_tile(4096, 4096, 128)  # one group: any K tile
+    assert not w4a16.scales_per_tile(4096, 32, 128)
+    assert w4a16.tile_config(1, 4096, 4096, 128, h200).kind == "fma"  # a dot tile is 16 rows
+    assert w4a16.tile_config(16, 4096, 4096, 128, h200).kind == "dot"
     assert w4a16.tile_config(64, 4096, 4096, 128, h200).block_m == 64
-    # 128 output tiles for N = 4096: split in 4 (512 programs); none at prefill sizes; the
-    # 896 tiles of gate_up (N = 28672) fill the GPU without a split.
-    assert w4a16.tile_config(1, 4096, 4096, 128, h200).split_k == 4
+    # 32 output tiles of 128 columns for N = 4096: split in 16 (512 programs, two K tiles
+    # each); none at prefill sizes; gate_up's 224 tiles (N = 28672) in 2.
+    assert w4a16.tile_config(1, 4096, 4096, 128, h200).split_k == 16
     assert w4a16.tile_config(64, 4096, 4096, 128, h200).split_k == 1
-    assert w4a16.tile_config(1, 28672, 4096, 128, h200).split_k == 1
+    assert w4a16.tile_config(1, 28672, 4096, 128, h200).split_k == 2
+
+
+def test_a_measured_table_is_used_for_its_shapes_and_the_rule_elsewhere(tmp_path, monkeypatch):
+    table = {
+        "tiles": {
+            "4096,4096,128": {
+                "4": w4a16.table_entry(w4a16.TileConfig("fma", 4, 64, 256, 4, 4, 2)),
+                "16": w4a16.table_entry(w4a16.TileConfig("dot", 16, 256, 128, 2, 8, 4)),
+            }
+        }
+    }
+    (tmp_path / "Some_GPU_80GB.json").write_text(json.dumps(table))
+    monkeypatch.setattr(w4a16, "CONFIG_DIR", tmp_path)
+    w4a16.measured_table.cache_clear()
+    try:
+        pick = functools.partial(w4a16.tile_config, n=4096, k=4096, group_size=128, num_sms=132)
+        assert pick(1, device_name="Some GPU 80GB").block_k == 256
+        assert pick(16, device_name="Some GPU 80GB").kind == "dot"
+        assert pick(17, device_name="Some GPU 80GB") == pick(17)  # past the table: the rule
+        assert pick(1, device_name="Other GPU") == pick(1)
+    finally:
+        w4a16.measured_table.cache_clear()
+
+
+@pytest.mark.parametrize("kind", ["fma", "dot"])
+@pytest.mark.parametrize(("k", "group"), [(384, 128), (200, 200), (256, 32)])
+def test_both_kinds_of_program_match_the_reference(kind, k, group):
+    layout = _layout(k, 72, group, act_order=False, seed=8)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(9))
+    tiles = w4a16.TileConfig(kind, 4 if kind == "fma" else 16, 64, 128, 2, 4, 2)
+    out = w4a16.w4a16_gemm(x, layout.qweight, layout.scales, layout.zeros, group, tiles=tiles)
+    torch.testing.assert_close(out, gemm.reference_gemm(x, layout), rtol=1e-5, atol=1e-5)
+
+
+def test_a_dot_tile_shorter_than_one_slab_is_refused():
+    layout = _layout(64, 16, 32, act_order=False)
+    with pytest.raises(Int4KernelInputError, match="BLOCK_K >= 128"):
+        w4a16.w4a16_gemm(
+            torch.randn(2, 64),
+            layout.qweight,
+            layout.scales,
+            layout.zeros,
+            32,
+            tiles=w4a16.TileConfig("dot", 16, 64, 64, 1, 4, 2),
+        )
 
 
 @pytest.mark.parametrize("m", [3, gemm.FUSED_MAX_M + 1])

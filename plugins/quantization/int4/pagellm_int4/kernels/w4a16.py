@@ -1,26 +1,41 @@
 """W4A16 on Triton, from the kernel layout (``pagellm_int4.kernel_layout``): int32 [ceil(K/8), N]
 words of eight input rows, float32 scales and uint8 zeros [G, N], contiguous groups.
 
-- `w4a16_gemm` (decode): each program loads an activation tile [BLOCK_M, BLOCK_K], the words of
-  its weight tile, unpacks and dequantizes them in registers (float32 ``(q - z) * s``, rounded
-  once to the activation dtype), and ``tl.dot``s them into a float32 accumulator; the output is
-  written in the activation dtype. Weight bytes are read once per M tile: at decode sizes (one
-  M tile) the GEMM reads a quarter of the bf16 weight's bytes. Small M splits K over several
-  programs (`tile_config`), whose float32 partial sums a second kernel adds in a fixed order.
-- `dequantize_int4` (prefill): the whole weight [K, N] in the activation dtype, for a cuBLAS GEMM.
+- `w4a16_gemm` (decode): a program streams the words of its [BLOCK_K, BLOCK_N] weight tiles once.
+  A word tile [BLOCK_K / 8, BLOCK_N] holds eight *slabs*: nibble ``i`` of every word, the input
+  rows ``k0 + 8r + i``. Each slab is unpacked with a shift and a mask (no reshape, which would
+  cost a trip through shared memory) and multiplied with the activations of the same rows, a
+  strided [BLOCK_M, BLOCK_K / 8] load of the few, cached activation rows. Two kinds of program:
+  ``dot`` (tensor cores, ``tl.dot`` per slab; BLOCK_K >= 128 so a slab has the 16 rows a dot
+  needs) and ``fma`` (CUDA cores, for one to a few rows, where a 16-row dot tile wastes work).
+  When a K tile lies in one group, the raw codes (0..15, exact in bf16/fp16) go into the product
+  and the scale and zero are applied once per tile and column: ``s * (sum(x q) - z sum(x))``.
+  Otherwise every weight is dequantized, ``(q - z) * s``, before the product.
+  Small M splits K over several programs (`tile_config`), whose float32 partial sums a second
+  kernel adds in a fixed order (deterministic: graph replays equal eager runs).
+- `dequantize_int4` (prefill): the whole weight [K, N] in the activation dtype, for a cuBLAS GEMM,
+  slab by slab from each word tile.
+
+Tiles come from a table measured on the GPU (``configs/<device name>.json``, written by
+``benchmarks/int4_gemm.py --sweep``) for the shapes it lists, else from `tile_config`'s rule.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+import json
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["dequantize_int4", "tile_config", "w4a16_gemm"]
+__all__ = ["TileConfig", "dequantize_int4", "tile_config", "w4a16_gemm"]
 
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
 class Int4KernelInputError(ValueError):
@@ -29,15 +44,14 @@ class Int4KernelInputError(ValueError):
 
 @dataclass(frozen=True)
 class TileConfig:
+    kind: str
+    """``dot`` (tensor cores) or ``fma`` (CUDA cores, BLOCK_M of 1 to 8 rows)."""
     block_m: int
     block_n: int
     block_k: int
-    scales_per_tile: bool
-    """Every K tile lies in one group (block_k divides the group, or one group spans K): one
-    scale and zero row per tile instead of one per input row."""
     split_k: int
-    """Programs sharing one output tile, each over its own K range; their float32 partial sums
-    are added in a fixed order by a second kernel (deterministic, unlike atomics)."""
+    """Programs sharing one output tile, each over its own run of K tiles; their float32 partial
+    sums are added in a fixed order by a second kernel (deterministic, unlike atomics)."""
     num_warps: int
     num_stages: int
 
@@ -47,25 +61,65 @@ SPLIT_K_MAX_M = 16
 weight it helps stream."""
 
 
-def tile_config(m: int, n: int, k: int, group_size: int, num_sms: int) -> TileConfig:
-    """Narrow N tiles give N / 32 programs (128 for N = 4096); at decode sizes K is split until
-    there are about four programs per SM (``num_sms``) to keep enough weight reads in flight,
-    as long as each program keeps at least four K tiles."""
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    block_n = 32
-    one_group = group_size >= k
-    block_k, per_tile = 32, False
-    for candidate in (128, 64, 32, 16):
-        if one_group or group_size % candidate == 0:
-            block_k, per_tile = candidate, True
-            break
+def scales_per_tile(k: int, group_size: int, block_k: int) -> bool:
+    """Every K tile lies in one group: one scale and zero row per tile."""
+    return group_size >= k or group_size % block_k == 0
+
+
+def _rule(m: int, n: int, k: int, num_sms: int) -> TileConfig:
+    """Without a measured table: CUDA cores for one or two rows, tensor cores above; 128 columns
+    a program; K split until there are about four programs per SM to keep enough weight reads in
+    flight (a decode GEMM of N = 4096 has only 32 column tiles), each run keeping two K tiles."""
+    kind = "fma" if m <= 2 else "dot"
+    block_m = 2 if m <= 2 else 16 if m <= 16 else 32 if m <= 32 else 64
+    block_n, block_k = 128, 128
     programs = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     split = 1
-    while (
-        m <= SPLIT_K_MAX_M and programs * split * 2 <= 4 * num_sms and k >= split * 2 * 4 * block_k
-    ):
+    while m <= SPLIT_K_MAX_M and programs * split * 2 <= 4 * num_sms and k >= split * 4 * block_k:
         split *= 2
-    return TileConfig(block_m, block_n, block_k, per_tile, split, 4, 4)
+    return TileConfig(kind, block_m, block_n, block_k, split, 4, 3)
+
+
+def _device_file(name: str) -> Path:
+    return CONFIG_DIR / (re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_") + ".json")
+
+
+@functools.cache
+def measured_table(device_name: str) -> dict[str, list[tuple[int, TileConfig]]]:
+    """``"N,K,group"`` -> [(largest M, tiles)] sorted by M, from the device's table if shipped."""
+    path = _device_file(device_name)
+    if not path.is_file():
+        return {}
+    raw = json.loads(path.read_text())
+    return {
+        shape: sorted((int(m), TileConfig(**cfg)) for m, cfg in by_m.items())
+        for shape, by_m in raw["tiles"].items()
+    }
+
+
+def tile_config(
+    m: int, n: int, k: int, group_size: int, num_sms: int, device_name: str = ""
+) -> TileConfig:
+    """The tiles for an [M, K] x [K, N] int4 GEMM: the measured table's entry for the smallest
+    listed M >= m of this shape and group size, else `_rule`."""
+    entries = measured_table(device_name).get(f"{n},{k},{group_size}") if device_name else None
+    for largest_m, cfg in entries or ():
+        if m <= largest_m:
+            return cfg
+    return _rule(m, n, k, num_sms)
+
+
+def table_entry(cfg: TileConfig) -> dict[str, int | str]:
+    return asdict(cfg)
+
+
+@triton.jit
+def _activation_slab(x_ptr, offs_m, m_mask, rows, k_in, stride_xm, stride_xk):
+    return tl.load(
+        x_ptr + offs_m[:, None] * stride_xm + rows[None, :] * stride_xk,
+        mask=m_mask[:, None] & k_in[None, :],
+        other=0.0,
+    )
 
 
 @triton.jit
@@ -77,59 +131,85 @@ def _w4a16_gemm_kernel(
     out_ptr,
     M,
     N,
+    K,
     stride_xm,
     stride_xk,
     stride_qk,
     stride_om,
     stride_os,
-    K: tl.constexpr,
-    K_TILES_PER_SPLIT: tl.constexpr,
+    TILES_PER_SPLIT: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SCALES_PER_TILE: tl.constexpr,
+    USE_DOT: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_w = tl.arange(0, BLOCK_K // 8)  # word rows of a tile
     m_mask = offs_m < M
     n_mask = offs_n < N
-    # Nibble i of a word is input row 8r + i: words [BLOCK_K / 8, BLOCK_N] are loaded once and
-    # unpacked into [BLOCK_K, BLOCK_N] by a reshape that keeps (r, i) -> 8r + i.
-    shifts = tl.arange(0, 8) * 4
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for t in range(K_TILES_PER_SPLIT):
-        k0 = (pid_s * K_TILES_PER_SPLIT + t) * BLOCK_K
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < K
-        a = tl.load(
-            x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
-            mask=m_mask[:, None] & k_mask[None, :],
-            other=0.0,
-        )
-        offs_r = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    words_k = (K + 7) // 8
+    # The dot kind accumulates [BLOCK_M, BLOCK_N]; the fma kind keeps one partial sum per word
+    # row too, [BLOCK_M, BLOCK_K / 8, BLOCK_N], summed over the word rows once at the end (no
+    # cross-thread reduction in the loop).
+    if USE_DOT:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
+    for t in range(TILES_PER_SPLIT):
+        k0 = (pid_s * TILES_PER_SPLIT + t) * BLOCK_K
+        offs_r = k0 // 8 + offs_w
         words = tl.load(
             qw_ptr + offs_r[:, None] * stride_qk + offs_n[None, :],
-            mask=(offs_r < (K + 7) // 8)[:, None] & n_mask[None, :],
+            mask=(offs_r < words_k)[:, None] & n_mask[None, :],
             other=0,
         )
-        nibbles = (words[:, None, :] >> shifts[None, :, None]) & 0xF
-        q = tl.reshape(nibbles, (BLOCK_K, BLOCK_N)).to(tl.float32)
         if SCALES_PER_TILE:
             g = k0 // GROUP_SIZE
-            s = tl.load(s_ptr + g * N + offs_n, mask=n_mask & (k0 < K), other=0.0)
-            z = tl.load(z_ptr + g * N + offs_n, mask=n_mask & (k0 < K), other=0).to(tl.float32)
-            w = (q - z[None, :]) * s[None, :]
+            tile_in = n_mask & (k0 < K)
+            s = tl.load(s_ptr + g * N + offs_n, mask=tile_in, other=0.0)
+            z = tl.load(z_ptr + g * N + offs_n, mask=tile_in, other=0).to(tl.float32)
+            if USE_DOT:
+                part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                x_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            else:
+                part = tl.zeros((BLOCK_M, BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
+                x_sum = tl.zeros((BLOCK_M, BLOCK_K // 8), dtype=tl.float32)
+            for i in tl.static_range(8):
+                rows = k0 + 8 * offs_w + i
+                a = _activation_slab(x_ptr, offs_m, m_mask, rows, rows < K, stride_xm, stride_xk)
+                q = (words >> (4 * i)) & 0xF
+                if USE_DOT:
+                    part = tl.dot(a, q.to(a.dtype), part)
+                    x_sum += tl.sum(a.to(tl.float32), axis=1)
+                else:
+                    part += a.to(tl.float32)[:, :, None] * q.to(tl.float32)[None, :, :]
+                    x_sum += a.to(tl.float32)
+            if USE_DOT:
+                acc += (part - x_sum[:, None] * z[None, :]) * s[None, :]
+            else:
+                acc += (part - x_sum[:, :, None] * z[None, None, :]) * s[None, None, :]
         else:
-            wk_mask = k_mask[:, None] & n_mask[None, :]
-            g_rows = (offs_k // GROUP_SIZE)[:, None] * N + offs_n[None, :]
-            s2 = tl.load(s_ptr + g_rows, mask=wk_mask, other=0.0)
-            z2 = tl.load(z_ptr + g_rows, mask=wk_mask, other=0).to(tl.float32)
-            w = (q - z2) * s2
-        acc += tl.dot(a, w.to(a.dtype))
+            for i in tl.static_range(8):
+                rows = k0 + 8 * offs_w + i
+                k_in = rows < K
+                a = _activation_slab(x_ptr, offs_m, m_mask, rows, k_in, stride_xm, stride_xk)
+                w_mask = k_in[:, None] & n_mask[None, :]
+                g_rows = (rows // GROUP_SIZE)[:, None] * N + offs_n[None, :]
+                s2 = tl.load(s_ptr + g_rows, mask=w_mask, other=0.0)
+                z2 = tl.load(z_ptr + g_rows, mask=w_mask, other=0).to(tl.float32)
+                w = ((((words >> (4 * i)) & 0xF).to(tl.float32) - z2) * s2).to(a.dtype)
+                if USE_DOT:
+                    acc = tl.dot(a, w, acc)
+                else:
+                    acc += a.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :]
+    if not USE_DOT:
+        acc = tl.sum(acc, axis=1)
     tl.store(
         out_ptr + pid_s * stride_os + offs_m[:, None] * stride_om + offs_n[None, :],
         acc.to(out_ptr.dtype.element_ty),
@@ -159,18 +239,26 @@ def _dequantize_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    offs_k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    """Rows ``k0 .. k0 + BLOCK_K - 1`` of the weight: one load of their words, eight slabs."""
+    offs_w = tl.arange(0, BLOCK_K // 8)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (offs_k < K)[:, None] & (offs_n < N)[None, :]
-    words = tl.load(qw_ptr + (offs_k[:, None] // 8) * N + offs_n[None, :], mask=mask, other=0)
-    q = ((words >> ((offs_k[:, None] % 8) * 4)) & 0xF).to(tl.float32)
-    g_rows = (offs_k // GROUP_SIZE)[:, None] * N + offs_n[None, :]
-    s = tl.load(s_ptr + g_rows, mask=mask, other=0.0)
-    z = tl.load(z_ptr + g_rows, mask=mask, other=0).to(tl.float32)
-    w = (q - z) * s
-    tl.store(
-        out_ptr + offs_k[:, None] * N + offs_n[None, :], w.to(out_ptr.dtype.element_ty), mask=mask
+    k0 = tl.program_id(0) * BLOCK_K
+    n_mask = offs_n < N
+    offs_r = k0 // 8 + offs_w
+    words = tl.load(
+        qw_ptr + offs_r[:, None] * N + offs_n[None, :],
+        mask=(offs_r < (K + 7) // 8)[:, None] & n_mask[None, :],
+        other=0,
     )
+    for i in tl.static_range(8):
+        rows = k0 + 8 * offs_w + i
+        mask = (rows < K)[:, None] & n_mask[None, :]
+        g_rows = (rows // GROUP_SIZE)[:, None] * N + offs_n[None, :]
+        s = tl.load(s_ptr + g_rows, mask=mask, other=0.0)
+        z = tl.load(z_ptr + g_rows, mask=mask, other=0).to(tl.float32)
+        w = (((words >> (4 * i)) & 0xF).to(tl.float32) - z) * s
+        out = out_ptr + rows.to(tl.int64)[:, None] * N + offs_n[None, :]
+        tl.store(out, w.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _check_weight(
@@ -198,10 +286,12 @@ def _check_weight(
     return n
 
 
-def _num_sms(device: torch.device) -> int:
+@functools.cache
+def _device_facts(device: torch.device) -> tuple[int, str]:
     if device.type != "cuda":
-        return 1  # the interpreter runs one program after another
-    return torch.cuda.get_device_properties(device).multi_processor_count
+        return 1, ""  # the interpreter runs one program after another
+    props = torch.cuda.get_device_properties(device)
+    return props.multi_processor_count, props.name
 
 
 def w4a16_gemm(
@@ -211,9 +301,11 @@ def w4a16_gemm(
     zeros: torch.Tensor,
     group_size: int,
     split_k: int | None = None,
+    tiles: TileConfig | None = None,
 ) -> torch.Tensor:
     """``x`` [M, K] (bf16, fp16; fp32 in the interpreter) times the int4 weight: [M, N] in x's
-    dtype. ``split_k`` overrides the tile heuristic's (tests)."""
+    dtype. ``tiles`` replaces the table's or rule's tiles, ``split_k`` their split (tests and
+    ``benchmarks/int4_gemm.py --sweep``)."""
     if x.dim() != 2 or x.dtype not in ACTIVATION_DTYPES:
         raise Int4KernelInputError(
             f"x has shape {tuple(x.shape)} and dtype {x.dtype}; expected [M, K] bf16/fp16/fp32"
@@ -223,11 +315,15 @@ def w4a16_gemm(
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    cfg = tile_config(m, n, k, group_size, _num_sms(x.device))
-    splits = split_k or cfg.split_k
-    k_tiles = triton.cdiv(triton.cdiv(k, cfg.block_k), splits)
+    if tiles is None:
+        num_sms, name = _device_facts(x.device)
+        tiles = tile_config(m, n, k, group_size, num_sms, name)
+    if tiles.kind == "dot" and tiles.block_k < 128:
+        raise Int4KernelInputError(f"a dot tile needs BLOCK_K >= 128 (16-row slabs), got {tiles}")
+    splits = split_k or tiles.split_k
+    k_tiles = triton.cdiv(triton.cdiv(k, tiles.block_k), splits)
     target = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), splits)
+    grid = (triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n), splits)
     _w4a16_gemm_kernel[grid](
         x,
         qweight,
@@ -236,20 +332,21 @@ def w4a16_gemm(
         target,
         m,
         n,
+        k,
         x.stride(0),
         x.stride(1),
         qweight.stride(0),
         n,
         m * n,
-        K=k,
-        K_TILES_PER_SPLIT=k_tiles,
+        TILES_PER_SPLIT=k_tiles,
         GROUP_SIZE=group_size,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        SCALES_PER_TILE=cfg.scales_per_tile,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k,
+        SCALES_PER_TILE=scales_per_tile(k, group_size, tiles.block_k),
+        USE_DOT=tiles.kind == "dot",
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
     )
     if splits > 1:
         block = 1024
@@ -270,7 +367,7 @@ def dequantize_int4(
     """The weight [K, N] in ``dtype`` (kernel-order rows)."""
     n = _check_weight(qweight, scales, zeros, in_features, group_size)
     out = torch.empty(in_features, n, dtype=dtype, device=qweight.device)
-    block_k, block_n = 32, 128
+    block_k, block_n = 64, 128
     grid = (triton.cdiv(in_features, block_k), triton.cdiv(n, block_n))
     _dequantize_kernel[grid](
         qweight,
