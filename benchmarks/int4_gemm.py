@@ -172,7 +172,7 @@ def time_layer(name: str, n: int, k: int, ms: list[int], group: int) -> list[dic
 
 def candidates(m: int, n: int, k: int) -> list[w4a16.TileConfig]:
     """First pass: kinds and row tiles that fit M, column tiles and splits, 4 warps, 3 stages."""
-    blocks_m = [("fma", bm) for bm in (1, 2, 4, 8) if bm >= m][:1]
+    blocks_m = [("fma", 1)] if m == 1 else []  # wider fma tiles spill registers
     blocks_m += [("dot", 16)] if m <= 16 else [("dot", 32), ("dot", 64)]
     out = []
     k_tiles = triton.cdiv(k, 128)
@@ -187,13 +187,18 @@ def candidates(m: int, n: int, k: int) -> list[w4a16.TileConfig]:
 
 
 def time_tiles(x: torch.Tensor, layouts: list[KernelLayout], cfg: w4a16.TileConfig) -> float:
+    """The tiles' time, or infinity (and why) when they do not compile or run."""
     calls = [
         functools.partial(
             w4a16.w4a16_gemm, x, lay.qweight, lay.scales, lay.zeros, lay.group_size, tiles=cfg
         )
         for lay in layouts
     ]
-    return graph_us(calls, replays=3)
+    try:
+        return graph_us(calls, replays=3)
+    except Exception as exc:  # noqa: BLE001 - a candidate that fails is reported and skipped
+        print(f"  {cfg}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+        return float("inf")
 
 
 def sweep_layer(n: int, k: int, group: int) -> dict[str, dict[str, Any]]:
@@ -203,16 +208,25 @@ def sweep_layer(n: int, k: int, group: int) -> dict[str, dict[str, Any]]:
     for m in SWEEP_MS:
         x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
 
-        timed = sorted((time_tiles(x, layouts, cfg), cfg) for cfg in candidates(m, n, k))
+        timed = sorted(
+            ((time_tiles(x, layouts, cfg), cfg) for cfg in candidates(m, n, k)),
+            key=lambda pair: pair[0],
+        )
         us, top = timed[0]
         # Second pass around the winner: warps and pipeline depth.
-        for warps, stages in ((8, 3), (4, 4)):
-            cfg = dataclasses.replace(top, num_warps=warps, num_stages=stages)
+        variants = [{"num_warps": 8}, {"num_stages": 4}]
+        if top.kind == "dot":
+            variants.append({"unpack": "shift"})  # Triton ops instead of the inline PTX
+        for change in variants:
+            cfg = dataclasses.replace(top, **change)
             t = time_tiles(x, layouts, cfg)
             if t < us:
                 us, top = t, cfg
         best[str(m)] = {**w4a16.table_entry(top), "us": round(us, 2)}
-        print(f"sweep N={n} K={k} M={m}: {top} {us:.1f} us (of {len(timed) + 2})", flush=True)
+        print(
+            f"sweep N={n} K={k} M={m}: {top} {us:.1f} us (of {len(timed) + len(variants)})",
+            flush=True,
+        )
     del layouts
     torch.cuda.empty_cache()
     return best

@@ -92,8 +92,8 @@ def test_tiles_without_a_measured_table_split_k_to_fill_the_sms():
     assert w4a16.scales_per_tile(4096, 128, 128)
     assert w4a16.scales_per_tile(4096, 4096, 128)  # one group: any K tile
     assert not w4a16.scales_per_tile(4096, 32, 128)
-    assert w4a16.tile_config(1, 4096, 4096, 128, h200).kind == "fma"  # a dot tile is 16 rows
-    assert w4a16.tile_config(16, 4096, 4096, 128, h200).kind == "dot"
+    assert w4a16.tile_config(1, 4096, 4096, 128, h200).kind == "dot"
+    assert w4a16.tile_config(1, 4096, 4096, 128, h200).block_m == 16
     assert w4a16.tile_config(64, 4096, 4096, 128, h200).block_m == 64
     # 32 output tiles of 128 columns for N = 4096: split in 16 (512 programs, two K tiles
     # each); none at prefill sizes; gate_up's 224 tiles (N = 28672) in 2.
@@ -124,12 +124,17 @@ def test_a_measured_table_is_used_for_its_shapes_and_the_rule_elsewhere(tmp_path
         w4a16.measured_table.cache_clear()
 
 
-@pytest.mark.parametrize("kind", ["fma", "dot"])
-@pytest.mark.parametrize(("k", "group"), [(384, 128), (200, 200), (256, 32)])
-def test_both_kinds_of_program_match_the_reference(kind, k, group):
-    layout = _layout(k, 72, group, act_order=False, seed=8)
+@pytest.mark.parametrize(("kind", "block_m"), [("fma", 1), ("fma", 4), ("dot", 16)])
+@pytest.mark.parametrize(
+    ("k", "n", "group"),
+    # K tiles past K (masked), one group, groups shorter than a tile, and a shape where every
+    # load is in bounds (K = 512 in two splits of two tiles, N a multiple of the tile).
+    [(384, 72, 128), (200, 72, 200), (256, 72, 32), (512, 128, 128)],
+)
+def test_both_kinds_of_program_match_the_reference(kind, block_m, k, n, group):
+    layout = _layout(k, n, group, act_order=False, seed=8)
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(9))
-    tiles = w4a16.TileConfig(kind, 4 if kind == "fma" else 16, 64, 128, 2, 4, 2)
+    tiles = w4a16.TileConfig(kind, block_m, 64, 128, 2, 4, 2)
     out = w4a16.w4a16_gemm(x, layout.qweight, layout.scales, layout.zeros, group, tiles=tiles)
     torch.testing.assert_close(out, gemm.reference_gemm(x, layout), rtol=1e-5, atol=1e-5)
 

@@ -54,6 +54,12 @@ class TileConfig:
     sums are added in a fixed order by a second kernel (deterministic, unlike atomics)."""
     num_warps: int
     num_stages: int
+    unpack: str = "asm"
+    """How a dot program turns a word tile into eight slabs of codes: ``asm`` (inline PTX: two
+    byte permutes, then one shift and one LOP3 per two codes) or ``shift`` (Triton ops, one
+    code at a time); both build the float bits of ``offset + code`` directly, with no int-to-
+    float conversion (a quarter-rate instruction that bounded the first kernel). The fma kind
+    and the interpreter always use ``shift``."""
 
 
 SPLIT_K_MAX_M = 16
@@ -67,11 +73,12 @@ def scales_per_tile(k: int, group_size: int, block_k: int) -> bool:
 
 
 def _rule(m: int, n: int, k: int, num_sms: int) -> TileConfig:
-    """Without a measured table: CUDA cores for one or two rows, tensor cores above; 128 columns
-    a program; K split until there are about four programs per SM to keep enough weight reads in
-    flight (a decode GEMM of N = 4096 has only 32 column tiles), each run keeping two K tiles."""
-    kind = "fma" if m <= 2 else "dot"
-    block_m = 2 if m <= 2 else 16 if m <= 16 else 32 if m <= 32 else 64
+    """Without a measured table: tensor cores (the fastest kind at every M the first H200 sweep
+    measured), 128 columns a program; K split until there are about four programs per SM to
+    keep enough weight reads in flight (a decode GEMM of N = 4096 has only 32 column tiles),
+    each run keeping two K tiles."""
+    kind = "dot"
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     block_n, block_k = 128, 128
     programs = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     split = 1
@@ -113,13 +120,87 @@ def table_entry(cfg: TileConfig) -> dict[str, int | str]:
     return asdict(cfg)
 
 
+# Float bit patterns whose low mantissa bits take a 4-bit code exactly: bfloat16 128 + q,
+# float16 1024 + q, float32 2^23 + q. The products then carry ``offset * sum(x)``, taken off
+# once per tile with the zero point; float32 (the interpreter's) subtracts 2^23 at once instead.
+CODE_FP32: tl.constexpr = tl.constexpr(0)
+CODE_BF16: tl.constexpr = tl.constexpr(1)
+CODE_FP16: tl.constexpr = tl.constexpr(2)
+_CODE_OF = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_CODE_OFFSET = {0: 0.0, 1: 128.0, 2: 1024.0}
+
+# Two words in, eight registers out, each holding slab i of both words as a 16-bit pair:
+# the low halves of the two words (nibbles 0-3) and the high halves (4-7) are put side by side
+# with PRMT, then (h >> 4j) & 0x000F000F | MAGIC with one LOP3 (0xEA: (a & b) | c).
+_UNPACK_PTX = """{
+.reg .b32 lo, hi, t;
+prmt.b32 lo, $8, $9, 0x5410;
+prmt.b32 hi, $8, $9, 0x7632;
+lop3.b32 $0, lo, 0x000f000f, MAGIC, 0xea;
+shr.u32 t, lo, 4;
+lop3.b32 $1, t, 0x000f000f, MAGIC, 0xea;
+shr.u32 t, lo, 8;
+lop3.b32 $2, t, 0x000f000f, MAGIC, 0xea;
+shr.u32 t, lo, 12;
+lop3.b32 $3, t, 0x000f000f, MAGIC, 0xea;
+lop3.b32 $4, hi, 0x000f000f, MAGIC, 0xea;
+shr.u32 t, hi, 4;
+lop3.b32 $5, t, 0x000f000f, MAGIC, 0xea;
+shr.u32 t, hi, 8;
+lop3.b32 $6, t, 0x000f000f, MAGIC, 0xea;
+shr.u32 t, hi, 12;
+lop3.b32 $7, t, 0x000f000f, MAGIC, 0xea;
+}"""
+_UNPACK_BF16: tl.constexpr = tl.constexpr(_UNPACK_PTX.replace("MAGIC", "0x43004300"))
+_UNPACK_FP16: tl.constexpr = tl.constexpr(_UNPACK_PTX.replace("MAGIC", "0x64006400"))
+_SLAB_CONSTRAINTS: tl.constexpr = tl.constexpr("=r,=r,=r,=r,=r,=r,=r,=r,r,r")
+
+
 @triton.jit
-def _activation_slab(x_ptr, offs_m, m_mask, rows, k_in, stride_xm, stride_xk):
-    return tl.load(
-        x_ptr + offs_m[:, None] * stride_xm + rows[None, :] * stride_xk,
-        mask=m_mask[:, None] & k_in[None, :],
-        other=0.0,
-    )
+def _unpack_slabs(words, CODE: tl.constexpr):
+    """The eight slabs of ``words`` as offset + code, in bfloat16 (CODE_BF16) or float16."""
+    if CODE == CODE_BF16:
+        return tl.inline_asm_elementwise(
+            _UNPACK_BF16, _SLAB_CONSTRAINTS, [words], (tl.bfloat16,) * 8, is_pure=True, pack=2
+        )
+    else:
+        return tl.inline_asm_elementwise(
+            _UNPACK_FP16, _SLAB_CONSTRAINTS, [words], (tl.float16,) * 8, is_pure=True, pack=2
+        )
+
+
+@triton.jit
+def _slab_codes(words, i: tl.constexpr, CODE: tl.constexpr):
+    """Slab ``i`` of ``words`` as offset + code in the activations' dtype (Triton ops)."""
+    nib = (words >> (4 * i)) & 0xF
+    if CODE == CODE_BF16:
+        return (nib | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    elif CODE == CODE_FP16:
+        return (nib | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+    else:
+        return (nib | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _codes_f32(words, i: tl.constexpr):
+    """Slab ``i`` of ``words`` as float32 codes (2^23 + q, less 2^23: exact, no conversion)."""
+    return (((words >> (4 * i)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _activation_slab(
+    x_ptr, offs_m, rows, M, K, stride_xm, MASK_M: tl.constexpr, EVEN_K: tl.constexpr
+):
+    """x[offs_m, rows] (x's rows contiguous), zero outside [M, K]; masks only where needed."""
+    ptrs = x_ptr + offs_m[:, None] * stride_xm + rows[None, :]
+    if MASK_M and not EVEN_K:
+        return tl.load(ptrs, mask=(offs_m < M)[:, None] & (rows < K)[None, :], other=0.0)
+    elif MASK_M:
+        return tl.load(ptrs, mask=(offs_m < M)[:, None], other=0.0)
+    elif not EVEN_K:
+        return tl.load(ptrs, mask=(rows < K)[None, :], other=0.0)
+    else:
+        return tl.load(ptrs)
 
 
 @triton.jit
@@ -133,7 +214,6 @@ def _w4a16_gemm_kernel(
     N,
     K,
     stride_xm,
-    stride_xk,
     stride_qk,
     stride_om,
     stride_os,
@@ -144,14 +224,21 @@ def _w4a16_gemm_kernel(
     BLOCK_K: tl.constexpr,
     SCALES_PER_TILE: tl.constexpr,
     USE_DOT: tl.constexpr,
+    USE_ASM: tl.constexpr,
+    CODE: tl.constexpr,
+    OFFSET: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    EVEN_N: tl.constexpr,
 ):
+    """EVEN_K: every program's K tiles lie inside K; EVEN_N: N is a multiple of BLOCK_N. Then
+    the weight loads need no mask (the bounds checks cost as much as the unpacking)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_w = tl.arange(0, BLOCK_K // 8)  # word rows of a tile
-    m_mask = offs_m < M
+    mask_m: tl.constexpr = BLOCK_M > 1  # one row a program: the grid covers M exactly
     n_mask = offs_n < N
     words_k = (K + 7) // 8
     # The dot kind accumulates [BLOCK_M, BLOCK_N]; the fma kind keeps one partial sum per word
@@ -161,49 +248,59 @@ def _w4a16_gemm_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
+    first = pid_s * TILES_PER_SPLIT
+    w_ptrs = qw_ptr + (first * (BLOCK_K // 8) + offs_w)[:, None] * stride_qk + offs_n[None, :]
     for t in range(TILES_PER_SPLIT):
-        k0 = (pid_s * TILES_PER_SPLIT + t) * BLOCK_K
-        offs_r = k0 // 8 + offs_w
-        words = tl.load(
-            qw_ptr + offs_r[:, None] * stride_qk + offs_n[None, :],
-            mask=(offs_r < words_k)[:, None] & n_mask[None, :],
-            other=0,
-        )
+        k0 = (first + t) * BLOCK_K
+        if EVEN_K and EVEN_N:
+            words = tl.load(w_ptrs)
+        else:
+            offs_r = k0 // 8 + offs_w
+            words = tl.load(w_ptrs, mask=(offs_r < words_k)[:, None] & n_mask[None, :], other=0)
+        w_ptrs += (BLOCK_K // 8) * stride_qk
         if SCALES_PER_TILE:
             g = k0 // GROUP_SIZE
-            tile_in = n_mask & (k0 < K)
-            s = tl.load(s_ptr + g * N + offs_n, mask=tile_in, other=0.0)
-            z = tl.load(z_ptr + g * N + offs_n, mask=tile_in, other=0).to(tl.float32)
+            if EVEN_K and EVEN_N:
+                s = tl.load(s_ptr + g * N + offs_n)
+                z = tl.load(z_ptr + g * N + offs_n).to(tl.float32)
+            else:
+                tile_in = n_mask & (k0 < K)
+                s = tl.load(s_ptr + g * N + offs_n, mask=tile_in, other=0.0)
+                z = tl.load(z_ptr + g * N + offs_n, mask=tile_in, other=0).to(tl.float32)
             if USE_DOT:
                 part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 x_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
             else:
                 part = tl.zeros((BLOCK_M, BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
                 x_sum = tl.zeros((BLOCK_M, BLOCK_K // 8), dtype=tl.float32)
+            if USE_ASM:
+                slabs = _unpack_slabs(words, CODE)
             for i in tl.static_range(8):
                 rows = k0 + 8 * offs_w + i
-                a = _activation_slab(x_ptr, offs_m, m_mask, rows, rows < K, stride_xm, stride_xk)
-                q = (words >> (4 * i)) & 0xF
+                a = _activation_slab(x_ptr, offs_m, rows, M, K, stride_xm, mask_m, EVEN_K)
                 if USE_DOT:
-                    part = tl.dot(a, q.to(a.dtype), part)
+                    if USE_ASM:
+                        part = tl.dot(a, slabs[i], part)
+                    else:
+                        part = tl.dot(a, _slab_codes(words, i, CODE), part)
                     x_sum += tl.sum(a.to(tl.float32), axis=1)
                 else:
-                    part += a.to(tl.float32)[:, :, None] * q.to(tl.float32)[None, :, :]
+                    part += a.to(tl.float32)[:, :, None] * _codes_f32(words, i)[None, :, :]
                     x_sum += a.to(tl.float32)
             if USE_DOT:
-                acc += (part - x_sum[:, None] * z[None, :]) * s[None, :]
+                acc += (part - x_sum[:, None] * (z[None, :] + OFFSET)) * s[None, :]
             else:
                 acc += (part - x_sum[:, :, None] * z[None, None, :]) * s[None, None, :]
         else:
             for i in tl.static_range(8):
                 rows = k0 + 8 * offs_w + i
                 k_in = rows < K
-                a = _activation_slab(x_ptr, offs_m, m_mask, rows, k_in, stride_xm, stride_xk)
+                a = _activation_slab(x_ptr, offs_m, rows, M, K, stride_xm, mask_m, EVEN_K)
                 w_mask = k_in[:, None] & n_mask[None, :]
                 g_rows = (rows // GROUP_SIZE)[:, None] * N + offs_n[None, :]
                 s2 = tl.load(s_ptr + g_rows, mask=w_mask, other=0.0)
                 z2 = tl.load(z_ptr + g_rows, mask=w_mask, other=0).to(tl.float32)
-                w = ((((words >> (4 * i)) & 0xF).to(tl.float32) - z2) * s2).to(a.dtype)
+                w = ((_codes_f32(words, i) - z2) * s2).to(a.dtype)
                 if USE_DOT:
                     acc = tl.dot(a, w, acc)
                 else:
@@ -213,7 +310,7 @@ def _w4a16_gemm_kernel(
     tl.store(
         out_ptr + pid_s * stride_os + offs_m[:, None] * stride_om + offs_n[None, :],
         acc.to(out_ptr.dtype.element_ty),
-        mask=m_mask[:, None] & n_mask[None, :],
+        mask=(offs_m < M)[:, None] & n_mask[None, :],
     )
 
 
@@ -256,7 +353,7 @@ def _dequantize_kernel(
         g_rows = (rows // GROUP_SIZE)[:, None] * N + offs_n[None, :]
         s = tl.load(s_ptr + g_rows, mask=mask, other=0.0)
         z = tl.load(z_ptr + g_rows, mask=mask, other=0).to(tl.float32)
-        w = (((words >> (4 * i)) & 0xF).to(tl.float32) - z) * s
+        w = (_codes_f32(words, i) - z) * s
         out = out_ptr + rows.to(tl.int64)[:, None] * N + offs_n[None, :]
         tl.store(out, w.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -315,11 +412,17 @@ def w4a16_gemm(
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
+    if x.stride(1) != 1:
+        x = x.contiguous()
     if tiles is None:
         num_sms, name = _device_facts(x.device)
         tiles = tile_config(m, n, k, group_size, num_sms, name)
     if tiles.kind == "dot" and tiles.block_k < 128:
         raise Int4KernelInputError(f"a dot tile needs BLOCK_K >= 128 (16-row slabs), got {tiles}")
+    code = _CODE_OF[x.dtype]
+    per_tile = scales_per_tile(k, group_size, tiles.block_k)
+    # Inline PTX compiles only for the GPU, and packs 16-bit codes.
+    use_asm = tiles.kind == "dot" and tiles.unpack == "asm" and x.is_cuda and per_tile and code > 0
     splits = split_k or tiles.split_k
     k_tiles = triton.cdiv(triton.cdiv(k, tiles.block_k), splits)
     target = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
@@ -334,7 +437,6 @@ def w4a16_gemm(
         n,
         k,
         x.stride(0),
-        x.stride(1),
         qweight.stride(0),
         n,
         m * n,
@@ -343,8 +445,13 @@ def w4a16_gemm(
         BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n,
         BLOCK_K=tiles.block_k,
-        SCALES_PER_TILE=scales_per_tile(k, group_size, tiles.block_k),
+        SCALES_PER_TILE=per_tile,
         USE_DOT=tiles.kind == "dot",
+        USE_ASM=use_asm,
+        CODE=code,
+        OFFSET=_CODE_OFFSET[code],
+        EVEN_K=k % tiles.block_k == 0 and k_tiles * splits * tiles.block_k == k,
+        EVEN_N=n % tiles.block_n == 0,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
