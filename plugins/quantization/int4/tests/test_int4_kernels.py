@@ -16,7 +16,13 @@ import pytest
 import torch
 from pagellm_int4 import gemm
 from pagellm_int4.int4_values import Int4Values
-from pagellm_int4.kernel_layout import KernelLayout, dequantize, to_kernel_layout
+from pagellm_int4.kernel_layout import (
+    KernelLayout,
+    dequantize,
+    pack_tiles,
+    to_kernel_layout,
+    unpack_tiles,
+)
 from pagellm_int4.kernels import w4a16
 from pagellm_int4.kernels.w4a16 import Int4KernelInputError
 
@@ -71,9 +77,9 @@ def test_kernel_inputs_of_the_wrong_layout_are_refused():
     layout = _layout(64, 16, 32, act_order=False)
     x = torch.randn(2, 64)
     with pytest.raises(
-        Int4KernelInputError, match=r"qweight has dtype torch.int32 and shape \(16, 8\)"
+        Int4KernelInputError, match=r"qweight has dtype torch.int32 and shape \(8, 16\)"
     ):
-        w4a16.w4a16_gemm(x, layout.qweight.t().contiguous(), layout.scales, layout.zeros, 32)
+        w4a16.w4a16_gemm(x, layout.qweight[:8].contiguous(), layout.scales, layout.zeros, 32)
     with pytest.raises(Int4KernelInputError, match=r"scales has dtype torch.float16"):
         w4a16.w4a16_gemm(x, layout.qweight, layout.scales.half(), layout.zeros, 32)
 
@@ -85,6 +91,19 @@ def test_split_k_partial_sums_add_up_to_the_reference(split_k):
     x = torch.randn(2, 200, generator=torch.Generator().manual_seed(5))
     out = w4a16.w4a16_gemm(x, layout.qweight, layout.scales, layout.zeros, 200, split_k=split_k)
     torch.testing.assert_close(out, gemm.reference_gemm(x, layout), rtol=1e-5, atol=1e-5)
+
+
+def test_tile_interleaved_packing_puts_row_16i_plus_r_in_nibble_i_of_word_r():
+    q = torch.randint(0, 16, (300, 5), generator=torch.Generator().manual_seed(11)).to(torch.uint8)
+    words = pack_tiles(q)
+    assert words.shape == (3 * 16, 5)  # 300 rows padded to three tiles of 128
+    for row in (0, 15, 16, 127, 128, 200, 299):
+        tile, within = divmod(row, 128)
+        i, r = divmod(within, 16)
+        got = (words[tile * 16 + r] >> (4 * i)) & 0xF
+        assert torch.equal(got.to(torch.uint8), q[row])
+    assert not bool(((words[2 * 16 :] >> 4 * 3) & 0xF).bool().any())  # rows 300..383: zero
+    assert torch.equal(unpack_tiles(words, 300), q)
 
 
 def test_tiles_without_a_measured_table_split_k_to_fill_the_sms():
@@ -132,6 +151,8 @@ def test_a_measured_table_is_used_for_its_shapes_and_the_rule_elsewhere(tmp_path
     [(384, 72, 128), (200, 72, 200), (256, 72, 32), (512, 128, 128)],
 )
 def test_both_kinds_of_program_match_the_reference(kind, block_m, k, n, group):
+    """Tile-interleaved words (row 16 i + r of a tile in nibble i of word row r) as the kernel
+    reads them, against the reference path on the unpacked codes."""
     layout = _layout(k, n, group, act_order=False, seed=8)
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(9))
     tiles = w4a16.TileConfig(kind, block_m, 64, 128, 2, 4, 2)
@@ -139,9 +160,9 @@ def test_both_kinds_of_program_match_the_reference(kind, block_m, k, n, group):
     torch.testing.assert_close(out, gemm.reference_gemm(x, layout), rtol=1e-5, atol=1e-5)
 
 
-def test_a_dot_tile_shorter_than_one_slab_is_refused():
+def test_tiles_other_than_the_interleaved_tile_are_refused():
     layout = _layout(64, 16, 32, act_order=False)
-    with pytest.raises(Int4KernelInputError, match="BLOCK_K >= 128"):
+    with pytest.raises(Int4KernelInputError, match="BLOCK_K must be 128"):
         w4a16.w4a16_gemm(
             torch.randn(2, 64),
             layout.qweight,

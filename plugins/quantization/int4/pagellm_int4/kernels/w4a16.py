@@ -1,16 +1,17 @@
-"""W4A16 on Triton, from the kernel layout (``pagellm_int4.kernel_layout``): int32 [ceil(K/8), N]
-words of eight input rows, float32 scales and uint8 zeros [G, N], contiguous groups.
+"""W4A16 on Triton, from the kernel layout (``pagellm_int4.kernel_layout``): tile-interleaved
+int32 words (word row r of a 128-row tile holds, in nibble i, row 16 i + r), float32 scales and
+uint8 zeros [G, N], contiguous groups.
 
-- `w4a16_gemm` (decode): a program streams the words of its [BLOCK_K, BLOCK_N] weight tiles once.
-  A word tile [BLOCK_K / 8, BLOCK_N] holds eight *slabs*: nibble ``i`` of every word, the input
-  rows ``k0 + 8r + i``. Each slab is unpacked with a shift and a mask (no reshape, which would
-  cost a trip through shared memory) and multiplied with the activations of the same rows, a
-  strided [BLOCK_M, BLOCK_K / 8] load of the few, cached activation rows. Two kinds of program:
-  ``dot`` (tensor cores, ``tl.dot`` per slab; BLOCK_K >= 128 so a slab has the 16 rows a dot
-  needs) and ``fma`` (CUDA cores, for one to a few rows, where a 16-row dot tile wastes work).
-  When a K tile lies in one group, the raw codes (0..15, exact in bf16/fp16) go into the product
-  and the scale and zero are applied once per tile and column: ``s * (sum(x q) - z sum(x))``.
-  Otherwise every weight is dequantized, ``(q - z) * s``, before the product.
+- `w4a16_gemm` (decode): a program streams the words of its [128, BLOCK_N] weight tiles once.
+  A word tile [16, BLOCK_N] holds eight *slabs*: nibble ``i`` of every word, the 16 consecutive
+  input rows ``k0 + 16 i .. k0 + 16 i + 15``, multiplied with one contiguous [BLOCK_M, 16] load
+  of the activations. Two kinds of program: ``dot`` (tensor cores, one ``tl.dot`` per slab, K =
+  16) and ``fma`` (CUDA cores, one row a program). The dot kind unpacks with inline PTX (two
+  words at a time: byte permutes, a shift and a LOP3 per pair of codes, and one packed FMA that
+  leaves ``q - z``, exact); the codes are built as float bits (``offset + q``), never through an
+  int-to-float conversion, a quarter-rate instruction that bounded the first version of this
+  kernel. When a tile lies in one group the scale is applied once per tile and column; for
+  shorter groups every weight is dequantized, ``(q - z) * s``, before the product.
   Small M splits K over several programs (`tile_config`), whose float32 partial sums a second
   kernel adds in a fixed order (deterministic: graph replays equal eager runs).
 - `dequantize_int4` (prefill): the whole weight [K, N] in the activation dtype, for a cuBLAS GEMM,
@@ -31,6 +32,8 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
+
+from pagellm_int4.kernel_layout import TILE_K
 
 __all__ = ["TileConfig", "dequantize_int4", "tile_config", "w4a16_gemm"]
 
@@ -129,43 +132,71 @@ CODE_FP16: tl.constexpr = tl.constexpr(2)
 _CODE_OF = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _CODE_OFFSET = {0: 0.0, 1: 128.0, 2: 1024.0}
 
-# Two words in, eight registers out, each holding slab i of both words as a 16-bit pair:
-# the low halves of the two words (nibbles 0-3) and the high halves (4-7) are put side by side
-# with PRMT, then (h >> 4j) & 0x000F000F | MAGIC with one LOP3 (0xEA: (a & b) | c).
+# Two words and the tile's zero points in, eight registers out, each holding slab i of both
+# words as a 16-bit pair q - z: the low halves of the two words (nibbles 0-3) and the high
+# halves (4-7) are put side by side with PRMT; (h >> 4j) & 0x000F000F | MAGIC (one LOP3, 0xEA:
+# (a & b) | c) is the pair offset + q; one packed FMA, t * 1 + (-(offset + z)), leaves q - z,
+# exact (small integers). The dot then needs no correction, hence no sum of the activations.
 _UNPACK_PTX = """{
-.reg .b32 lo, hi, t;
+.reg .b32 lo, hi, t, one;
+mov.b32 one, ONE;
 prmt.b32 lo, $8, $9, 0x5410;
 prmt.b32 hi, $8, $9, 0x7632;
-lop3.b32 $0, lo, 0x000f000f, MAGIC, 0xea;
+lop3.b32 t, lo, 0x000f000f, MAGIC, 0xea;
+fma.rn.TYPE $0, t, one, $10;
 shr.u32 t, lo, 4;
-lop3.b32 $1, t, 0x000f000f, MAGIC, 0xea;
+lop3.b32 t, t, 0x000f000f, MAGIC, 0xea;
+fma.rn.TYPE $1, t, one, $10;
 shr.u32 t, lo, 8;
-lop3.b32 $2, t, 0x000f000f, MAGIC, 0xea;
+lop3.b32 t, t, 0x000f000f, MAGIC, 0xea;
+fma.rn.TYPE $2, t, one, $10;
 shr.u32 t, lo, 12;
-lop3.b32 $3, t, 0x000f000f, MAGIC, 0xea;
-lop3.b32 $4, hi, 0x000f000f, MAGIC, 0xea;
+lop3.b32 t, t, 0x000f000f, MAGIC, 0xea;
+fma.rn.TYPE $3, t, one, $10;
+lop3.b32 t, hi, 0x000f000f, MAGIC, 0xea;
+fma.rn.TYPE $4, t, one, $10;
 shr.u32 t, hi, 4;
-lop3.b32 $5, t, 0x000f000f, MAGIC, 0xea;
+lop3.b32 t, t, 0x000f000f, MAGIC, 0xea;
+fma.rn.TYPE $5, t, one, $10;
 shr.u32 t, hi, 8;
-lop3.b32 $6, t, 0x000f000f, MAGIC, 0xea;
+lop3.b32 t, t, 0x000f000f, MAGIC, 0xea;
+fma.rn.TYPE $6, t, one, $10;
 shr.u32 t, hi, 12;
-lop3.b32 $7, t, 0x000f000f, MAGIC, 0xea;
+lop3.b32 t, t, 0x000f000f, MAGIC, 0xea;
+fma.rn.TYPE $7, t, one, $10;
 }"""
-_UNPACK_BF16: tl.constexpr = tl.constexpr(_UNPACK_PTX.replace("MAGIC", "0x43004300"))
-_UNPACK_FP16: tl.constexpr = tl.constexpr(_UNPACK_PTX.replace("MAGIC", "0x64006400"))
-_SLAB_CONSTRAINTS: tl.constexpr = tl.constexpr("=r,=r,=r,=r,=r,=r,=r,=r,r,r")
+_UNPACK_BF16: tl.constexpr = tl.constexpr(
+    _UNPACK_PTX.replace("MAGIC", "0x43004300")
+    .replace("TYPE", "bf16x2")
+    .replace("ONE", "0x3f803f80")
+)
+_UNPACK_FP16: tl.constexpr = tl.constexpr(
+    _UNPACK_PTX.replace("MAGIC", "0x64006400").replace("TYPE", "f16x2").replace("ONE", "0x3c003c00")
+)
+_SLAB_CONSTRAINTS: tl.constexpr = tl.constexpr("=r,=r,=r,=r,=r,=r,=r,=r,r,r,r")
 
 
 @triton.jit
-def _unpack_slabs(words, CODE: tl.constexpr):
-    """The eight slabs of ``words`` as offset + code, in bfloat16 (CODE_BF16) or float16."""
+def _unpack_slabs(words, neg_zero, CODE: tl.constexpr):
+    """The eight slabs of ``words`` as q - z, in bfloat16 (CODE_BF16) or float16; ``neg_zero``
+    is -(offset + z) in that dtype, broadcast to the words' shape."""
     if CODE == CODE_BF16:
         return tl.inline_asm_elementwise(
-            _UNPACK_BF16, _SLAB_CONSTRAINTS, [words], (tl.bfloat16,) * 8, is_pure=True, pack=2
+            _UNPACK_BF16,
+            _SLAB_CONSTRAINTS,
+            [words, neg_zero],
+            (tl.bfloat16,) * 8,
+            is_pure=True,
+            pack=2,
         )
     else:
         return tl.inline_asm_elementwise(
-            _UNPACK_FP16, _SLAB_CONSTRAINTS, [words], (tl.float16,) * 8, is_pure=True, pack=2
+            _UNPACK_FP16,
+            _SLAB_CONSTRAINTS,
+            [words, neg_zero],
+            (tl.float16,) * 8,
+            is_pure=True,
+            pack=2,
         )
 
 
@@ -240,7 +271,7 @@ def _w4a16_gemm_kernel(
     offs_w = tl.arange(0, BLOCK_K // 8)  # word rows of a tile
     mask_m: tl.constexpr = BLOCK_M > 1  # one row a program: the grid covers M exactly
     n_mask = offs_n < N
-    words_k = (K + 7) // 8
+    words_k = (K + BLOCK_K - 1) // BLOCK_K * (BLOCK_K // 8)  # the padded tiles' word rows
     # The dot kind accumulates [BLOCK_M, BLOCK_N]; the fma kind keeps one partial sum per word
     # row too, [BLOCK_M, BLOCK_K / 8, BLOCK_N], summed over the word rows once at the end (no
     # cross-thread reduction in the loop).
@@ -267,33 +298,41 @@ def _w4a16_gemm_kernel(
                 tile_in = n_mask & (k0 < K)
                 s = tl.load(s_ptr + g * N + offs_n, mask=tile_in, other=0.0)
                 z = tl.load(z_ptr + g * N + offs_n, mask=tile_in, other=0).to(tl.float32)
-            if USE_DOT:
+            if USE_ASM:
+                # q - z per weight inside the unpack: no activation sums (whose cross-thread
+                # reductions cost more barriers than the products), a's only use is the dot.
+                neg_zero = (-(z + OFFSET)).to(x_ptr.dtype.element_ty)
+                slabs = _unpack_slabs(words, tl.broadcast_to(neg_zero[None, :], words.shape), CODE)
                 part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                x_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+                for i in tl.static_range(8):
+                    rows = k0 + (BLOCK_K // 8) * i + offs_w
+                    a = _activation_slab(x_ptr, offs_m, rows, M, K, stride_xm, mask_m, EVEN_K)
+                    part = tl.dot(a, slabs[i], part)
+                acc += part * s[None, :]
+            elif USE_DOT:
+                # offset + q in the product, offset + z times the activations' sum taken off
+                # once per tile (the sum reduced across threads once, not per slab).
+                part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                a_sum = tl.zeros((BLOCK_M, BLOCK_K // 8), dtype=tl.float32)
+                for i in tl.static_range(8):
+                    rows = k0 + (BLOCK_K // 8) * i + offs_w
+                    a = _activation_slab(x_ptr, offs_m, rows, M, K, stride_xm, mask_m, EVEN_K)
+                    part = tl.dot(a, _slab_codes(words, i, CODE), part)
+                    a_sum += a.to(tl.float32)
+                x_sum = tl.sum(a_sum, axis=1)
+                acc += (part - x_sum[:, None] * (z[None, :] + OFFSET)) * s[None, :]
             else:
                 part = tl.zeros((BLOCK_M, BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
                 x_sum = tl.zeros((BLOCK_M, BLOCK_K // 8), dtype=tl.float32)
-            if USE_ASM:
-                slabs = _unpack_slabs(words, CODE)
-            for i in tl.static_range(8):
-                rows = k0 + 8 * offs_w + i
-                a = _activation_slab(x_ptr, offs_m, rows, M, K, stride_xm, mask_m, EVEN_K)
-                if USE_DOT:
-                    if USE_ASM:
-                        part = tl.dot(a, slabs[i], part)
-                    else:
-                        part = tl.dot(a, _slab_codes(words, i, CODE), part)
-                    x_sum += tl.sum(a.to(tl.float32), axis=1)
-                else:
+                for i in tl.static_range(8):
+                    rows = k0 + (BLOCK_K // 8) * i + offs_w
+                    a = _activation_slab(x_ptr, offs_m, rows, M, K, stride_xm, mask_m, EVEN_K)
                     part += a.to(tl.float32)[:, :, None] * _codes_f32(words, i)[None, :, :]
                     x_sum += a.to(tl.float32)
-            if USE_DOT:
-                acc += (part - x_sum[:, None] * (z[None, :] + OFFSET)) * s[None, :]
-            else:
                 acc += (part - x_sum[:, :, None] * z[None, None, :]) * s[None, None, :]
         else:
             for i in tl.static_range(8):
-                rows = k0 + 8 * offs_w + i
+                rows = k0 + (BLOCK_K // 8) * i + offs_w
                 k_in = rows < K
                 a = _activation_slab(x_ptr, offs_m, rows, M, K, stride_xm, mask_m, EVEN_K)
                 w_mask = k_in[:, None] & n_mask[None, :]
@@ -336,19 +375,15 @@ def _dequantize_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """Rows ``k0 .. k0 + BLOCK_K - 1`` of the weight: one load of their words, eight slabs."""
+    """One interleaved tile of rows (BLOCK_K = TILE_K): one load of its words, eight slabs."""
     offs_w = tl.arange(0, BLOCK_K // 8)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(0) * BLOCK_K
     n_mask = offs_n < N
     offs_r = k0 // 8 + offs_w
-    words = tl.load(
-        qw_ptr + offs_r[:, None] * N + offs_n[None, :],
-        mask=(offs_r < (K + 7) // 8)[:, None] & n_mask[None, :],
-        other=0,
-    )
+    words = tl.load(qw_ptr + offs_r[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0)
     for i in tl.static_range(8):
-        rows = k0 + 8 * offs_w + i
+        rows = k0 + (BLOCK_K // 8) * i + offs_w
         mask = (rows < K)[:, None] & n_mask[None, :]
         g_rows = (rows // GROUP_SIZE)[:, None] * N + offs_n[None, :]
         s = tl.load(s_ptr + g_rows, mask=mask, other=0.0)
@@ -362,10 +397,11 @@ def _check_weight(
     qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, k: int, group_size: int
 ) -> int:
     n = qweight.shape[1]
-    if qweight.dtype != torch.int32 or tuple(qweight.shape) != (triton.cdiv(k, 8), n):
+    word_rows = triton.cdiv(k, TILE_K) * (TILE_K // 8)
+    if qweight.dtype != torch.int32 or tuple(qweight.shape) != (word_rows, n):
         raise Int4KernelInputError(
             f"qweight has dtype {qweight.dtype} and shape {tuple(qweight.shape)}; expected "
-            f"int32 [{triton.cdiv(k, 8)}, {n}] for K = {k}"
+            f"int32 [{word_rows}, {n}] (tile-interleaved) for K = {k}"
         )
     groups = triton.cdiv(k, group_size)
     if scales.dtype != torch.float32 or tuple(scales.shape) != (groups, n):
@@ -417,8 +453,10 @@ def w4a16_gemm(
     if tiles is None:
         num_sms, name = _device_facts(x.device)
         tiles = tile_config(m, n, k, group_size, num_sms, name)
-    if tiles.kind == "dot" and tiles.block_k < 128:
-        raise Int4KernelInputError(f"a dot tile needs BLOCK_K >= 128 (16-row slabs), got {tiles}")
+    if tiles.block_k != TILE_K:
+        raise Int4KernelInputError(
+            f"the kernel reads whole interleaved tiles: BLOCK_K must be {TILE_K}, got {tiles}"
+        )
     code = _CODE_OF[x.dtype]
     per_tile = scales_per_tile(k, group_size, tiles.block_k)
     # Inline PTX compiles only for the GPU, and packs 16-bit codes.
@@ -474,7 +512,7 @@ def dequantize_int4(
     """The weight [K, N] in ``dtype`` (kernel-order rows)."""
     n = _check_weight(qweight, scales, zeros, in_features, group_size)
     out = torch.empty(in_features, n, dtype=dtype, device=qweight.device)
-    block_k, block_n = 64, 128
+    block_k, block_n = TILE_K, 64
     grid = (triton.cdiv(in_features, block_k), triton.cdiv(n, block_n))
     _dequantize_kernel[grid](
         qweight,
