@@ -188,3 +188,25 @@ def test_the_cuda_path_takes_the_fused_kernel_or_dequantize_then_matmul_by_m(m, 
     out = gemm._cuda_gemm(w4a16)(x, layout)
     assert calls == (["w4a16_gemm"] if m <= gemm.FUSED_MAX_M else ["dequantize_int4"])
     torch.testing.assert_close(out, gemm.reference_gemm(x, layout), rtol=1e-5, atol=1e-5)
+
+
+def test_tiles_that_do_not_fit_the_gpu_fall_back_to_narrow_single_stage_tiles(monkeypatch):
+    from triton.runtime.errors import OutOfResources
+
+    launched: list[w4a16.TileConfig] = []
+    real_launch = w4a16._launch
+
+    def launch(*args):
+        tiles = args[6]
+        launched.append(tiles)
+        if tiles.block_n == 256:
+            raise OutOfResources(245760, 232448, "shared memory")
+        real_launch(*args)
+
+    monkeypatch.setattr(w4a16, "_launch", launch)
+    layout = _layout(256, 64, 128, act_order=False, seed=12)
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(13))
+    too_wide = w4a16.TileConfig("dot", 16, 256, 128, 1, 8, 4)
+    out = w4a16.w4a16_gemm(x, layout.qweight, layout.scales, layout.zeros, 128, tiles=too_wide)
+    assert launched == [too_wide, w4a16.SAFE_TILES]
+    torch.testing.assert_close(out, gemm.reference_gemm(x, layout), rtol=1e-5, atol=1e-5)

@@ -23,8 +23,10 @@ Tiles come from a table measured on the GPU (``configs/<device name>.json``, wri
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
+import logging
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -32,11 +34,13 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from pagellm_int4.kernel_layout import TILE_K
 
 __all__ = ["TileConfig", "dequantize_int4", "tile_config", "w4a16_gemm"]
 
+logger = logging.getLogger(__name__)
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -75,19 +79,28 @@ def scales_per_tile(k: int, group_size: int, block_k: int) -> bool:
     return group_size >= k or group_size % block_k == 0
 
 
-def _rule(m: int, n: int, k: int, num_sms: int) -> TileConfig:
+def _rule(m: int, n: int, k: int, group_size: int, num_sms: int) -> TileConfig:
     """Without a measured table: tensor cores (the fastest kind at every M the first H200 sweep
     measured), 128 columns a program; K split until there are about four programs per SM to
     keep enough weight reads in flight (a decode GEMM of N = 4096 has only 32 column tiles),
-    each run keeping two K tiles."""
+    each run keeping two K tiles. Groups shorter than a tile stage a scale and a zero per weight
+    through shared memory: 64 columns and two stages there (128 and three overflow the H200's
+    227 KB at 64 rows)."""
     kind = "dot"
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    block_n, block_k = 128, 128
+    per_tile = scales_per_tile(k, group_size, TILE_K)
+    block_n, block_k = (128, TILE_K) if per_tile else (64, TILE_K)
+    stages = 3 if per_tile else 2
     programs = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     split = 1
     while m <= SPLIT_K_MAX_M and programs * split * 2 <= 4 * num_sms and k >= split * 4 * block_k:
         split *= 2
-    return TileConfig(kind, block_m, block_n, block_k, split, 4, 3)
+    return TileConfig(kind, block_m, block_n, block_k, split, 4, stages)
+
+
+SAFE_TILES = TileConfig("dot", 16, 64, TILE_K, 1, 4, 1)
+"""What a launch falls back to when its tiles do not fit the GPU (`OutOfResources`): one
+stage, narrow tiles (block_m is kept)."""
 
 
 def _device_file(name: str) -> Path:
@@ -116,7 +129,7 @@ def tile_config(
     for largest_m, cfg in entries or ():
         if m <= largest_m:
             return cfg
-    return _rule(m, n, k, num_sms)
+    return _rule(m, n, k, group_size, num_sms)
 
 
 def table_entry(cfg: TileConfig) -> dict[str, int | str]:
@@ -427,6 +440,58 @@ def _device_facts(device: torch.device) -> tuple[int, str]:
     return props.multi_processor_count, props.name
 
 
+@functools.cache
+def _warn_fallback(tiles: TileConfig, fallback: TileConfig, reason: str) -> None:
+    logger.warning("int4 GEMM tiles %s do not fit this GPU (%s); using %s", tiles, reason, fallback)
+
+
+def _launch(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    target: torch.Tensor,
+    group_size: int,
+    tiles: TileConfig,
+    splits: int,
+    per_tile: bool,
+    use_asm: bool,
+) -> None:
+    m, k = x.shape
+    n = qweight.shape[1]
+    code = _CODE_OF[x.dtype]
+    k_tiles = triton.cdiv(triton.cdiv(k, tiles.block_k), splits)
+    grid = (triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n), splits)
+    _w4a16_gemm_kernel[grid](
+        x,
+        qweight,
+        scales,
+        zeros,
+        target,
+        m,
+        n,
+        k,
+        x.stride(0),
+        qweight.stride(0),
+        n,
+        m * n,
+        TILES_PER_SPLIT=k_tiles,
+        GROUP_SIZE=group_size,
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k,
+        SCALES_PER_TILE=per_tile,
+        USE_DOT=tiles.kind == "dot",
+        USE_ASM=use_asm and tiles.kind == "dot",
+        CODE=code,
+        OFFSET=_CODE_OFFSET[code],
+        EVEN_K=k % tiles.block_k == 0 and k_tiles * splits * tiles.block_k == k,
+        EVEN_N=n % tiles.block_n == 0,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+    )
+
+
 def w4a16_gemm(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -462,37 +527,15 @@ def w4a16_gemm(
     # Inline PTX compiles only for the GPU, and packs 16-bit codes.
     use_asm = tiles.kind == "dot" and tiles.unpack == "asm" and x.is_cuda and per_tile and code > 0
     splits = split_k or tiles.split_k
-    k_tiles = triton.cdiv(triton.cdiv(k, tiles.block_k), splits)
     target = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n), splits)
-    _w4a16_gemm_kernel[grid](
-        x,
-        qweight,
-        scales,
-        zeros,
-        target,
-        m,
-        n,
-        k,
-        x.stride(0),
-        qweight.stride(0),
-        n,
-        m * n,
-        TILES_PER_SPLIT=k_tiles,
-        GROUP_SIZE=group_size,
-        BLOCK_M=tiles.block_m,
-        BLOCK_N=tiles.block_n,
-        BLOCK_K=tiles.block_k,
-        SCALES_PER_TILE=per_tile,
-        USE_DOT=tiles.kind == "dot",
-        USE_ASM=use_asm,
-        CODE=code,
-        OFFSET=_CODE_OFFSET[code],
-        EVEN_K=k % tiles.block_k == 0 and k_tiles * splits * tiles.block_k == k,
-        EVEN_N=n % tiles.block_n == 0,
-        num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages,
-    )
+    try:
+        _launch(x, qweight, scales, zeros, target, group_size, tiles, splits, per_tile, use_asm)
+    except OutOfResources as exc:
+        # Tiles that overflow this GPU's shared memory or registers (a table made on a larger
+        # GPU, or a rule that misjudged): narrower single-stage tiles, with a warning once.
+        fallback = dataclasses.replace(SAFE_TILES, block_m=max(16, tiles.block_m))
+        _warn_fallback(tiles, fallback, str(exc))
+        _launch(x, qweight, scales, zeros, target, group_size, fallback, splits, per_tile, use_asm)
     if splits > 1:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(m * n, block),)](
