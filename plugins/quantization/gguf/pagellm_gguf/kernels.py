@@ -40,13 +40,13 @@ def _load_tile(
     first_row = k0 + offs_r * PER_WORD  # the input row of each word row's code 0
     mask = (first_row < K)[:, None] & (offs_n < N)[None, :]
     cols = offs_n[None, :]
-    words = tl.load(codes_ptr + (first_row // PER_WORD).to(tl.int64)[:, None] * N + cols, mask=mask, other=0)
+    words = tl.load(
+        codes_ptr + (first_row // PER_WORD).to(tl.int64)[:, None] * N + cols, mask=mask, other=0
+    )
     group = (first_row // GROUP).to(tl.int64)[:, None] * N + cols
     scale = tl.load(scale_ptr + group, mask=mask, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + group, mask=mask, other=0.0).to(tl.float32)
-    else:
-        bias = scale
+    # A constexpr condition: only the chosen side is compiled.
+    bias = tl.load(bias_ptr + group, mask=mask, other=0.0).to(tl.float32) if HAS_BIAS else scale
     if HIGH_BITS > 0:
         high_rows = 32 // HIGH_BITS  # input rows per high word
         at = (first_row // high_rows).to(tl.int64)[:, None] * N + cols

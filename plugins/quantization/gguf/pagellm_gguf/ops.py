@@ -127,8 +127,11 @@ def planes_matmul(
     overrides the launch (``decode_tiles``' choice by default), for the benchmark's sweep."""
     m, k = x.shape
     n = planes.out_features
-    if k != planes.in_features:
-        raise ValueError(f"x has {k} columns, the weight {planes.in_features} in_features.")
+    if k != planes.in_features or x.stride(1) != 1:
+        raise ValueError(
+            f"x must be rows of {planes.in_features} contiguous columns, got shape "
+            f"{tuple(x.shape)}, strides {x.stride()}."
+        )
     if tiles is None:
         tiles = decode_tiles(m, n, k, planes.layout.code_bits, _num_sms(x.device))
     _check_tiles(tiles, planes.layout.per_word)

@@ -77,7 +77,9 @@ def write_tiny_gguf(
     K-quant weight is random blocks of its type instead (small scales), the same in both readers."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    hf_config = AutoConfig.for_model(arch, vocab_size=VOCAB_SIZE, tie_word_embeddings=True, **config)
+    hf_config = AutoConfig.for_model(
+        arch, vocab_size=VOCAB_SIZE, tie_word_embeddings=True, **config
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(hf_config).float()
     writer = GGUFWriter(path, arch)
