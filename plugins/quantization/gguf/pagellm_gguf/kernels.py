@@ -18,7 +18,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _load_tile(
+def _tile_pointers(
     codes_ptr,
     high_ptr,
     scale_ptr,
@@ -26,36 +26,43 @@ def _load_tile(
     k0,
     offs_n,
     N,
-    K,
     PER_WORD: tl.constexpr,
     HIGH_BITS: tl.constexpr,
     GROUP: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """The planes of input rows ``k0 .. k0 + BLOCK_K`` (``k0`` a multiple of BLOCK_K) at columns
-    ``offs_n``: code words, high-bit words and each word row's shift into them, scales, biases
-    (the high words and biases are stand-ins where the type has none)."""
+    """Pointers [BLOCK_K / PER_WORD, BLOCK_N] into the planes for input rows ``k0 ..
+    k0 + BLOCK_K`` (``k0`` a multiple of BLOCK_K) at columns ``offs_n``: code words, high-bit
+    words, scales, biases (the high words and biases are stand-ins where the type has none), and
+    each word row's shift into its high word (the same for every tile)."""
     offs_r = tl.arange(0, BLOCK_K // PER_WORD)
     first_row = k0 + offs_r * PER_WORD  # the input row of each word row's code 0
-    mask = (first_row < K)[:, None] & (offs_n < N)[None, :]
     cols = offs_n[None, :]
-    words = tl.load(
-        codes_ptr + (first_row // PER_WORD).to(tl.int64)[:, None] * N + cols, mask=mask, other=0
-    )
+    codes = codes_ptr + (first_row // PER_WORD).to(tl.int64)[:, None] * N + cols
     group = (first_row // GROUP).to(tl.int64)[:, None] * N + cols
-    scale = tl.load(scale_ptr + group, mask=mask, other=0.0).to(tl.float32)
-    # A constexpr condition: only the chosen side is compiled.
-    bias = tl.load(bias_ptr + group, mask=mask, other=0.0).to(tl.float32) if HAS_BIAS else scale
     if HIGH_BITS > 0:
         high_rows = 32 // HIGH_BITS  # input rows per high word
-        at = (first_row // high_rows).to(tl.int64)[:, None] * N + cols
-        high = tl.load(high_ptr + at, mask=mask, other=0)
-        high_shift = ((first_row % high_rows) * HIGH_BITS)[:, None]
+        high = high_ptr + (first_row // high_rows).to(tl.int64)[:, None] * N + cols
+        high_shift = ((first_row % high_rows) * HIGH_BITS).to(tl.uint32)[:, None]
     else:
-        high = words
-        high_shift = offs_r[:, None]
-    return words, high, high_shift, scale, bias
+        high = codes
+        high_shift = offs_r.to(tl.uint32)[:, None]
+    return codes, high, scale_ptr + group, bias_ptr + group, high_shift
+
+
+@triton.jit
+def _load_planes(codes, high, scale, bias, mask, HIGH_BITS: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """One tile of each plane (stand-ins for the planes a type lacks; constexpr conditions:
+    only the chosen side is compiled)."""
+    # Unsigned words: logical shifts, no sign extension to undo.
+    words = tl.load(codes, mask=mask, other=0).to(tl.uint32, bitcast=True)
+    scales = tl.load(scale, mask=mask, other=0.0).to(tl.float32)
+    biases = tl.load(bias, mask=mask, other=0.0).to(tl.float32) if HAS_BIAS else scales
+    if HIGH_BITS > 0:
+        highs = tl.load(high, mask=mask, other=0).to(tl.uint32, bitcast=True)
+    else:
+        highs = words
+    return words, highs, scales, biases
 
 
 @triton.jit
@@ -114,6 +121,7 @@ def plane_matmul_kernel(
     OFFSET: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     IEEE: tl.constexpr,
+    USE_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -122,32 +130,56 @@ def plane_matmul_kernel(
     (program axis 2), W decoded slab by slab from its planes; float32 accumulation (IEEE
     products for float32 activations, not TF32). With one split, y is the output; with several,
     float32 partial sums that the caller adds. K is a compile-time constant: a model has a few
-    in_features, and the loop bound is then known."""
+    in_features, and the loop bound is then known.
+
+    ``USE_DOT``: each slab goes through ``tl.dot`` (BLOCK_M >= 16; the decoded slab passes
+    through shared memory into the MMA operand layout). Otherwise (a few rows: BLOCK_M 1-4)
+    each thread multiplies and adds its own weights in float32, ``[BLOCK_M, rows, BLOCK_N]``
+    partial sums reduced once after the loop: one FMA per weight and row of x, no shared
+    memory."""
     PER_WORD: tl.constexpr = 32 // CODE_BITS
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n_in = (offs_n < N)[None, :]
     m_in = (offs_m < M)[:, None]
-    x_rows = x_ptr + offs_m[:, None] * stride_xm
     offs_r = tl.arange(0, BLOCK_K // PER_WORD)
     k_start = tl.program_id(2) * K_SPLIT
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # Pointers computed once and advanced by a scalar per tile (no per-element 64-bit math).
+    codes, high, scale, bias, high_shift = _tile_pointers(
+        codes_ptr, high_ptr, scale_ptr, bias_ptr, k_start, offs_n, N,
+        PER_WORD, HIGH_BITS, GROUP, BLOCK_K,
+    )  # fmt: skip
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_start + offs_r * PER_WORD)[None, :]
+    if USE_DOT:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:
+        partial = tl.zeros((BLOCK_M, BLOCK_K // PER_WORD, BLOCK_N), dtype=tl.float32)
     for k_step in range(0, K_SPLIT, BLOCK_K):
-        k0 = k_start + k_step
-        words, high, high_shift, scale, bias = _load_tile(
-            codes_ptr, high_ptr, scale_ptr, bias_ptr, k0, offs_n, N, K,
-            PER_WORD, HIGH_BITS, GROUP, HAS_BIAS, BLOCK_K,
-        )  # fmt: skip
+        # K is a multiple of PER_WORD: a word row inside K has all its codes inside K.
+        row_in = k_start + k_step + offs_r * PER_WORD < K
+        words, highs, scales, biases = _load_planes(
+            codes, high, scale, bias, row_in[:, None] & n_in, HIGH_BITS, HAS_BIAS
+        )
         for i in tl.static_range(PER_WORD):
             w = _decode_slab(
-                words, high, high_shift, scale, bias, i, CODE_BITS, SIGNED, HIGH_BITS, OFFSET,
-                HAS_BIAS,
+                words, highs, high_shift, scales, biases, i, CODE_BITS, SIGNED, HIGH_BITS,
+                OFFSET, HAS_BIAS,
             )  # fmt: skip
-            offs_k = k0 + offs_r * PER_WORD + i
-            x = tl.load(x_rows + offs_k[None, :], mask=m_in & (offs_k < K)[None, :], other=0.0)
-            if IEEE:
+            x = tl.load(x_ptrs + i, mask=m_in & row_in[None, :], other=0.0)
+            if not USE_DOT:
+                partial += x.to(tl.float32)[:, :, None] * w[None, :, :]
+            elif IEEE:
                 acc = tl.dot(x, w.to(x.dtype), acc, input_precision="ieee")
             else:
                 acc = tl.dot(x, w.to(x.dtype), acc)
+        codes += (BLOCK_K // PER_WORD) * N
+        scale += (BLOCK_K // GROUP) * N
+        bias += (BLOCK_K // GROUP) * N
+        if HIGH_BITS > 0:
+            high += (BLOCK_K * HIGH_BITS // 32) * N
+        x_ptrs += BLOCK_K
+    if not USE_DOT:
+        acc = tl.sum(partial, axis=1)
     y = y_ptr + tl.program_id(2) * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :]
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_in & (offs_n[None, :] < N))
 
@@ -176,16 +208,18 @@ def plane_dequantize_kernel(
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * BLOCK_K
     offs_r = tl.arange(0, BLOCK_K // PER_WORD)
-    words, high, high_shift, scale, bias = _load_tile(
-        codes_ptr, high_ptr, scale_ptr, bias_ptr, k0, offs_n, N, K,
-        PER_WORD, HIGH_BITS, GROUP, HAS_BIAS, BLOCK_K,
+    codes, high, scale, bias, high_shift = _tile_pointers(
+        codes_ptr, high_ptr, scale_ptr, bias_ptr, k0, offs_n, N, PER_WORD, HIGH_BITS, GROUP,
+        BLOCK_K,
     )  # fmt: skip
+    row_in = k0 + offs_r * PER_WORD < K
+    mask = row_in[:, None] & (offs_n < N)[None, :]
+    words, highs, scales, biases = _load_planes(codes, high, scale, bias, mask, HIGH_BITS, HAS_BIAS)
     for i in tl.static_range(PER_WORD):
         w = _decode_slab(
-            words, high, high_shift, scale, bias, i, CODE_BITS, SIGNED, HIGH_BITS, OFFSET,
+            words, highs, high_shift, scales, biases, i, CODE_BITS, SIGNED, HIGH_BITS, OFFSET,
             HAS_BIAS,
         )  # fmt: skip
         offs_k = k0 + offs_r * PER_WORD + i
         out = out_ptr + offs_k.to(tl.int64)[:, None] * N + offs_n[None, :]
-        mask = (offs_k < K)[:, None] & (offs_n < N)[None, :]
         tl.store(out, w.to(out_ptr.dtype.element_ty), mask=mask)

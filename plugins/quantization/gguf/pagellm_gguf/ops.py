@@ -18,7 +18,8 @@ once the product, not the weight read, is the cost."""
 
 
 class DecodeTiles(NamedTuple):
-    """A launch of ``plane_matmul_kernel``: tile sizes, K splits, and Triton's warps/stages."""
+    """A launch of ``plane_matmul_kernel``: tile sizes, K splits, Triton's warps/stages, and
+    whether the slabs go through ``tl.dot`` (else per-thread float32 FMAs, for a few rows)."""
 
     block_m: int
     block_n: int
@@ -26,6 +27,7 @@ class DecodeTiles(NamedTuple):
     splits: int
     num_warps: int = 4
     num_stages: int = 3
+    dot: bool = True
 
 
 @functools.lru_cache(maxsize=8)
@@ -46,6 +48,10 @@ def k_splits(n_tiles: int, k_tiles: int, num_sms: int) -> int:
 def decode_tiles(m: int, n: int, k: int, code_bits: int, num_sms: int) -> DecodeTiles:
     """The default launch for x [m, k] @ W^T, W [n, k] with ``code_bits``-bit codes.
 
+    - tl.dot at every M, even 1: compiled for sm_90 the per-thread FMA variant (``dot=False``)
+      loads and converts an activation per weight (its 3-D layout spreads the rows over
+      threads) and runs more instructions per weight than tl.dot's padded 16-row tile; the
+      benchmark's sweep still times it for M <= 4.
     - block_m: 16, tl.dot's smallest tile, up to 16 rows; 32 above (DECODE_MAX_M): one M tile,
       so the weights are read once.
     - block_k: every slab (one code of each word) is BLOCK_K / codes-per-word input rows, the
@@ -67,20 +73,21 @@ def _is_pow2(v: int) -> bool:
 
 
 def _check_tiles(tiles: DecodeTiles, per_word: int) -> None:
-    rows = tiles.block_k // per_word
+    least = 16 if tiles.dot else 1  # tl.dot's smallest sizes
     if not (
         _is_pow2(tiles.block_m)
         and _is_pow2(tiles.block_n)
         and _is_pow2(tiles.block_k)
-        and tiles.block_m >= 16
+        and tiles.block_m >= least
         and tiles.block_n >= 16
         and tiles.block_k >= 32
-        and rows >= 16
+        and tiles.block_k // per_word >= least
         and tiles.splits >= 1
     ):
         raise ValueError(
-            f"decode tiles {tiles} must be powers of two with block_m, block_n >= 16, "
-            f"block_k >= 32 and block_k / {per_word} codes per word >= 16 (tl.dot's inner size)."
+            f"decode tiles {tiles} must be powers of two with block_n >= 16, block_k >= 32, "
+            f"and with tl.dot block_m >= 16 and block_k / {per_word} codes per word >= 16 "
+            "(tl.dot's inner size)."
         )
 
 
@@ -155,6 +162,7 @@ def planes_matmul(
         K_SPLIT=k_split,
         **_layout_args(planes),
         IEEE=x.dtype == torch.float32,
+        USE_DOT=tiles.dot,
         BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n,
         BLOCK_K=tiles.block_k,
