@@ -51,8 +51,8 @@ F16_FIELDS = {
 }
 COLD_BYTES = 2 * 50 * 2**20  # twice the H100/H200 L2 (50 MiB): copies cycled past it
 # (block_n, slab rows = block_k / codes per word, num_warps, num_stages) tried by --sweep, each
-# with ops.k_splits' split count; the default tiles also with half and twice its splits, and
-# for M <= 4 without tl.dot.
+# with ops.k_splits' split count; the default tiles also with half and twice its splits; each
+# with and (M <= 4) without tl.dot.
 SWEEP = [
     (32, 32, 4, 3),
     (64, 16, 4, 3),
@@ -134,8 +134,10 @@ def sweep(
         tiles = triton.cdiv(n, block_n) * triton.cdiv(m, default.block_m)
         splits = ops.k_splits(tiles, triton.cdiv(k, block_k), ops._num_sms(x.device))
         candidates.add(ops.DecodeTiles(default.block_m, block_n, block_k, splits, warps, stages))
-    if m <= 4:  # per-thread FMAs instead of tl.dot, with the default tiles
-        candidates.add(default._replace(block_m=triton.next_power_of_2(m), dot=False))
+    # tl.dot and per-thread FMAs (one row of x per program), each with the other's tiles.
+    candidates |= {t._replace(block_m=16, dot=True) for t in candidates if not t.dot}
+    if m <= 4:
+        candidates |= {t._replace(block_m=1, dot=False) for t in candidates if t.dot}
     timed = []
     for tiles in candidates:
         fns = [lambda p=p, t=tiles: ops.planes_matmul(x, p, t) for p in copies]

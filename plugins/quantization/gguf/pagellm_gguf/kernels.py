@@ -132,11 +132,11 @@ def plane_matmul_kernel(
     float32 partial sums that the caller adds. K is a compile-time constant: a model has a few
     in_features, and the loop bound is then known.
 
-    ``USE_DOT``: each slab goes through ``tl.dot`` (BLOCK_M >= 16; the decoded slab passes
-    through shared memory into the MMA operand layout). Otherwise (a few rows: BLOCK_M 1-4)
-    each thread multiplies and adds its own weights in float32, ``[BLOCK_M, rows, BLOCK_N]``
-    partial sums reduced once after the loop: one FMA per weight and row of x, no shared
-    memory."""
+    ``USE_DOT``: each slab goes through ``tl.dot`` (BLOCK_M >= 16, rows of x past M masked;
+    the decoded slab passes through shared memory into the MMA operand layout). Otherwise
+    (BLOCK_M = 1: one row of x per program) each thread multiplies and adds its own weights in
+    float32 into ``[rows, BLOCK_N]`` partial sums reduced once after the loop: one FMA per
+    weight, no shared memory in the loop."""
     PER_WORD: tl.constexpr = 32 // CODE_BITS
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -149,11 +149,13 @@ def plane_matmul_kernel(
         codes_ptr, high_ptr, scale_ptr, bias_ptr, k_start, offs_n, N,
         PER_WORD, HIGH_BITS, GROUP, BLOCK_K,
     )  # fmt: skip
+    # With tl.dot: x [BLOCK_M, slab rows] per slab; without (BLOCK_M = 1): x a vector.
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_start + offs_r * PER_WORD)[None, :]
+    x_row = x_ptr + tl.program_id(1) * stride_xm + k_start + offs_r * PER_WORD
     if USE_DOT:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     else:
-        partial = tl.zeros((BLOCK_M, BLOCK_K // PER_WORD, BLOCK_N), dtype=tl.float32)
+        partial = tl.zeros((BLOCK_K // PER_WORD, BLOCK_N), dtype=tl.float32)
     for k_step in range(0, K_SPLIT, BLOCK_K):
         # K is a multiple of PER_WORD: a word row inside K has all its codes inside K.
         row_in = k_start + k_step + offs_r * PER_WORD < K
@@ -165,12 +167,14 @@ def plane_matmul_kernel(
                 words, highs, high_shift, scales, biases, i, CODE_BITS, SIGNED, HIGH_BITS,
                 OFFSET, HAS_BIAS,
             )  # fmt: skip
-            x = tl.load(x_ptrs + i, mask=m_in & row_in[None, :], other=0.0)
             if not USE_DOT:
-                partial += x.to(tl.float32)[:, :, None] * w[None, :, :]
+                x = tl.load(x_row + i, mask=row_in, other=0.0)
+                partial += x.to(tl.float32)[:, None] * w
             elif IEEE:
+                x = tl.load(x_ptrs + i, mask=m_in & row_in[None, :], other=0.0)
                 acc = tl.dot(x, w.to(x.dtype), acc, input_precision="ieee")
             else:
+                x = tl.load(x_ptrs + i, mask=m_in & row_in[None, :], other=0.0)
                 acc = tl.dot(x, w.to(x.dtype), acc)
         codes += (BLOCK_K // PER_WORD) * N
         scale += (BLOCK_K // GROUP) * N
@@ -178,8 +182,9 @@ def plane_matmul_kernel(
         if HIGH_BITS > 0:
             high += (BLOCK_K * HIGH_BITS // 32) * N
         x_ptrs += BLOCK_K
+        x_row += BLOCK_K
     if not USE_DOT:
-        acc = tl.sum(partial, axis=1)
+        acc = tl.sum(partial, axis=0)[None, :]
     y = y_ptr + tl.program_id(2) * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :]
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_in & (offs_n[None, :] < N))
 

@@ -48,10 +48,10 @@ def k_splits(n_tiles: int, k_tiles: int, num_sms: int) -> int:
 def decode_tiles(m: int, n: int, k: int, code_bits: int, num_sms: int) -> DecodeTiles:
     """The default launch for x [m, k] @ W^T, W [n, k] with ``code_bits``-bit codes.
 
-    - tl.dot at every M, even 1: compiled for sm_90 the per-thread FMA variant (``dot=False``)
-      loads and converts an activation per weight (its 3-D layout spreads the rows over
-      threads) and runs more instructions per weight than tl.dot's padded 16-row tile; the
-      benchmark's sweep still times it for M <= 4.
+    - M = 1: no tl.dot (``dot=False``, block_m 1): compiled for sm_90 the per-thread FMAs run
+      about a tenth fewer instructions per weight than tl.dot's 16-row tile padded from one
+      row, and no barrier per slab (the decode matmul is bound by those instructions more
+      than by memory: about 7 per weight). The sweep times both.
     - block_m: 16, tl.dot's smallest tile, up to 16 rows; 32 above (DECODE_MAX_M): one M tile,
       so the weights are read once.
     - block_k: every slab (one code of each word) is BLOCK_K / codes-per-word input rows, the
@@ -60,12 +60,13 @@ def decode_tiles(m: int, n: int, k: int, code_bits: int, num_sms: int) -> Decode
     - block_n: 64 columns keep the words, scales and biases of a tile in registers (about
       16 each per thread with four warps) and give N = 4096 64 tiles to split along K.
     """
-    block_m = 16 if m <= 16 else 32
+    dot = m > 1
+    block_m = (16 if m <= 16 else 32) if dot else 1
     block_n = 64
     block_k = 256 if code_bits == 4 else 128
     n_tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
     splits = k_splits(n_tiles, triton.cdiv(k, block_k), num_sms)
-    return DecodeTiles(block_m, block_n, block_k, splits)
+    return DecodeTiles(block_m, block_n, block_k, splits, dot=dot)
 
 
 def _is_pow2(v: int) -> bool:
@@ -78,7 +79,7 @@ def _check_tiles(tiles: DecodeTiles, per_word: int) -> None:
         _is_pow2(tiles.block_m)
         and _is_pow2(tiles.block_n)
         and _is_pow2(tiles.block_k)
-        and tiles.block_m >= least
+        and (tiles.block_m >= 16 if tiles.dot else tiles.block_m == 1)
         and tiles.block_n >= 16
         and tiles.block_k >= 32
         and tiles.block_k // per_word >= least
@@ -87,7 +88,7 @@ def _check_tiles(tiles: DecodeTiles, per_word: int) -> None:
         raise ValueError(
             f"decode tiles {tiles} must be powers of two with block_n >= 16, block_k >= 32, "
             f"and with tl.dot block_m >= 16 and block_k / {per_word} codes per word >= 16 "
-            "(tl.dot's inner size)."
+            "(tl.dot's inner size), without it block_m 1."
         )
 
 

@@ -47,7 +47,7 @@ def main() -> None:
             {"x_ptr": x_dtype, **planes, "y_ptr": "*fp32", "M": "i32", "N": "i32",
              "stride_xm": "i32", "stride_ym": "i32", "stride_ys": "i32"},
             {"K": 4096, "K_SPLIT": 1024, **consts, "IEEE": not dot, "USE_DOT": dot,
-             "BLOCK_M": 16 if dot else 2, "BLOCK_N": 64, "BLOCK_K": 32 * layout.per_word},
+             "BLOCK_M": 16 if dot else 1, "BLOCK_N": 64, "BLOCK_K": 32 * layout.per_word},
             num_warps=4,
             num_stages=3,
         )  # fmt: skip

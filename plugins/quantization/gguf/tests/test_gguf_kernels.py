@@ -158,7 +158,7 @@ def test_decode_matmul_split_along_k_adds_up_to_the_product(qtype):
     x = torch.randn(3, 1024, generator=torch.Generator().manual_seed(5))
     block_k = 16 * planes.layout.per_word  # the smallest slab tl.dot takes
     for splits, dot in ((2, True), (3, True), (3, False)):
-        block_m = 16 if dot else 4
+        block_m = 16 if dot else 1  # without tl.dot: one program per row of x
         tiles = ops.DecodeTiles(block_m, 16, block_k, splits, dot=dot)
         _product_check(ops.planes_matmul(x, planes, tiles), x, reference)
 
@@ -208,7 +208,8 @@ def test_default_tiles_split_k_only_when_output_tiles_are_few():
     assert k_splits(n_tiles=64, k_tiles=16, num_sms=132) == 8  # N = 4096, K = 4096 on an H200
     assert k_splits(n_tiles=448, k_tiles=16, num_sms=132) == 1  # gate_up: enough tiles already
     assert k_splits(n_tiles=64, k_tiles=2, num_sms=132) == 1  # short K: one run
-    assert decode_tiles(1, 4096, 4096, 4, 132) == DecodeTiles(16, 64, 256, 8)
+    assert decode_tiles(1, 4096, 4096, 4, 132) == DecodeTiles(1, 64, 256, 8, dot=False)
+    assert decode_tiles(2, 4096, 4096, 4, 132) == DecodeTiles(16, 64, 256, 8)
     assert decode_tiles(17, 28672, 4096, 8, 132) == DecodeTiles(32, 64, 128, 1)
 
 
