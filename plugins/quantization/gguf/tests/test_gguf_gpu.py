@@ -77,12 +77,14 @@ def test_gguf_linear_on_the_gpu_matches_the_reference_product(qtype, m, dtype, m
 
 @pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("splits", [1, 8])
-def test_decode_matmul_replays_in_a_cuda_graph_as_it_runs_eagerly(qtype, splits):
+@pytest.mark.parametrize("m", [1, 4])  # without and with tl.dot
+def test_decode_matmul_replays_in_a_cuda_graph_as_it_runs_eagerly(qtype, splits, m):
     from pagellm_gguf import ops
 
     planes, reference = _case(qtype)
-    tiles = ops.decode_tiles(4, N, K, planes.layout.code_bits, 132)._replace(splits=splits)
-    x = torch.randn(4, K, device="cuda", dtype=torch.bfloat16)
+    tiles = ops.decode_tiles(m, N, K, planes.layout.code_bits, 132)._replace(splits=splits)
+    assert tiles.dot == (m > 1)
+    x = torch.randn(m, K, device="cuda", dtype=torch.bfloat16)
     ops.planes_matmul(x, planes, tiles)  # compiled outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
