@@ -19,7 +19,7 @@ once the product, not the weight read, is the cost."""
 
 class DecodeTiles(NamedTuple):
     """A launch of ``plane_matmul_kernel``: tile sizes, K splits, Triton's warps/stages, and
-    whether the slabs go through ``tl.dot`` (else per-thread float32 FMAs, for a few rows)."""
+    whether the slabs go through ``tl.dot`` (else per-thread float32 FMAs, block_m 1)."""
 
     block_m: int
     block_n: int
@@ -56,7 +56,7 @@ def decode_tiles(m: int, n: int, k: int, code_bits: int, num_sms: int) -> Decode
       so the weights are read once.
     - block_k: every slab (one code of each word) is BLOCK_K / codes-per-word input rows, the
       dot's inner size; 32 rows per slab (256 input rows of 4-bit codes, 128 of int8) is a
-      16 KB-or-less word tile per 64 columns, enough bytes in flight with three stages.
+      word tile of 8 KB per 64 columns, enough bytes in flight with three stages.
     - block_n: 64 columns keep the words, scales and biases of a tile in registers (about
       16 each per thread with four warps) and give N = 4096 64 tiles to split along K.
     """
