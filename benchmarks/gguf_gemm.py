@@ -50,9 +50,9 @@ F16_FIELDS = {
     "Q6_K": (208,),
 }
 COLD_BYTES = 2 * 50 * 2**20  # twice the H100/H200 L2 (50 MiB): copies cycled past it
-# (block_n, slab rows = block_k / codes per word, num_warps, num_stages) tried by --sweep, each
-# with ops.k_splits' split count; the default tiles also with half and twice its splits; each
-# with and (M <= 4) without tl.dot.
+# (block_n, slab rows = block_k / codes per word, num_warps, num_stages) tried by --sweep with
+# tl.dot, and (M <= 4) SWEEP_NO_DOT without, each with ops.k_splits' split count; the default
+# tiles also with half and twice their splits.
 SWEEP = [
     (32, 32, 4, 3),
     (64, 16, 4, 3),
@@ -66,6 +66,7 @@ SWEEP = [
     (256, 16, 8, 3),
     (256, 32, 8, 3),
 ]
+SWEEP_NO_DOT = [(32, 32, 4, 3), (64, 32, 4, 3), (128, 32, 4, 3), (64, 64, 4, 3), (64, 32, 8, 3)]
 
 
 def random_blocks(qtype: int, n: int, k: int) -> torch.Tensor:
@@ -129,15 +130,19 @@ def sweep(
     default = ops.decode_tiles(m, n, k, copies[0].layout.code_bits, ops._num_sms(x.device))
     candidates = {default, default._replace(splits=max(1, default.splits // 2))}
     candidates.add(default._replace(splits=default.splits * 2))
+    block_m = 16 if m <= 16 else 32
     for block_n, rows, warps, stages in SWEEP:
         block_k = rows * per_word
-        tiles = triton.cdiv(n, block_n) * triton.cdiv(m, default.block_m)
+        tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
         splits = ops.k_splits(tiles, triton.cdiv(k, block_k), ops._num_sms(x.device))
-        candidates.add(ops.DecodeTiles(default.block_m, block_n, block_k, splits, warps, stages))
-    # tl.dot and per-thread FMAs (one row of x per program), each with the other's tiles.
-    candidates |= {t._replace(block_m=16, dot=True) for t in candidates if not t.dot}
+        candidates.add(ops.DecodeTiles(block_m, block_n, block_k, splits, warps, stages))
+    # Without tl.dot (one row of x per program: M <= 4 is a handful of programs per tile).
     if m <= 4:
-        candidates |= {t._replace(block_m=1, dot=False) for t in candidates if t.dot}
+        for block_n, rows, warps, stages in SWEEP_NO_DOT:
+            block_k = rows * per_word
+            tiles = triton.cdiv(n, block_n) * m
+            splits = ops.k_splits(tiles, triton.cdiv(k, block_k), ops._num_sms(x.device))
+            candidates.add(ops.DecodeTiles(1, block_n, block_k, splits, warps, stages, False))
     timed = []
     for tiles in candidates:
         fns = [lambda p=p, t=tiles: ops.planes_matmul(x, p, t) for p in copies]

@@ -2,7 +2,7 @@
 # One round on the GPU machine: offline install (wheels carried in .whl), GPU tests, benchmarks.
 # Writes logs and JSON under $OUT. Stages: tests, tests-flashinfer, fi-jit, fi-cache-save, fa-tests,
 # fa-kernels, fp8-tests, fp8-gemm, decode-tiles, int4-tests, int4-gemm, int4-w1, gguf-tests, gguf-gemm,
-# gguf-sweep-a, gguf-sweep-b, prof, step-prof, w1, w2,
+# gguf-sweep-a, gguf-sweep-b, gguf-sweep-c, prof, step-prof, w1, w2,
 # overhead, hf (W1/W2 with the HF peer).
 #   bash benchmarks/gpu_round.sh tests w2 w1 overhead
 set -uo pipefail
@@ -85,11 +85,13 @@ for stage in "$@"; do
     gguf-tests) run gguf_tests 400 python3 -m pytest -m gpu -q -s -p no:cacheprovider --timeout 300 \
         plugins/quantization/gguf/tests ;;
     gguf-gemm) run gguf_gemm 450 python3 benchmarks/gguf_gemm.py --output-json "$OUT/gguf_gemm.json" ;;
-    # Decode tile candidates per (type, matmul, M = 1, 16), in two halves of the types.
+    # Decode tile candidates per (type, matmul, M = 1, 16), two types per stage (compiles).
     gguf-sweep-a) run gguf_sweep_a 550 python3 benchmarks/gguf_gemm.py --ms 1 16 --sweep \
-        --types Q4_0 Q4_1 Q4_K --output-json "$OUT/gguf_sweep_a.json" ;;
+        --types Q4_0 Q4_K --output-json "$OUT/gguf_sweep_a.json" ;;
     gguf-sweep-b) run gguf_sweep_b 550 python3 benchmarks/gguf_gemm.py --ms 1 16 --sweep \
-        --types Q8_0 Q5_K Q6_K --output-json "$OUT/gguf_sweep_b.json" ;;
+        --types Q4_1 Q8_0 --output-json "$OUT/gguf_sweep_b.json" ;;
+    gguf-sweep-c) run gguf_sweep_c 550 python3 benchmarks/gguf_gemm.py --ms 1 16 --sweep \
+        --types Q5_K Q6_K --output-json "$OUT/gguf_sweep_c.json" ;;
     int4-gemm) run int4_gemm 400 python3 benchmarks/int4_gemm.py --output-json "$OUT/int4_gemm.json" ;;
     # W1's model as a GPTQ int4 checkpoint of random weights (our RTN writer, on the GPU, kept
     # under build/), then low-batch decode (1 and 16 requests at once, 512 in / 512 out) against
