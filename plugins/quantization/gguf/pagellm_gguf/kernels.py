@@ -1,12 +1,14 @@
-"""Triton kernels reading GGUF blocks: dequantize to a float matrix, and a matmul that
-dequantizes its weight tiles in registers.
+"""Triton kernels over GGUF planes (``planes.py``): a decode matmul that dequantizes its weight
+tiles in registers, and a dequantize to a float matrix (the prefill path's cuBLAS input).
 
-Each weight (row ``n``, column ``k``) is decoded where it lies: its block is ``k // block_size``,
-at byte ``n * row_bytes + block * type_size`` of the raw rows, and its scale and quant bits sit at
-fixed offsets of the block (llama.cpp's layout, ggml-common.h; ``gguf.quants`` dequantizes the
-same bytes in numpy, the reference of the tests). A block's scales are loaded once per group of
-weights sharing them; the quant bytes once per weight (the two nibbles of a byte hit the cache),
-so the weight bytes are read from memory about once.
+A K tile of ``BLOCK_K`` input rows and ``BLOCK_N`` columns is one load of its code words
+``[BLOCK_K / PER_WORD, BLOCK_N]`` (coalesced along N), its scales (and biases, high bits) loaded
+at the same shape (row ``r`` of the tile reads the group of input rows ``PER_WORD * r + i``,
+the same group for every ``i``: the planes' rows repeat, hitting the cache). Code ``i`` of every
+word, ``(words >> bits * i) & mask``, is the ``[BLOCK_K / PER_WORD, BLOCK_N]`` slab of input rows
+``k0 + PER_WORD * r + i``; it is dequantized as ``(q - OFFSET) * scale + bias`` in float32 (the
+`gguf` package's operations: bit-exact) and multiplied with the matching strided columns of x.
+No reshape or broadcast moves data between threads.
 """
 
 from __future__ import annotations
@@ -14,191 +16,215 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# GGMLQuantizationType values (gguf.constants), as kernel constants.
-Q4_0: tl.constexpr = tl.constexpr(2)
-Q4_1: tl.constexpr = tl.constexpr(3)
-Q8_0: tl.constexpr = tl.constexpr(8)
-Q4_K: tl.constexpr = tl.constexpr(12)
-Q5_K: tl.constexpr = tl.constexpr(13)
-Q6_K: tl.constexpr = tl.constexpr(14)
-
 
 @triton.jit
-def _u8(ptr, offs, mask):
-    return tl.load(ptr + offs, mask=mask, other=0).to(tl.int32)
-
-
-@triton.jit
-def _f16(ptr, offs, mask):
-    """The little-endian float16 at byte ``offs`` (blocks are byte-aligned only), as float32."""
-    bits = _u8(ptr, offs, mask) | (_u8(ptr, offs + 1, mask) << 8)
-    return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def _k_scale_min(ptr, scales, sub, mask):
-    """Sub-block ``sub``'s 6-bit scale and min of a Q4_K/Q5_K super-block (12 packed bytes at
-    ``scales``): sub-blocks 0-3 use the low 6 bits of bytes 0-7; 4-7 the nibbles of bytes 8-11
-    with the top 2 bits of bytes 0-7."""
-    low = sub < 4
-    b_sub = _u8(ptr, scales + sub, mask)
-    b_next = _u8(ptr, scales + sub + 4, mask)
-    b_prev = _u8(ptr, scales + tl.where(low, sub, sub - 4), mask)
-    scale = tl.where(low, b_sub & 63, (b_next & 15) | ((b_prev >> 6) << 4))
-    minimum = tl.where(low, b_next & 63, (b_next >> 4) | ((b_sub >> 6) << 4))
-    return scale.to(tl.float32), minimum.to(tl.float32)
-
-
-@triton.jit
-def _spread(t, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, SIZE: tl.constexpr):
-    """Per-group values [BLOCK_N, GROUPS] repeated over each group's SIZE columns."""
-    wide = tl.broadcast_to(t[:, :, None], (BLOCK_N, GROUPS, SIZE))
-    return tl.reshape(wide, (BLOCK_N, GROUPS * SIZE))
-
-
-@triton.jit
-def dequantize_tile(
-    w_ptr,
-    offs_n,
+def _tile_pointers(
+    codes_ptr,
+    high_ptr,
+    scale_ptr,
+    bias_ptr,
     k0,
+    offs_n,
     N,
-    K,
-    row_bytes,
-    QTYPE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    PER_WORD: tl.constexpr,
+    HIGH_BITS: tl.constexpr,
+    GROUP: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """The float32 weights [BLOCK_N, BLOCK_K] at rows ``offs_n``, columns ``k0`` (a multiple of
-    BLOCK_K, itself a power of two >= 32) onwards, of raw GGUF rows of type ``QTYPE``.
-
-    Scales are read once per group of weights sharing them (32; 16 for Q6_K) and spread over the
-    group; quant bits are read per weight."""
-    row = offs_n.to(tl.int64)[:, None] * row_bytes
-    offs_k = k0 + tl.arange(0, BLOCK_K)
-    n_in = (offs_n < N)[:, None]
-    mask = n_in & (offs_k < K)[None, :]
-    # Q4_0, Q4_1, Q8_0 have 32-weight blocks; the K-quants (12-14) 256-weight super-blocks.
-    if QTYPE < Q4_K:
-        offs_g = k0 // 32 + tl.arange(0, BLOCK_K // 32)  # the tile's blocks
-        g_mask = n_in & (offs_g * 32 < K)[None, :]
-        j = (offs_k % 32)[None, :]
-        if QTYPE == Q4_0:
-            block = row + (offs_g * 18)[None, :]
-            base = row + (offs_k // 32 * 18)[None, :]
-            q = (_u8(w_ptr, base + 2 + j % 16, mask) >> (j // 16 * 4)) & 15
-            d = _spread(_f16(w_ptr, block, g_mask), BLOCK_N, BLOCK_K // 32, 32)
-            w = d * (q - 8).to(tl.float32)
-        elif QTYPE == Q4_1:
-            block = row + (offs_g * 20)[None, :]
-            base = row + (offs_k // 32 * 20)[None, :]
-            q = (_u8(w_ptr, base + 4 + j % 16, mask) >> (j // 16 * 4)) & 15
-            d = _spread(_f16(w_ptr, block, g_mask), BLOCK_N, BLOCK_K // 32, 32)
-            m = _spread(_f16(w_ptr, block + 2, g_mask), BLOCK_N, BLOCK_K // 32, 32)
-            w = d * q.to(tl.float32) + m
-        else:
-            block = row + (offs_g * 34)[None, :]
-            base = row + (offs_k // 32 * 34)[None, :]
-            b = _u8(w_ptr, base + 2 + j, mask)
-            d = _spread(_f16(w_ptr, block, g_mask), BLOCK_N, BLOCK_K // 32, 32)
-            w = d * (b - ((b >> 7) << 8)).to(tl.float32)  # int8
+    """Pointers [BLOCK_K / PER_WORD, BLOCK_N] into the planes for input rows ``k0 ..
+    k0 + BLOCK_K`` (``k0`` a multiple of BLOCK_K) at columns ``offs_n``: code words, high-bit
+    words, scales, biases (the high words and biases are stand-ins where the type has none), and
+    each word row's shift into its high word (the same for every tile)."""
+    offs_r = tl.arange(0, BLOCK_K // PER_WORD)
+    first_row = k0 + offs_r * PER_WORD  # the input row of each word row's code 0
+    cols = offs_n[None, :]
+    codes = codes_ptr + (first_row // PER_WORD).to(tl.int64)[:, None] * N + cols
+    group = (first_row // GROUP).to(tl.int64)[:, None] * N + cols
+    if HIGH_BITS > 0:
+        high_rows = 32 // HIGH_BITS  # input rows per high word
+        high = high_ptr + (first_row // high_rows).to(tl.int64)[:, None] * N + cols
+        high_shift = ((first_row % high_rows) * HIGH_BITS).to(tl.uint32)[:, None]
     else:
-        j = (offs_k % 256)[None, :]
-        sub = j // 32
-        if QTYPE == Q6_K:
-            # ql[128] (low nibbles), qh[64] (2 high bits), int8 scales[16] (one per 16), d.
-            offs_g = k0 // 16 + tl.arange(0, BLOCK_K // 16)
-            g_mask = n_in & (offs_g * 16 < K)[None, :]
-            block = row + (offs_g // 16 * 210)[None, :]
-            s = _u8(w_ptr, block + 192 + (offs_g % 16)[None, :], g_mask)
-            ds = _f16(w_ptr, block + 208, g_mask) * (s - ((s >> 7) << 8)).to(tl.float32)
-            base = row + (offs_k // 256 * 210)[None, :]
-            ql = _u8(w_ptr, base + j // 128 * 64 + j % 64, mask) >> (j % 128 // 64 * 4)
-            qh = _u8(w_ptr, base + 128 + j // 128 * 32 + j % 32, mask) >> (j % 128 // 32 * 2)
-            q = ((ql & 15) | ((qh & 3) << 4)) - 32
-            w = _spread(ds, BLOCK_N, BLOCK_K // 16, 16) * q.to(tl.float32)
-        else:
-            # Q4_K: d, dmin, 12 scale bytes, 128 nibble bytes; Q5_K adds 32 high-bit bytes
-            # before the nibbles. One 6-bit scale and min per 32-weight sub-block.
-            offs_g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-            g_mask = n_in & (offs_g * 32 < K)[None, :]
-            if QTYPE == Q4_K:
-                block = row + (offs_g // 8 * 144)[None, :]
-                base = row + (offs_k // 256 * 144)[None, :]
-                q = (_u8(w_ptr, base + 16 + j // 64 * 32 + j % 32, mask) >> (sub % 2 * 4)) & 15
-            else:
-                block = row + (offs_g // 8 * 176)[None, :]
-                base = row + (offs_k // 256 * 176)[None, :]
-                q = (_u8(w_ptr, base + 48 + j // 64 * 32 + j % 32, mask) >> (sub % 2 * 4)) & 15
-                q = q | (((_u8(w_ptr, base + 16 + j % 32, mask) >> sub) & 1) << 4)
-            scale, minimum = _k_scale_min(w_ptr, block + 4, (offs_g % 8)[None, :], g_mask)
-            d_scale = _f16(w_ptr, block, g_mask) * scale
-            d_min = _f16(w_ptr, block + 2, g_mask) * minimum
-            w = _spread(d_scale, BLOCK_N, BLOCK_K // 32, 32) * q.to(tl.float32)
-            w = w - _spread(d_min, BLOCK_N, BLOCK_K // 32, 32)
+        high = codes
+        high_shift = offs_r.to(tl.uint32)[:, None]
+    return codes, high, scale_ptr + group, bias_ptr + group, high_shift
+
+
+@triton.jit
+def _load_planes(codes, high, scale, bias, mask, HIGH_BITS: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """One tile of each plane (stand-ins for the planes a type lacks; constexpr conditions:
+    only the chosen side is compiled)."""
+    # Unsigned words: logical shifts, no sign extension to undo.
+    words = tl.load(codes, mask=mask, other=0).to(tl.uint32, bitcast=True)
+    scales = tl.load(scale, mask=mask, other=0.0).to(tl.float32)
+    biases = tl.load(bias, mask=mask, other=0.0).to(tl.float32) if HAS_BIAS else scales
+    if HIGH_BITS > 0:
+        highs = tl.load(high, mask=mask, other=0).to(tl.uint32, bitcast=True)
+    else:
+        highs = words
+    return words, highs, scales, biases
+
+
+@triton.jit
+def _decode_slab(
+    words,
+    high,
+    high_shift,
+    scale,
+    bias,
+    i: tl.constexpr,
+    CODE_BITS: tl.constexpr,
+    SIGNED: tl.constexpr,
+    HIGH_BITS: tl.constexpr,
+    OFFSET: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    """Float32 weights of code ``i`` of each word (input rows ``PER_WORD * r + i``).
+
+    The code becomes a float through the bits of ``2^23 + q`` (exact for q < 2^23) and one
+    subtraction: full-rate ALU operations, where an int -> float conversion runs at an eighth of
+    the rate on recent GPUs and would bound the kernel below memory speed."""
+    q = (words >> (CODE_BITS * i)) & (2**CODE_BITS - 1)
+    if HIGH_BITS > 0:
+        top = (high >> (high_shift + HIGH_BITS * i)) & (2**HIGH_BITS - 1)
+        q = q | (top << CODE_BITS)
+    if SIGNED:  # a two's-complement code c, top bit flipped, is c + 2^(bits - 1)
+        q = q ^ 2 ** (CODE_BITS - 1)
+        zero = 8388608.0 + OFFSET + 2 ** (CODE_BITS - 1)
+    else:
+        zero = 8388608.0 + OFFSET
+    w = ((q | 0x4B000000).to(tl.float32, bitcast=True) - zero) * scale
+    if HAS_BIAS:
+        w = w + bias
     return w
 
 
 @triton.jit
-def dequantize_kernel(
-    w_ptr,
-    out_ptr,
-    N,
-    K,
-    row_bytes,
-    QTYPE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    k0 = tl.program_id(1) * BLOCK_K
-    offs_k = k0 + tl.arange(0, BLOCK_K)
-    mask = (offs_n[:, None] < N) & (offs_k[None, :] < K)
-    w = dequantize_tile(w_ptr, offs_n, k0, N, K, row_bytes, QTYPE, BLOCK_N, BLOCK_K)
-    out = out_ptr + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :]
-    tl.store(out, w.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def dequant_matmul_kernel(
+def plane_matmul_kernel(
     x_ptr,
-    w_ptr,
+    codes_ptr,
+    high_ptr,
+    scale_ptr,
+    bias_ptr,
     y_ptr,
     M,
     N,
-    row_bytes,
     stride_xm,
     stride_ym,
     stride_ys,
     K: tl.constexpr,
     K_SPLIT: tl.constexpr,
-    QTYPE: tl.constexpr,
+    CODE_BITS: tl.constexpr,
+    SIGNED: tl.constexpr,
+    HIGH_BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    OFFSET: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     IEEE: tl.constexpr,
+    USE_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """y[s, M, N] = x[M, K_s] @ W[N, K_s]^T over the ``s``-th run of ``K_SPLIT`` columns
-    (program axis 2), W decoded tile by tile from its GGUF rows; float32 accumulation (IEEE
+    """y[s, M, N] = x[M, K_s] @ W[N, K_s]^T over the ``s``-th run of ``K_SPLIT`` input rows
+    (program axis 2), W decoded slab by slab from its planes; float32 accumulation (IEEE
     products for float32 activations, not TF32). With one split, y is the output; with several,
     float32 partial sums that the caller adds. K is a compile-time constant: a model has a few
-    in_features, and the loop bound is then known."""
+    in_features, and the loop bound is then known.
+
+    ``USE_DOT``: each slab goes through ``tl.dot`` (BLOCK_M >= 16, rows of x past M masked;
+    the decoded slab passes through shared memory into the MMA operand layout). Otherwise
+    (BLOCK_M = 1: one row of x per program) each thread multiplies and adds its own weights in
+    float32 into ``[rows, BLOCK_N]`` partial sums reduced once after the loop: one FMA per
+    weight, no shared memory in the loop."""
+    PER_WORD: tl.constexpr = 32 // CODE_BITS
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n_in = (offs_n < N)[None, :]
+    m_in = (offs_m < M)[:, None]
+    offs_r = tl.arange(0, BLOCK_K // PER_WORD)
     k_start = tl.program_id(2) * K_SPLIT
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K_SPLIT, BLOCK_K):
-        offs_k = k_start + k0 + tl.arange(0, BLOCK_K)
-        k_in = offs_k < K
-        x = tl.load(
-            x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-            mask=(offs_m[:, None] < M) & k_in[None, :],
-            other=0.0,
+    # Pointers computed once and advanced by a scalar per tile (no per-element 64-bit math).
+    codes, high, scale, bias, high_shift = _tile_pointers(
+        codes_ptr, high_ptr, scale_ptr, bias_ptr, k_start, offs_n, N,
+        PER_WORD, HIGH_BITS, GROUP, BLOCK_K,
+    )  # fmt: skip
+    # With tl.dot: x [BLOCK_M, slab rows] per slab; without (BLOCK_M = 1): x a vector.
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_start + offs_r * PER_WORD)[None, :]
+    x_row = x_ptr + tl.program_id(1) * stride_xm + k_start + offs_r * PER_WORD
+    if USE_DOT:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:
+        partial = tl.zeros((BLOCK_K // PER_WORD, BLOCK_N), dtype=tl.float32)
+    for k_step in range(0, K_SPLIT, BLOCK_K):
+        # K is a multiple of PER_WORD: a word row inside K has all its codes inside K.
+        row_in = k_start + k_step + offs_r * PER_WORD < K
+        words, highs, scales, biases = _load_planes(
+            codes, high, scale, bias, row_in[:, None] & n_in, HIGH_BITS, HAS_BIAS
         )
-        w = dequantize_tile(w_ptr, offs_n, k_start + k0, N, K, row_bytes, QTYPE, BLOCK_N, BLOCK_K)
-        w = w.to(x.dtype)
-        if IEEE:
-            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(x, tl.trans(w), acc)
+        for i in tl.static_range(PER_WORD):
+            w = _decode_slab(
+                words, highs, high_shift, scales, biases, i, CODE_BITS, SIGNED, HIGH_BITS,
+                OFFSET, HAS_BIAS,
+            )  # fmt: skip
+            if not USE_DOT:
+                x = tl.load(x_row + i, mask=row_in, other=0.0)
+                partial += x.to(tl.float32)[:, None] * w
+            elif IEEE:
+                x = tl.load(x_ptrs + i, mask=m_in & row_in[None, :], other=0.0)
+                acc = tl.dot(x, w.to(x.dtype), acc, input_precision="ieee")
+            else:
+                x = tl.load(x_ptrs + i, mask=m_in & row_in[None, :], other=0.0)
+                acc = tl.dot(x, w.to(x.dtype), acc)
+        codes += (BLOCK_K // PER_WORD) * N
+        scale += (BLOCK_K // GROUP) * N
+        bias += (BLOCK_K // GROUP) * N
+        if HIGH_BITS > 0:
+            high += (BLOCK_K * HIGH_BITS // 32) * N
+        x_ptrs += BLOCK_K
+        x_row += BLOCK_K
+    if not USE_DOT:
+        acc = tl.sum(partial, axis=0)[None, :]
     y = y_ptr + tl.program_id(2) * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :]
-    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_in & (offs_n[None, :] < N))
+
+
+@triton.jit
+def plane_dequantize_kernel(
+    codes_ptr,
+    high_ptr,
+    scale_ptr,
+    bias_ptr,
+    out_ptr,
+    N,
+    K,
+    CODE_BITS: tl.constexpr,
+    SIGNED: tl.constexpr,
+    HIGH_BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    OFFSET: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """W^T [K, N] in ``out_ptr``'s dtype (rows along N: coalesced stores), one tile of
+    BLOCK_K input rows and BLOCK_N columns per program."""
+    PER_WORD: tl.constexpr = 32 // CODE_BITS
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = tl.program_id(1) * BLOCK_K
+    offs_r = tl.arange(0, BLOCK_K // PER_WORD)
+    codes, high, scale, bias, high_shift = _tile_pointers(
+        codes_ptr, high_ptr, scale_ptr, bias_ptr, k0, offs_n, N, PER_WORD, HIGH_BITS, GROUP,
+        BLOCK_K,
+    )  # fmt: skip
+    row_in = k0 + offs_r * PER_WORD < K
+    mask = row_in[:, None] & (offs_n < N)[None, :]
+    words, highs, scales, biases = _load_planes(codes, high, scale, bias, mask, HIGH_BITS, HAS_BIAS)
+    for i in tl.static_range(PER_WORD):
+        w = _decode_slab(
+            words, highs, high_shift, scales, biases, i, CODE_BITS, SIGNED, HIGH_BITS, OFFSET,
+            HAS_BIAS,
+        )  # fmt: skip
+        offs_k = k0 + offs_r * PER_WORD + i
+        out = out_ptr + offs_k.to(tl.int64)[:, None] * N + offs_n[None, :]
+        tl.store(out, w.to(out_ptr.dtype.element_ty), mask=mask)

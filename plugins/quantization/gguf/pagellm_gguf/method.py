@@ -3,9 +3,10 @@ Triton kernels (``ops.gguf_linear``).
 
 The loader hands each linear part (q, k, v of qkv_proj; gate, up of gate_up_proj) its raw rows as
 stored in the file. Parts can have different types (a Q4_K_M file stores v and down in Q6_K), so
-after loading, consecutive parts of one type are joined into one matrix of blocks, and a layer
-whose parts differ runs one product per type and joins the outputs. A part the kernels do not
-read (F32, F16, or another block type, dequantized by the reader) runs as a float matrix.
+after loading, consecutive parts of one type are joined into one matrix of blocks and repacked
+once into the kernels' aligned planes (``planes.py``; the raw blocks are then dropped), and a
+layer whose parts differ runs one product per type and joins the outputs. A part the kernels do
+not read (F32, F16, or another block type, dequantized by the reader) runs as a float matrix.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm.quantization import LinearMethodBase, QuantizationConfig
+from pagellm_gguf.planes import GGUFPlanes, repack
 
 
 class GGUFLinearMethod(LinearMethodBase):
@@ -26,7 +28,9 @@ class GGUFLinearMethod(LinearMethodBase):
     def __init__(self) -> None:
         self.parts: dict[int, tuple[int | None, torch.Tensor]] = {}
         self.types: list[int | None] = []
-        """The GGUF type of each segment (parameter ``gguf_weight_<i>``); None: float weights."""
+        """The GGUF type of each segment; None: float weights (parameter ``gguf_weight_<i>``)."""
+        self.segments: list[GGUFPlanes | torch.Tensor] = []
+        """Each segment's planes (parameters ``gguf_<plane>_<i>``) or float weight."""
         self.in_features = 0
 
     def create_weights(
@@ -72,26 +76,36 @@ class GGUFLinearMethod(LinearMethodBase):
                 segments.append((qtype, [part]))
         for i, (qtype, tensors) in enumerate(segments):
             # Parameters, not buffers: the worker counts a model's weight bytes from them.
-            weight = nn.Parameter(torch.cat(tensors).contiguous(), requires_grad=False)
-            layer.register_parameter(f"gguf_weight_{i}", weight)
+            joined = torch.cat(tensors)
             self.types.append(qtype)
+            if qtype is None:
+                weight = nn.Parameter(joined.contiguous(), requires_grad=False)
+                layer.register_parameter(f"gguf_weight_{i}", weight)
+                self.segments.append(weight)
+                continue
+            planes = repack(joined, qtype, self.in_features)
+            for name, plane in planes.tensors().items():
+                param = nn.Parameter(plane, requires_grad=False)
+                layer.register_parameter(f"gguf_{name}_{i}", param)
+                setattr(planes, name, param)  # the planes run the registered tensors
+            self.segments.append(planes)
         del layer.weight
         self.parts.clear()
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         from pagellm_gguf.ops import gguf_linear  # Triton: imported where the kernels run
 
-        outputs = []
-        for i, qtype in enumerate(self.types):
-            weight = layer.get_parameter(f"gguf_weight_{i}")
-            outputs.append(F.linear(x, weight) if qtype is None else gguf_linear(x, weight, qtype))
+        outputs = [
+            gguf_linear(x, segment) if isinstance(segment, GGUFPlanes) else F.linear(x, segment)
+            for segment in self.segments
+        ]
         y = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
         bias = layer.get_parameter("bias") if layer.bias is not None else None
         return y if bias is None else y + bias
 
 
 class GGUFConfig(QuantizationConfig):
-    """GGUF weights kept as their blocks on a CUDA GPU (chosen by itself for a GGUF file there)."""
+    """GGUF weights kept quantized (as planes) on a CUDA GPU (chosen by itself for a GGUF file there)."""
 
     name: ClassVar[str] = "gguf"
     reads_model_format: ClassVar[str | None] = "gguf"

@@ -50,6 +50,9 @@ def _byte_tokens() -> list[str]:
     return [chars[b] for b in range(256)]
 
 
+MERGED = ("ĠĠ", "ĊĊ")  # two spaces, two newlines: the results of the vocabulary's merges
+VOCAB_SIZE = 256 + len(MERGED)
+
 _GGUF_NAMES = {
     "self_attn.q_proj": "attn_q",
     "self_attn.k_proj": "attn_k",
@@ -69,12 +72,14 @@ def write_tiny_gguf(
     arch: str, path: str, types: dict[str, GGMLQuantizationType], **config: Any
 ) -> None:
     """A tiny random ``arch`` (qwen2, qwen3) model written as a GGUF file: linear weights in
-    ``types`` (by GGUF part name, e.g. ``ffn_down``; others F32), a byte-level vocabulary of 257
-    tokens. The `gguf` package quantizes to Q4_0, Q4_1 and Q8_0 but not to the K-quants: a
+    ``types`` (by GGUF part name, e.g. ``ffn_down``; others F32), a byte-level vocabulary of 256
+    tokens and two merges. The `gguf` package quantizes to Q4_0, Q4_1 and Q8_0 but not to the K-quants: a
     K-quant weight is random blocks of its type instead (small scales), the same in both readers."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    hf_config = AutoConfig.for_model(arch, vocab_size=257, tie_word_embeddings=True, **config)
+    hf_config = AutoConfig.for_model(
+        arch, vocab_size=VOCAB_SIZE, tie_word_embeddings=True, **config
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(hf_config).float()
     writer = GGUFWriter(path, arch)
@@ -94,9 +99,12 @@ def write_tiny_gguf(
     writer.add_layer_norm_rms_eps(hf_config.rms_norm_eps)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("qwen2")
-    writer.add_token_list([*_byte_tokens(), "ĠĠ"])  # the one merge's result
-    writer.add_token_types([1] * 257)
-    writer.add_token_merges(["Ġ Ġ"])
+    # Two merges (spaces, newlines) and their results: transformers up to 5.17 reads a
+    # one-element GGUF array as its element, so a single merge would reach its tokenizer
+    # converter as a string, split character by character into malformed merges.
+    writer.add_token_list([*_byte_tokens(), *MERGED])
+    writer.add_token_types([1] * VOCAB_SIZE)
+    writer.add_token_merges([f"{t[0]} {t[1:]}" for t in MERGED])
     writer.add_bos_token_id(0)
     writer.add_eos_token_id(1)
     for name, tensor in model.state_dict().items():

@@ -1,6 +1,6 @@
-"""pagellm-gguf on a CUDA GPU: the compiled kernels against the `gguf` package's numpy
-dequantizers at a Llama-sized K, CUDA-graph replay, and the packaged SmolLM2 Q4_1 GGUF served
-with its weights kept as Q4_1 blocks.
+"""pagellm-gguf on a CUDA GPU: the planes repacked on the GPU and the compiled kernels over them
+against the `gguf` package's numpy dequantizers at a Llama-sized K, CUDA-graph replay (split K
+too), and the packaged SmolLM2 Q4_1 GGUF served with its weights kept quantized.
 
     pytest -m gpu plugins/quantization/gguf/tests/test_gguf_gpu.py
 
@@ -18,6 +18,7 @@ import pytest
 import torch
 from gguf_files import random_blocks
 from pagellm_gguf.block_types import KERNEL_TYPES
+from pagellm_gguf.planes import GGUFPlanes, repack
 
 pytestmark = [
     pytest.mark.gpu,
@@ -28,37 +29,45 @@ N, K = 1027, 4096  # an odd number of rows; a Llama-8B hidden size of columns
 
 
 @functools.cache  # one weight per type for all the M and dtype cases
-def _case(qtype: gguf.GGMLQuantizationType) -> tuple[torch.Tensor, torch.Tensor]:
+def _case(qtype: gguf.GGMLQuantizationType) -> tuple[GGUFPlanes, torch.Tensor]:
     raw = random_blocks(qtype, N, K, seed=int(qtype))
     reference = torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(N, K).copy())
-    return torch.from_numpy(raw).cuda(), reference.cuda()
+    return repack(torch.from_numpy(raw).cuda(), int(qtype), K), reference.cuda()
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_planes_repacked_on_the_gpu_equal_those_of_the_cpu(qtype):
+    planes, _ = _case(qtype)
+    on_cpu = repack(torch.from_numpy(random_blocks(qtype, N, K, seed=int(qtype))), int(qtype), K)
+    for name, plane in on_cpu.tensors().items():
+        assert torch.equal(planes.tensors()[name].cpu(), plane), name
 
 
 @pytest.mark.parametrize("qtype", TYPES)
 def test_dequantize_on_the_gpu_equals_the_numpy_reference(qtype):
     from pagellm_gguf import ops
 
-    blocks, reference = _case(qtype)
-    got = ops.dequantize(blocks, int(qtype), K, torch.float32)
-    # The GPU may fuse scale * q - min into one FMA (one rounding fewer than numpy): an ulp.
-    atol = 2**-22 * reference.abs().max().item()
-    torch.testing.assert_close(got, reference, rtol=2**-22, atol=atol)
-    bf16 = ops.dequantize(blocks, int(qtype), K, torch.bfloat16)
+    planes, reference = _case(qtype)
+    got = ops.dequantize(planes, torch.float32)
+    # The GPU may fuse q * scale + bias into one FMA: the product is exact (a float16 or
+    # float32 scale times a code of at most 8 bits), so that rounds like numpy. Bit for bit.
+    assert torch.equal(got, reference)
+    bf16 = ops.dequantize(planes, torch.bfloat16)
     torch.testing.assert_close(bf16.float(), got.to(torch.bfloat16).float(), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("qtype", TYPES)
-@pytest.mark.parametrize("m", [1, 16, 32, 33, 300])  # both sides of DECODE_MAX_M
+@pytest.mark.parametrize("m", [1, 3, 16, 17, 32, 33, 300])  # both sides of DECODE_MAX_M
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_gguf_linear_on_the_gpu_matches_the_reference_product(qtype, m, dtype, monkeypatch):
     from pagellm_gguf import ops
 
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # fp32: IEEE products
 
-    blocks, reference = _case(qtype)
+    planes, reference = _case(qtype)
     x = torch.randn(m, K, device="cuda", generator=torch.Generator("cuda").manual_seed(m))
     x = x.to(dtype)
-    got = ops.gguf_linear(x, blocks, int(qtype)).float()
+    got = ops.gguf_linear(x, planes).float()
     # Both paths round the weights to the activations' dtype; the reference keeps them exact.
     expected = x.double() @ reference.double().t()
     rel = ((got.double() - expected).norm() / expected.norm()).item()
@@ -67,20 +76,26 @@ def test_gguf_linear_on_the_gpu_matches_the_reference_product(qtype, m, dtype, m
 
 
 @pytest.mark.parametrize("qtype", TYPES)
-def test_decode_matmul_replays_in_a_cuda_graph_as_it_runs_eagerly(qtype):
+@pytest.mark.parametrize("splits", [1, 8])
+@pytest.mark.parametrize("m", [1, 4])  # without and with tl.dot
+def test_decode_matmul_replays_in_a_cuda_graph_as_it_runs_eagerly(qtype, splits, m):
     from pagellm_gguf import ops
 
-    blocks, _ = _case(qtype)
-    x = torch.randn(4, K, device="cuda", dtype=torch.bfloat16)
-    eager = ops.gguf_linear(x, blocks, int(qtype))
+    planes, reference = _case(qtype)
+    tiles = ops.decode_tiles(m, N, K, planes.layout.code_bits, 132)._replace(splits=splits)
+    assert tiles.dot == (m > 1)
+    x = torch.randn(m, K, device="cuda", dtype=torch.bfloat16)
+    ops.planes_matmul(x, planes, tiles)  # compiled outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = ops.gguf_linear(x, blocks, int(qtype))
+        out = ops.planes_matmul(x, planes, tiles)
     x.copy_(torch.randn_like(x))
-    eager = ops.gguf_linear(x, blocks, int(qtype))
+    eager = ops.planes_matmul(x, planes, tiles)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
+    expected = x.double() @ reference.double().t()
+    assert ((out.double() - expected).norm() / expected.norm()).item() < 1e-2
 
 
 def _smollm2_path() -> str:
@@ -106,9 +121,10 @@ def test_smollm2_q4_1_is_kept_quantized_on_the_gpu_and_answers_paris(monkeypatch
     assert linears and all(
         m.linear_method.types == [int(gguf.GGMLQuantizationType.Q4_1)] for m in linears
     )
+    assert all(isinstance(s, GGUFPlanes) for m in linears for s in m.linear_method.segments)
     kept = sum(p.numel() * p.element_size() for m in linears for p in m.parameters())
     dense = sum(m.linear_method.in_features * sum(m.output_sizes) * 2 for m in linears)  # bf16
-    assert kept < dense / 3, (kept, dense)  # Q4_1: 20 bytes per 32 weights, against 64
+    assert kept < dense / 3, (kept, dense)  # Q4_1 planes: 20 bytes per 32 weights, against 64
     worker = llm.llm_engine.engine_core.executor.worker
     quantized_bytes = worker.decode_weight_bytes()
     out = llm.chat(
