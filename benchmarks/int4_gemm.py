@@ -17,7 +17,7 @@ weights|| / ||bf16 out||.
 
 ``--sweep`` first measures candidate tiles of the fused kernel for each matmul at
 M = 1, 16, 64 (`SWEEP_MS`) and writes the fastest to the kernel's table
-(``pagellm_int4/configs/<GPU name>.json``, which `w4a16.tile_config` reads; also
+(``pagellm_int4/configs/<GPU name>.json``, which `int4_tiles.tile_config` reads; also
 ``--sweep-json``), then times the table as above with the new entries.
 
 Prints one table line per (matmul, M), then one JSON object (also written to ``--output-json``).
@@ -49,6 +49,7 @@ except ImportError:  # pagellm-int4 not pip-installed: import it from the source
     from pagellm_int4 import gemm as int4_gemm
 from pagellm_int4.int4_values import Int4Values
 from pagellm_int4.kernel_layout import KernelLayout, dequantize, to_kernel_layout
+from pagellm_int4.kernels import tiles as int4_tiles
 from pagellm_int4.kernels import w4a16
 
 LAYERS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
@@ -170,7 +171,7 @@ def time_layer(name: str, n: int, k: int, ms: list[int], group: int) -> list[dic
     return rows
 
 
-def candidates(m: int, n: int, k: int) -> list[w4a16.TileConfig]:
+def candidates(m: int, n: int, k: int) -> list[int4_tiles.TileConfig]:
     """First pass: kinds and row tiles that fit M, column tiles and splits, 4 warps, 3 stages."""
     # The fma kind (CUDA cores) lost to the dot kind at every M of the first H200 sweep; it
     # stays reachable through the table, not swept.
@@ -183,11 +184,11 @@ def candidates(m: int, n: int, k: int) -> list[w4a16.TileConfig]:
             for split in (1, 2, 4, 8, 16, 32):
                 if split > k_tiles or (split > 1 and not 132 <= programs * split <= 8 * 132):
                     continue
-                out.append(w4a16.TileConfig(kind, bm, bn, 128, split, warps, 3))
+                out.append(int4_tiles.TileConfig(kind, bm, bn, 128, split, warps, 3))
     return out
 
 
-def time_tiles(x: torch.Tensor, layouts: list[KernelLayout], cfg: w4a16.TileConfig) -> float:
+def time_tiles(x: torch.Tensor, layouts: list[KernelLayout], cfg: int4_tiles.TileConfig) -> float:
     """The tiles' time, or infinity (and why) when they do not compile or run."""
     calls = [
         functools.partial(
@@ -223,7 +224,7 @@ def sweep_layer(n: int, k: int, group: int) -> dict[str, dict[str, Any]]:
             t = time_tiles(x, layouts, cfg)
             if t < us:
                 us, top = t, cfg
-        best[str(m)] = {**w4a16.table_entry(top), "us": round(us, 2)}
+        best[str(m)] = {**int4_tiles.table_entry(top), "us": round(us, 2)}
         print(
             f"sweep N={n} K={k} M={m}: {top} {us:.1f} us (of {len(timed) + len(variants)})",
             flush=True,
@@ -236,7 +237,7 @@ def sweep_layer(n: int, k: int, group: int) -> dict[str, dict[str, Any]]:
 def sweep(group: int, sweep_json: Path | None) -> None:
     """Each matmul's fastest tiles into the device's table, written after each matmul."""
     name = torch.cuda.get_device_name()
-    path = w4a16._device_file(name)
+    path = int4_tiles._device_file(name)
     table = json.loads(path.read_text()) if path.is_file() else {"device": name, "tiles": {}}
     table.setdefault("measured_us", {})
     for n, k in LAYERS.values():
@@ -250,7 +251,7 @@ def sweep(group: int, sweep_json: Path | None) -> None:
         path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
         if sweep_json:
             sweep_json.write_text(path.read_text())
-    w4a16.measured_table.cache_clear()
+    int4_tiles.measured_table.cache_clear()
     print(f"wrote {path}")
 
 

@@ -23,6 +23,7 @@ from pagellm_int4.kernel_layout import (
     to_kernel_layout,
     unpack_tiles,
 )
+from pagellm_int4.kernels import tiles as int4_tiles
 from pagellm_int4.kernels import w4a16
 from pagellm_int4.kernels.w4a16 import Int4KernelInputError
 
@@ -108,39 +109,41 @@ def test_tile_interleaved_packing_puts_row_16i_plus_r_in_nibble_i_of_word_r():
 
 def test_tiles_without_a_measured_table_split_k_to_fill_the_sms():
     h200 = 132
-    assert w4a16.scales_per_tile(4096, 128, 128)
-    assert w4a16.scales_per_tile(4096, 4096, 128)  # one group: any K tile
-    assert not w4a16.scales_per_tile(4096, 32, 128)
-    assert w4a16.tile_config(1, 4096, 4096, 128, h200).kind == "dot"
-    assert w4a16.tile_config(1, 4096, 4096, 128, h200).block_m == 16
-    assert w4a16.tile_config(64, 4096, 4096, 128, h200).block_m == 64
+    assert int4_tiles.scales_per_tile(4096, 128, 128)
+    assert int4_tiles.scales_per_tile(4096, 4096, 128)  # one group: any K tile
+    assert not int4_tiles.scales_per_tile(4096, 32, 128)
+    assert int4_tiles.tile_config(1, 4096, 4096, 128, h200).kind == "dot"
+    assert int4_tiles.tile_config(1, 4096, 4096, 128, h200).block_m == 16
+    assert int4_tiles.tile_config(64, 4096, 4096, 128, h200).block_m == 64
     # 32 output tiles of 128 columns for N = 4096: split in 16 (512 programs, two K tiles
     # each); none at prefill sizes; gate_up's 224 tiles (N = 28672) in 2.
-    assert w4a16.tile_config(1, 4096, 4096, 128, h200).split_k == 16
-    assert w4a16.tile_config(64, 4096, 4096, 128, h200).split_k == 1
-    assert w4a16.tile_config(1, 28672, 4096, 128, h200).split_k == 2
+    assert int4_tiles.tile_config(1, 4096, 4096, 128, h200).split_k == 16
+    assert int4_tiles.tile_config(64, 4096, 4096, 128, h200).split_k == 1
+    assert int4_tiles.tile_config(1, 28672, 4096, 128, h200).split_k == 2
 
 
 def test_a_measured_table_is_used_for_its_shapes_and_the_rule_elsewhere(tmp_path, monkeypatch):
     table = {
         "tiles": {
             "4096,4096,128": {
-                "4": w4a16.table_entry(w4a16.TileConfig("fma", 4, 64, 256, 4, 4, 2)),
-                "16": w4a16.table_entry(w4a16.TileConfig("dot", 16, 256, 128, 2, 8, 4)),
+                "4": int4_tiles.table_entry(int4_tiles.TileConfig("fma", 4, 64, 256, 4, 4, 2)),
+                "16": int4_tiles.table_entry(int4_tiles.TileConfig("dot", 16, 256, 128, 2, 8, 4)),
             }
         }
     }
     (tmp_path / "Some_GPU_80GB.json").write_text(json.dumps(table))
-    monkeypatch.setattr(w4a16, "CONFIG_DIR", tmp_path)
-    w4a16.measured_table.cache_clear()
+    monkeypatch.setattr(int4_tiles, "CONFIG_DIR", tmp_path)
+    int4_tiles.measured_table.cache_clear()
     try:
-        pick = functools.partial(w4a16.tile_config, n=4096, k=4096, group_size=128, num_sms=132)
+        pick = functools.partial(
+            int4_tiles.tile_config, n=4096, k=4096, group_size=128, num_sms=132
+        )
         assert pick(1, device_name="Some GPU 80GB").block_k == 256
         assert pick(16, device_name="Some GPU 80GB").kind == "dot"
         assert pick(17, device_name="Some GPU 80GB") == pick(17)  # past the table: the rule
         assert pick(1, device_name="Other GPU") == pick(1)
     finally:
-        w4a16.measured_table.cache_clear()
+        int4_tiles.measured_table.cache_clear()
 
 
 @pytest.mark.parametrize(("kind", "block_m"), [("fma", 1), ("fma", 4), ("dot", 16)])
@@ -155,7 +158,7 @@ def test_both_kinds_of_program_match_the_reference(kind, block_m, k, n, group):
     reads them, against the reference path on the unpacked codes."""
     layout = _layout(k, n, group, act_order=False, seed=8)
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(9))
-    tiles = w4a16.TileConfig(kind, block_m, 64, 128, 2, 4, 2)
+    tiles = int4_tiles.TileConfig(kind, block_m, 64, 128, 2, 4, 2)
     out = w4a16.w4a16_gemm(x, layout.qweight, layout.scales, layout.zeros, group, tiles=tiles)
     torch.testing.assert_close(out, gemm.reference_gemm(x, layout), rtol=1e-5, atol=1e-5)
 
@@ -169,7 +172,7 @@ def test_tiles_other_than_the_interleaved_tile_are_refused():
             layout.scales,
             layout.zeros,
             32,
-            tiles=w4a16.TileConfig("dot", 16, 64, 64, 1, 4, 2),
+            tiles=int4_tiles.TileConfig("dot", 16, 64, 64, 1, 4, 2),
         )
 
 
@@ -193,7 +196,7 @@ def test_the_cuda_path_takes_the_fused_kernel_or_dequantize_then_matmul_by_m(m, 
 def test_tiles_that_do_not_fit_the_gpu_fall_back_to_narrow_single_stage_tiles(monkeypatch):
     from triton.runtime.errors import OutOfResources
 
-    launched: list[w4a16.TileConfig] = []
+    launched: list[int4_tiles.TileConfig] = []
     real_launch = w4a16._launch
 
     def launch(*args):
@@ -206,7 +209,7 @@ def test_tiles_that_do_not_fit_the_gpu_fall_back_to_narrow_single_stage_tiles(mo
     monkeypatch.setattr(w4a16, "_launch", launch)
     layout = _layout(256, 64, 128, act_order=False, seed=12)
     x = torch.randn(2, 256, generator=torch.Generator().manual_seed(13))
-    too_wide = w4a16.TileConfig("dot", 16, 256, 128, 1, 8, 4)
+    too_wide = int4_tiles.TileConfig("dot", 16, 256, 128, 1, 8, 4)
     out = w4a16.w4a16_gemm(x, layout.qweight, layout.scales, layout.zeros, 128, tiles=too_wide)
-    assert launched == [too_wide, w4a16.SAFE_TILES]
+    assert launched == [too_wide, int4_tiles.SAFE_TILES]
     torch.testing.assert_close(out, gemm.reference_gemm(x, layout), rtol=1e-5, atol=1e-5)

@@ -25,11 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import logging
-import re
-from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 import triton
@@ -37,198 +33,22 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from pagellm_int4.kernel_layout import TILE_K
+from pagellm_int4.kernels.tiles import (
+    SAFE_TILES,
+    TileConfig,
+    scales_per_tile,
+    tile_config,
+)
+from pagellm_int4.kernels.unpack import CODE_OF, CODE_OFFSET, codes_f32, slab_codes, unpack_slabs
 
-__all__ = ["TileConfig", "dequantize_int4", "tile_config", "w4a16_gemm"]
+__all__ = ["dequantize_int4", "w4a16_gemm"]
 
 logger = logging.getLogger(__name__)
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
 class Int4KernelInputError(ValueError):
     """A tensor given to an int4 kernel has a dtype or shape the kernel does not take."""
-
-
-@dataclass(frozen=True)
-class TileConfig:
-    kind: str
-    """``dot`` (tensor cores) or ``fma`` (CUDA cores, BLOCK_M of 1 to 8 rows)."""
-    block_m: int
-    block_n: int
-    block_k: int
-    split_k: int
-    """Programs sharing one output tile, each over its own run of K tiles; their float32 partial
-    sums are added in a fixed order by a second kernel (deterministic, unlike atomics)."""
-    num_warps: int
-    num_stages: int
-    unpack: str = "asm"
-    """How a dot program turns a word tile into eight slabs of codes: ``asm`` (inline PTX: two
-    byte permutes, then one shift and one LOP3 per two codes) or ``shift`` (Triton ops, one
-    code at a time); both build the float bits of ``offset + code`` directly, with no int-to-
-    float conversion (a quarter-rate instruction that bounded the first kernel). The fma kind
-    and the interpreter always use ``shift``."""
-
-
-SPLIT_K_MAX_M = 16
-"""Split-K only up to this M: its float32 workspace (split_k x M x N) stays small next to the
-weight it helps stream."""
-
-
-def scales_per_tile(k: int, group_size: int, block_k: int) -> bool:
-    """Every K tile lies in one group: one scale and zero row per tile."""
-    return group_size >= k or group_size % block_k == 0
-
-
-def _rule(m: int, n: int, k: int, group_size: int, num_sms: int) -> TileConfig:
-    """Without a measured table: tensor cores (the fastest kind at every M the first H200 sweep
-    measured), 128 columns a program; K split until there are about four programs per SM to
-    keep enough weight reads in flight (a decode GEMM of N = 4096 has only 32 column tiles),
-    each run keeping two K tiles. Groups shorter than a tile stage a scale and a zero per weight
-    through shared memory: 64 columns and two stages there (128 and three overflow the H200's
-    227 KB at 64 rows)."""
-    kind = "dot"
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    per_tile = scales_per_tile(k, group_size, TILE_K)
-    block_n, block_k = (128, TILE_K) if per_tile else (64, TILE_K)
-    stages = 3 if per_tile else 2
-    programs = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    split = 1
-    while m <= SPLIT_K_MAX_M and programs * split * 2 <= 4 * num_sms and k >= split * 4 * block_k:
-        split *= 2
-    return TileConfig(kind, block_m, block_n, block_k, split, 4, stages)
-
-
-SAFE_TILES = TileConfig("dot", 16, 64, TILE_K, 1, 4, 1)
-"""What a launch falls back to when its tiles do not fit the GPU (`OutOfResources`): one
-stage, narrow tiles (block_m is kept)."""
-
-
-def _device_file(name: str) -> Path:
-    return CONFIG_DIR / (re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_") + ".json")
-
-
-@functools.cache
-def measured_table(device_name: str) -> dict[str, list[tuple[int, TileConfig]]]:
-    """``"N,K,group"`` -> [(largest M, tiles)] sorted by M, from the device's table if shipped."""
-    path = _device_file(device_name)
-    if not path.is_file():
-        return {}
-    raw = json.loads(path.read_text())
-    return {
-        shape: sorted((int(m), TileConfig(**cfg)) for m, cfg in by_m.items())
-        for shape, by_m in raw["tiles"].items()
-    }
-
-
-def tile_config(
-    m: int, n: int, k: int, group_size: int, num_sms: int, device_name: str = ""
-) -> TileConfig:
-    """The tiles for an [M, K] x [K, N] int4 GEMM: the measured table's entry for the smallest
-    listed M >= m of this shape and group size, else `_rule`."""
-    entries = measured_table(device_name).get(f"{n},{k},{group_size}") if device_name else None
-    for largest_m, cfg in entries or ():
-        if m <= largest_m:
-            return cfg
-    return _rule(m, n, k, group_size, num_sms)
-
-
-def table_entry(cfg: TileConfig) -> dict[str, int | str]:
-    return asdict(cfg)
-
-
-# Float bit patterns whose low mantissa bits take a 4-bit code exactly: bfloat16 128 + q,
-# float16 1024 + q, float32 2^23 + q. The products then carry ``offset * sum(x)``, taken off
-# once per tile with the zero point; float32 (the interpreter's) subtracts 2^23 at once instead.
-CODE_FP32: tl.constexpr = tl.constexpr(0)
-CODE_BF16: tl.constexpr = tl.constexpr(1)
-CODE_FP16: tl.constexpr = tl.constexpr(2)
-_CODE_OF = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_CODE_OFFSET = {0: 0.0, 1: 128.0, 2: 1024.0}
-
-# Two words and the tile's zero points in, eight registers out, each holding slab i of both
-# words as a 16-bit pair q - z: the low halves of the two words (nibbles 0-3) and the high
-# halves (4-7) are put side by side with PRMT; (h >> 4j) & 0x000F000F | MAGIC (one LOP3, 0xEA:
-# (a & b) | c) is the pair offset + q; one packed FMA, t * 1 + (-(offset + z)), leaves q - z,
-# exact (small integers). The dot then needs no correction, hence no sum of the activations.
-_UNPACK_PTX = """{
-.reg .b32 lo, hi, t, one;
-mov.b32 one, ONE;
-prmt.b32 lo, $8, $9, 0x5410;
-prmt.b32 hi, $8, $9, 0x7632;
-lop3.b32 t, lo, 0x000f000f, MAGIC, 0xea;
-fma.rn.TYPE $0, t, one, $10;
-shr.u32 t, lo, 4;
-lop3.b32 t, t, 0x000f000f, MAGIC, 0xea;
-fma.rn.TYPE $1, t, one, $10;
-shr.u32 t, lo, 8;
-lop3.b32 t, t, 0x000f000f, MAGIC, 0xea;
-fma.rn.TYPE $2, t, one, $10;
-shr.u32 t, lo, 12;
-lop3.b32 t, t, 0x000f000f, MAGIC, 0xea;
-fma.rn.TYPE $3, t, one, $10;
-lop3.b32 t, hi, 0x000f000f, MAGIC, 0xea;
-fma.rn.TYPE $4, t, one, $10;
-shr.u32 t, hi, 4;
-lop3.b32 t, t, 0x000f000f, MAGIC, 0xea;
-fma.rn.TYPE $5, t, one, $10;
-shr.u32 t, hi, 8;
-lop3.b32 t, t, 0x000f000f, MAGIC, 0xea;
-fma.rn.TYPE $6, t, one, $10;
-shr.u32 t, hi, 12;
-lop3.b32 t, t, 0x000f000f, MAGIC, 0xea;
-fma.rn.TYPE $7, t, one, $10;
-}"""
-_UNPACK_BF16: tl.constexpr = tl.constexpr(
-    _UNPACK_PTX.replace("MAGIC", "0x43004300")
-    .replace("TYPE", "bf16x2")
-    .replace("ONE", "0x3f803f80")
-)
-_UNPACK_FP16: tl.constexpr = tl.constexpr(
-    _UNPACK_PTX.replace("MAGIC", "0x64006400").replace("TYPE", "f16x2").replace("ONE", "0x3c003c00")
-)
-_SLAB_CONSTRAINTS: tl.constexpr = tl.constexpr("=r,=r,=r,=r,=r,=r,=r,=r,r,r,r")
-
-
-@triton.jit
-def _unpack_slabs(words, neg_zero, CODE: tl.constexpr):
-    """The eight slabs of ``words`` as q - z, in bfloat16 (CODE_BF16) or float16; ``neg_zero``
-    is -(offset + z) in that dtype, broadcast to the words' shape."""
-    if CODE == CODE_BF16:
-        return tl.inline_asm_elementwise(
-            _UNPACK_BF16,
-            _SLAB_CONSTRAINTS,
-            [words, neg_zero],
-            (tl.bfloat16,) * 8,
-            is_pure=True,
-            pack=2,
-        )
-    else:
-        return tl.inline_asm_elementwise(
-            _UNPACK_FP16,
-            _SLAB_CONSTRAINTS,
-            [words, neg_zero],
-            (tl.float16,) * 8,
-            is_pure=True,
-            pack=2,
-        )
-
-
-@triton.jit
-def _slab_codes(words, i: tl.constexpr, CODE: tl.constexpr):
-    """Slab ``i`` of ``words`` as offset + code in the activations' dtype (Triton ops)."""
-    nib = (words >> (4 * i)) & 0xF
-    if CODE == CODE_BF16:
-        return (nib | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    elif CODE == CODE_FP16:
-        return (nib | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-    else:
-        return (nib | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-
-
-@triton.jit
-def _codes_f32(words, i: tl.constexpr):
-    """Slab ``i`` of ``words`` as float32 codes (2^23 + q, less 2^23: exact, no conversion)."""
-    return (((words >> (4 * i)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
 
 
 @triton.jit
@@ -315,7 +135,7 @@ def _w4a16_gemm_kernel(
                 # q - z per weight inside the unpack: no activation sums (whose cross-thread
                 # reductions cost more barriers than the products), a's only use is the dot.
                 neg_zero = (-(z + OFFSET)).to(x_ptr.dtype.element_ty)
-                slabs = _unpack_slabs(words, tl.broadcast_to(neg_zero[None, :], words.shape), CODE)
+                slabs = unpack_slabs(words, tl.broadcast_to(neg_zero[None, :], words.shape), CODE)
                 part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 for i in tl.static_range(8):
                     rows = k0 + (BLOCK_K // 8) * i + offs_w
@@ -330,7 +150,7 @@ def _w4a16_gemm_kernel(
                 for i in tl.static_range(8):
                     rows = k0 + (BLOCK_K // 8) * i + offs_w
                     a = _activation_slab(x_ptr, offs_m, rows, M, K, stride_xm, mask_m, EVEN_K)
-                    part = tl.dot(a, _slab_codes(words, i, CODE), part)
+                    part = tl.dot(a, slab_codes(words, i, CODE), part)
                     a_sum += a.to(tl.float32)
                 x_sum = tl.sum(a_sum, axis=1)
                 acc += (part - x_sum[:, None] * (z[None, :] + OFFSET)) * s[None, :]
@@ -340,7 +160,7 @@ def _w4a16_gemm_kernel(
                 for i in tl.static_range(8):
                     rows = k0 + (BLOCK_K // 8) * i + offs_w
                     a = _activation_slab(x_ptr, offs_m, rows, M, K, stride_xm, mask_m, EVEN_K)
-                    part += a.to(tl.float32)[:, :, None] * _codes_f32(words, i)[None, :, :]
+                    part += a.to(tl.float32)[:, :, None] * codes_f32(words, i)[None, :, :]
                     x_sum += a.to(tl.float32)
                 acc += (part - x_sum[:, :, None] * z[None, None, :]) * s[None, None, :]
         else:
@@ -352,7 +172,7 @@ def _w4a16_gemm_kernel(
                 g_rows = (rows // GROUP_SIZE)[:, None] * N + offs_n[None, :]
                 s2 = tl.load(s_ptr + g_rows, mask=w_mask, other=0.0)
                 z2 = tl.load(z_ptr + g_rows, mask=w_mask, other=0).to(tl.float32)
-                w = ((_codes_f32(words, i) - z2) * s2).to(a.dtype)
+                w = ((codes_f32(words, i) - z2) * s2).to(a.dtype)
                 if USE_DOT:
                     acc = tl.dot(a, w, acc)
                 else:
@@ -401,7 +221,7 @@ def _dequantize_kernel(
         g_rows = (rows // GROUP_SIZE)[:, None] * N + offs_n[None, :]
         s = tl.load(s_ptr + g_rows, mask=mask, other=0.0)
         z = tl.load(z_ptr + g_rows, mask=mask, other=0).to(tl.float32)
-        w = (_codes_f32(words, i) - z) * s
+        w = (codes_f32(words, i) - z) * s
         out = out_ptr + rows.to(tl.int64)[:, None] * N + offs_n[None, :]
         tl.store(out, w.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -459,7 +279,7 @@ def _launch(
 ) -> None:
     m, k = x.shape
     n = qweight.shape[1]
-    code = _CODE_OF[x.dtype]
+    code = CODE_OF[x.dtype]
     k_tiles = triton.cdiv(triton.cdiv(k, tiles.block_k), splits)
     grid = (triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n), splits)
     _w4a16_gemm_kernel[grid](
@@ -484,7 +304,7 @@ def _launch(
         USE_DOT=tiles.kind == "dot",
         USE_ASM=use_asm and tiles.kind == "dot",
         CODE=code,
-        OFFSET=_CODE_OFFSET[code],
+        OFFSET=CODE_OFFSET[code],
         EVEN_K=k % tiles.block_k == 0 and k_tiles * splits * tiles.block_k == k,
         EVEN_N=n % tiles.block_n == 0,
         num_warps=tiles.num_warps,
@@ -522,7 +342,7 @@ def w4a16_gemm(
         raise Int4KernelInputError(
             f"the kernel reads whole interleaved tiles: BLOCK_K must be {TILE_K}, got {tiles}"
         )
-    code = _CODE_OF[x.dtype]
+    code = CODE_OF[x.dtype]
     per_tile = scales_per_tile(k, group_size, tiles.block_k)
     # Inline PTX compiles only for the GPU, and packs 16-bit codes.
     use_asm = tiles.kind == "dot" and tiles.unpack == "asm" and x.is_cuda and per_tile and code > 0
