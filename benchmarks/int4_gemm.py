@@ -16,7 +16,7 @@ over the time, bf16's its bf16 bytes; ``rel_err`` is ||int4 out - bf16 out of th
 weights|| / ||bf16 out||.
 
 ``--sweep`` first measures candidate tiles of the fused kernel for each matmul at
-M = 1, 16, 64 (`SWEEP_MS`) and writes the fastest to the kernel's table
+M = 1, 16, 64 (`SWEEP_MS`, or ``--sweep-ms``) and writes the fastest to the kernel's table
 (``pagellm_int4/configs/<GPU name>.json``, which `int4_tiles.tile_config` reads; also
 ``--sweep-json``), then times the table as above with the new entries.
 
@@ -172,17 +172,20 @@ def time_layer(name: str, n: int, k: int, ms: list[int], group: int) -> list[dic
 
 
 def candidates(m: int, n: int, k: int) -> list[int4_tiles.TileConfig]:
-    """First pass: kinds and row tiles that fit M, column tiles and splits, 4 warps, 3 stages."""
+    """First pass: row tiles that fit M, column tiles and splits (any count: a split that does
+    not divide K's tiles gives some programs one tile more, and can fill the SMs' last wave
+    better), 3 stages, the serial split-K sum."""
     # The fma kind (CUDA cores) lost to the dot kind at every M of the first H200 sweep; it
     # stays reachable through the table, not swept.
     blocks_m = [("dot", 16)] if m <= 16 else [("dot", 32), ("dot", 64)]
+    widths = ((64, 4), (128, 4), (256, 8)) if m <= 16 else ((64, 4), (128, 4), (256, 4), (256, 8))
     out = []
     k_tiles = triton.cdiv(k, 128)
     for kind, bm in blocks_m:
-        for bn, warps in ((64, 4), (128, 4), (256, 4), (256, 8), (512, 8)):
+        for bn, warps in widths:
             programs = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-            for split in (1, 2, 4, 8, 16, 32):
-                if split > k_tiles or (split > 1 and not 132 <= programs * split <= 8 * 132):
+            for split in (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 32):
+                if split > k_tiles or (split > 1 and not 100 <= programs * split <= 8 * 132):
                     continue
                 out.append(int4_tiles.TileConfig(kind, bm, bn, 128, split, warps, 3))
     return out
@@ -203,11 +206,11 @@ def time_tiles(x: torch.Tensor, layouts: list[KernelLayout], cfg: int4_tiles.Til
         return float("inf")
 
 
-def sweep_layer(n: int, k: int, group: int) -> dict[str, dict[str, Any]]:
-    """The fastest tiles at each of SWEEP_MS for this matmul (graph-timed, L2 flushed)."""
+def sweep_layer(n: int, k: int, group: int, ms: list[int]) -> dict[str, dict[str, Any]]:
+    """The fastest tiles at each of ``ms`` for this matmul (graph-timed, L2 flushed)."""
     layouts = layout_copies(random_layout(n, k, group))
     best: dict[str, dict[str, Any]] = {}
-    for m in SWEEP_MS:
+    for m in ms:
         x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
 
         timed = sorted(
@@ -216,7 +219,9 @@ def sweep_layer(n: int, k: int, group: int) -> dict[str, dict[str, Any]]:
         )
         us, top = timed[0]
         # Second pass around the winner: warps and pipeline depth.
-        variants = [{"num_stages": 4}, {"num_stages": 2}]
+        variants: list[dict[str, Any]] = [{"num_stages": 4}, {"num_stages": 2}]
+        if top.split_k > 1:
+            variants.append({"reduce": "kernel"})  # the partial sums in a second launch
         if top.kind == "dot":
             variants.append({"unpack": "shift"})  # Triton ops instead of the inline PTX
         for change in variants:
@@ -234,19 +239,20 @@ def sweep_layer(n: int, k: int, group: int) -> dict[str, dict[str, Any]]:
     return best
 
 
-def sweep(group: int, sweep_json: Path | None) -> None:
-    """Each matmul's fastest tiles into the device's table, written after each matmul."""
+def sweep(group: int, sweep_json: Path | None, ms: list[int]) -> None:
+    """Each matmul's fastest tiles into the device's table (the entries of other Ms kept),
+    written after each matmul."""
     name = torch.cuda.get_device_name()
     path = int4_tiles._device_file(name)
     table = json.loads(path.read_text()) if path.is_file() else {"device": name, "tiles": {}}
     table.setdefault("measured_us", {})
     for n, k in LAYERS.values():
         shape = f"{n},{k},{group}"
-        best = sweep_layer(n, k, group)
-        table["tiles"][shape] = {
-            m: {f: v for f, v in e.items() if f != "us"} for m, e in best.items()
-        }
-        table["measured_us"][shape] = {m: e["us"] for m, e in best.items()}
+        best = sweep_layer(n, k, group, ms)
+        table["tiles"].setdefault(shape, {}).update(
+            {m: {f: v for f, v in e.items() if f != "us"} for m, e in best.items()}
+        )
+        table["measured_us"].setdefault(shape, {}).update({m: e["us"] for m, e in best.items()})
         path.parent.mkdir(exist_ok=True)
         path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
         if sweep_json:
@@ -262,11 +268,12 @@ def main() -> None:
     parser.add_argument("--output-json", type=Path)
     parser.add_argument("--sweep", action="store_true", help="measure tiles, write the table")
     parser.add_argument("--sweep-json", type=Path, help="a copy of the table --sweep writes")
+    parser.add_argument("--sweep-ms", type=int, nargs="+", default=SWEEP_MS)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
     if args.sweep:
-        sweep(args.group_size, args.sweep_json)
+        sweep(args.group_size, args.sweep_json, args.sweep_ms)
     rows = []
     for name, (n, k) in LAYERS.items():
         rows.extend(time_layer(name, n, k, args.ms, args.group_size))

@@ -114,6 +114,43 @@ def test_graph_replay_of_the_fused_gemm_is_identical_to_eager():
     assert not torch.equal(captured, eager)
 
 
+@pytest.mark.parametrize("split_k", [2, 5, 7, 32])
+def test_split_k_sums_are_the_same_bits_by_the_last_program_or_a_second_kernel(split_k):
+    """Even and uneven splits of K = 4096's 32 tiles; the serial sum (a counter per output tile,
+    re-armed by the last program) over many graph replays equals the two-launch sum."""
+    import dataclasses
+
+    from pagellm_int4.gemm import reference_gemm
+    from pagellm_int4.kernels import tiles as int4_tiles
+    from pagellm_int4.kernels.split_k import tile_counters
+    from pagellm_int4.kernels.w4a16 import w4a16_gemm
+
+    layout = _layout(4096, 6144, 128, act_order=False)
+    x = torch.randn(3, 4096, device="cuda", dtype=torch.bfloat16)
+    serial = int4_tiles.TileConfig("dot", 16, 128, 128, split_k, 4, 3)
+    second = dataclasses.replace(serial, reduce="kernel")
+
+    def run(tiles: int4_tiles.TileConfig) -> torch.Tensor:
+        return w4a16_gemm(x, layout.qweight, layout.scales, layout.zeros, 128, tiles=tiles)
+
+    expected = run(second)
+    assert torch.equal(run(serial), expected)
+    ref = reference_gemm(x.float(), layout)
+    assert ((expected.float() - ref).norm() / ref.norm()).item() < 5e-3
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        run(serial)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [run(serial) for _ in range(8)]  # eight launches back to back, one counter set
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(out, expected) for out in outs)
+    assert not bool(tile_counters(x.device, 1).any())
+
+
 @pytest.mark.parametrize(
     "scheme_args",
     [

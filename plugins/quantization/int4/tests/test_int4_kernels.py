@@ -9,6 +9,7 @@ describes the first); float16 takes the same code path here."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 
@@ -85,13 +86,22 @@ def test_kernel_inputs_of_the_wrong_layout_are_refused():
         w4a16.w4a16_gemm(x, layout.qweight, layout.scales.half(), layout.zeros, 32)
 
 
-@pytest.mark.parametrize("split_k", [2, 3])
-def test_split_k_partial_sums_add_up_to_the_reference(split_k):
-    """K = 200 in tiles of 128 (one group): the last split gets no K tile at all for split 3."""
-    layout = _layout(200, 40, 200, act_order=False, seed=4)
-    x = torch.randn(2, 200, generator=torch.Generator().manual_seed(5))
-    out = w4a16.w4a16_gemm(x, layout.qweight, layout.scales, layout.zeros, 200, split_k=split_k)
+@pytest.mark.parametrize("reduce", ["serial", "kernel"])
+@pytest.mark.parametrize(("k", "split_k"), [(200, 2), (200, 3), (640, 3)])
+def test_split_k_partial_sums_add_up_to_the_reference(k, split_k, reduce):
+    """K = 200 in two tiles of 128 (one group; 3 splits are cut to 2, one tile each), K = 640's
+    five tiles in 3 uneven splits (2, 1, 2); partial sums added by the last program of each
+    output tile or by a second kernel, both in split order: the same bits."""
+    layout = _layout(k, 40, k, act_order=False, seed=4)
+    x = torch.randn(2, k, generator=torch.Generator().manual_seed(5))
+    tiles = int4_tiles.TileConfig("dot", 16, 32, 128, split_k, 4, 2, reduce=reduce)
+    out = w4a16.w4a16_gemm(x, layout.qweight, layout.scales, layout.zeros, k, tiles=tiles)
     torch.testing.assert_close(out, gemm.reference_gemm(x, layout), rtol=1e-5, atol=1e-5)
+    other = dataclasses.replace(tiles, reduce="kernel" if reduce == "serial" else "serial")
+    again = w4a16.w4a16_gemm(x, layout.qweight, layout.scales, layout.zeros, k, tiles=other)
+    assert torch.equal(out, again)
+    if reduce == "serial":  # the counters are back at zero for the next launch
+        assert not bool(w4a16.tile_counters(x.device, 2).any())
 
 
 def test_tile_interleaved_packing_puts_row_16i_plus_r_in_nibble_i_of_word_r():
@@ -200,7 +210,7 @@ def test_tiles_that_do_not_fit_the_gpu_fall_back_to_narrow_single_stage_tiles(mo
     real_launch = w4a16._launch
 
     def launch(*args):
-        tiles = args[6]
+        tiles = args[7]  # x, qweight, scales, zeros, out, ws, group_size, tiles, ...
         launched.append(tiles)
         if tiles.block_n == 256:
             raise OutOfResources(245760, 232448, "shared memory")

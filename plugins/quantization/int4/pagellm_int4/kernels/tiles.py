@@ -36,6 +36,9 @@ class TileConfig:
     code at a time); both build the float bits of ``offset + code`` directly, with no int-to-
     float conversion (a quarter-rate instruction that bounded the first kernel). The fma kind
     and the interpreter always use ``shift``."""
+    reduce: str = "serial"
+    """How split-K partial sums meet: ``serial`` (the last program of an output tile to finish
+    adds them, counted by an atomic per tile: one launch) or ``kernel`` (a second launch)."""
 
 
 SPLIT_K_MAX_M = 16

@@ -12,10 +12,11 @@ uint8 zeros [G, N], contiguous groups.
   int-to-float conversion, a quarter-rate instruction that bounded the first version of this
   kernel. When a tile lies in one group the scale is applied once per tile and column; for
   shorter groups every weight is dequantized, ``(q - z) * s``, before the product.
-  Small M splits K over several programs (`tile_config`), whose float32 partial sums a second
-  kernel adds in a fixed order (deterministic: graph replays equal eager runs).
-- `dequantize_int4` (prefill): the whole weight [K, N] in the activation dtype, for a cuBLAS GEMM,
-  slab by slab from each word tile.
+  Small M splits K over several programs (`tile_config`), whose float32 partial sums are added
+  in a fixed order (deterministic: graph replays equal eager runs), by the last program of each
+  output tile to finish (``reduce="serial"``, one launch) or by a second kernel.
+- `dequantize_int4` (prefill, in ``dequantize.py``): the whole weight [K, N] in the activation
+  dtype, for a cuBLAS GEMM, slab by slab from each word tile.
 
 Tiles come from a table measured on the GPU (``configs/<device name>.json``, written by
 ``benchmarks/int4_gemm.py --sweep``) for the shapes it lists, else from `tile_config`'s rule.
@@ -33,6 +34,9 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from pagellm_int4.kernel_layout import TILE_K
+from pagellm_int4.kernels.dequantize import dequantize_int4
+from pagellm_int4.kernels.inputs import Int4KernelInputError, check_weight
+from pagellm_int4.kernels.split_k import add_splits_if_last, sum_splits_kernel, tile_counters
 from pagellm_int4.kernels.tiles import (
     SAFE_TILES,
     TileConfig,
@@ -41,14 +45,10 @@ from pagellm_int4.kernels.tiles import (
 )
 from pagellm_int4.kernels.unpack import CODE_OF, CODE_OFFSET, codes_f32, slab_codes, unpack_slabs
 
-__all__ = ["dequantize_int4", "w4a16_gemm"]
+__all__ = ["Int4KernelInputError", "dequantize_int4", "w4a16_gemm"]
 
 logger = logging.getLogger(__name__)
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-class Int4KernelInputError(ValueError):
-    """A tensor given to an int4 kernel has a dtype or shape the kernel does not take."""
 
 
 @triton.jit
@@ -74,6 +74,8 @@ def _w4a16_gemm_kernel(
     s_ptr,
     z_ptr,
     out_ptr,
+    ws_ptr,
+    cnt_ptr,
     M,
     N,
     K,
@@ -81,7 +83,10 @@ def _w4a16_gemm_kernel(
     stride_qk,
     stride_om,
     stride_os,
-    TILES_PER_SPLIT: tl.constexpr,
+    split_k,
+    TILES: tl.constexpr,
+    SPLIT: tl.constexpr,
+    SERIAL: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -94,8 +99,15 @@ def _w4a16_gemm_kernel(
     EVEN_K: tl.constexpr,
     EVEN_N: tl.constexpr,
 ):
-    """EVEN_K: every program's K tiles lie inside K; EVEN_N: N is a multiple of BLOCK_N. Then
-    the weight loads need no mask (the bounds checks cost as much as the unpacking)."""
+    """EVEN_K: K is a multiple of BLOCK_K; EVEN_N: N is a multiple of BLOCK_N. Then the weight
+    loads need no mask (the bounds checks cost as much as the unpacking).
+
+    Split-K (SPLIT): program ``pid_s`` of ``split_k`` takes K tiles ``[pid_s T / S, (pid_s + 1) T / S)``
+    (any S, balanced to one tile; TILES of them each when S divides T) and writes its float32 partial sums to ``ws``. SERIAL: the
+    last program of an output tile to arrive (a counter per tile, taken with acquire-release
+    atomics and put back to zero for the next launch) adds the S partials in split order and
+    writes the output, so one launch does it all and the sum does not depend on who came last;
+    otherwise `sum_splits_kernel` adds them in a second launch."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -112,9 +124,15 @@ def _w4a16_gemm_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
-    first = pid_s * TILES_PER_SPLIT
+    if TILES > 0:  # the splits share K evenly: a loop of known length (fewer registers)
+        first = pid_s * TILES
+        n_tiles = TILES
+    else:
+        k_tiles = (K + BLOCK_K - 1) // BLOCK_K
+        first = pid_s * k_tiles // split_k
+        n_tiles = (pid_s + 1) * k_tiles // split_k - first
     w_ptrs = qw_ptr + (first * (BLOCK_K // 8) + offs_w)[:, None] * stride_qk + offs_n[None, :]
-    for t in range(TILES_PER_SPLIT):
+    for t in range(n_tiles):
         k0 = (first + t) * BLOCK_K
         if EVEN_K and EVEN_N:
             words = tl.load(w_ptrs)
@@ -179,77 +197,16 @@ def _w4a16_gemm_kernel(
                     acc += a.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :]
     if not USE_DOT:
         acc = tl.sum(acc, axis=1)
-    tl.store(
-        out_ptr + pid_s * stride_os + offs_m[:, None] * stride_om + offs_n[None, :],
-        acc.to(out_ptr.dtype.element_ty),
-        mask=(offs_m < M)[:, None] & n_mask[None, :],
-    )
-
-
-@triton.jit
-def _sum_splits_kernel(ws_ptr, out_ptr, numel, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < numel
-    total = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in range(SPLIT_K):
-        total += tl.load(ws_ptr + s * numel + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _dequantize_kernel(
-    qw_ptr,
-    s_ptr,
-    z_ptr,
-    out_ptr,
-    N,
-    K,
-    GROUP_SIZE: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    """One interleaved tile of rows (BLOCK_K = TILE_K): one load of its words, eight slabs."""
-    offs_w = tl.arange(0, BLOCK_K // 8)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    k0 = tl.program_id(0) * BLOCK_K
-    n_mask = offs_n < N
-    offs_r = k0 // 8 + offs_w
-    words = tl.load(qw_ptr + offs_r[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0)
-    for i in tl.static_range(8):
-        rows = k0 + (BLOCK_K // 8) * i + offs_w
-        mask = (rows < K)[:, None] & n_mask[None, :]
-        g_rows = (rows // GROUP_SIZE)[:, None] * N + offs_n[None, :]
-        s = tl.load(s_ptr + g_rows, mask=mask, other=0.0)
-        z = tl.load(z_ptr + g_rows, mask=mask, other=0).to(tl.float32)
-        w = (codes_f32(words, i) - z) * s
-        out = out_ptr + rows.to(tl.int64)[:, None] * N + offs_n[None, :]
-        tl.store(out, w.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def _check_weight(
-    qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, k: int, group_size: int
-) -> int:
-    n = qweight.shape[1]
-    word_rows = triton.cdiv(k, TILE_K) * (TILE_K // 8)
-    if qweight.dtype != torch.int32 or tuple(qweight.shape) != (word_rows, n):
-        raise Int4KernelInputError(
-            f"qweight has dtype {qweight.dtype} and shape {tuple(qweight.shape)}; expected "
-            f"int32 [{word_rows}, {n}] (tile-interleaved) for K = {k}"
-        )
-    groups = triton.cdiv(k, group_size)
-    if scales.dtype != torch.float32 or tuple(scales.shape) != (groups, n):
-        raise Int4KernelInputError(
-            f"scales has dtype {scales.dtype} and shape {tuple(scales.shape)}; expected "
-            f"float32 [{groups}, {n}]"
-        )
-    if zeros.dtype != torch.uint8 or tuple(zeros.shape) != (groups, n):
-        raise Int4KernelInputError(
-            f"zeros has dtype {zeros.dtype} and shape {tuple(zeros.shape)}; expected "
-            f"uint8 [{groups}, {n}]"
-        )
-    if not (qweight.is_contiguous() and scales.is_contiguous() and zeros.is_contiguous()):
-        raise Int4KernelInputError("qweight, scales and zeros must be contiguous")
-    return n
+    out_mask = (offs_m < M)[:, None] & n_mask[None, :]
+    offs_out = offs_m[:, None] * stride_om + offs_n[None, :]
+    if not SPLIT:
+        tl.store(out_ptr + offs_out, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        tl.store(ws_ptr + pid_s * stride_os + offs_out, acc, mask=out_mask)
+        if SERIAL:
+            add_splits_if_last(
+                ws_ptr, cnt_ptr, out_ptr, offs_out, out_mask, stride_os, split_k, BLOCK_M, BLOCK_N
+            )
 
 
 @functools.cache
@@ -270,7 +227,8 @@ def _launch(
     qweight: torch.Tensor,
     scales: torch.Tensor,
     zeros: torch.Tensor,
-    target: torch.Tensor,
+    out: torch.Tensor,
+    ws: torch.Tensor,
     group_size: int,
     tiles: TileConfig,
     splits: int,
@@ -280,14 +238,18 @@ def _launch(
     m, k = x.shape
     n = qweight.shape[1]
     code = CODE_OF[x.dtype]
-    k_tiles = triton.cdiv(triton.cdiv(k, tiles.block_k), splits)
     grid = (triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n), splits)
+    k_tiles = triton.cdiv(k, tiles.block_k)
+    serial = splits > 1 and tiles.reduce == "serial"
+    counters = tile_counters(x.device, grid[0] * grid[1]) if serial else out
     _w4a16_gemm_kernel[grid](
         x,
         qweight,
         scales,
         zeros,
-        target,
+        out,
+        ws,
+        counters,
         m,
         n,
         k,
@@ -295,7 +257,10 @@ def _launch(
         qweight.stride(0),
         n,
         m * n,
-        TILES_PER_SPLIT=k_tiles,
+        splits,
+        TILES=k_tiles // splits if k_tiles % splits == 0 else 0,
+        SPLIT=splits > 1,
+        SERIAL=serial,
         GROUP_SIZE=group_size,
         BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n,
@@ -305,7 +270,7 @@ def _launch(
         USE_ASM=use_asm and tiles.kind == "dot",
         CODE=code,
         OFFSET=CODE_OFFSET[code],
-        EVEN_K=k % tiles.block_k == 0 and k_tiles * splits * tiles.block_k == k,
+        EVEN_K=k % tiles.block_k == 0,
         EVEN_N=n % tiles.block_n == 0,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
@@ -329,7 +294,7 @@ def w4a16_gemm(
             f"x has shape {tuple(x.shape)} and dtype {x.dtype}; expected [M, K] bf16/fp16/fp32"
         )
     m, k = x.shape
-    n = _check_weight(qweight, scales, zeros, k, group_size)
+    n = check_weight(qweight, scales, zeros, k, group_size)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
@@ -346,46 +311,21 @@ def w4a16_gemm(
     per_tile = scales_per_tile(k, group_size, tiles.block_k)
     # Inline PTX compiles only for the GPU, and packs 16-bit codes.
     use_asm = tiles.kind == "dot" and tiles.unpack == "asm" and x.is_cuda and per_tile and code > 0
-    splits = split_k or tiles.split_k
-    target = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+    # No more splits than K tiles: every split has at least one.
+    splits = max(1, min(split_k or tiles.split_k, triton.cdiv(k, tiles.block_k)))
+    ws = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+    args = (x, qweight, scales, zeros, out, ws, group_size)
     try:
-        _launch(x, qweight, scales, zeros, target, group_size, tiles, splits, per_tile, use_asm)
+        _launch(*args, tiles, splits, per_tile, use_asm)
     except OutOfResources as exc:
         # Tiles that overflow this GPU's shared memory or registers (a table made on a larger
         # GPU, or a rule that misjudged): narrower single-stage tiles, with a warning once.
-        fallback = dataclasses.replace(SAFE_TILES, block_m=max(16, tiles.block_m))
-        _warn_fallback(tiles, fallback, str(exc))
-        _launch(x, qweight, scales, zeros, target, group_size, fallback, splits, per_tile, use_asm)
-    if splits > 1:
-        block = 1024
-        _sum_splits_kernel[(triton.cdiv(m * n, block),)](
-            target, out, m * n, SPLIT_K=splits, BLOCK=block
+        fallback = dataclasses.replace(
+            SAFE_TILES, block_m=max(16, tiles.block_m), reduce=tiles.reduce
         )
-    return out
-
-
-def dequantize_int4(
-    qweight: torch.Tensor,
-    scales: torch.Tensor,
-    zeros: torch.Tensor,
-    group_size: int,
-    in_features: int,
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    """The weight [K, N] in ``dtype`` (kernel-order rows)."""
-    n = _check_weight(qweight, scales, zeros, in_features, group_size)
-    out = torch.empty(in_features, n, dtype=dtype, device=qweight.device)
-    block_k, block_n = TILE_K, 64
-    grid = (triton.cdiv(in_features, block_k), triton.cdiv(n, block_n))
-    _dequantize_kernel[grid](
-        qweight,
-        scales,
-        zeros,
-        out,
-        n,
-        in_features,
-        GROUP_SIZE=group_size,
-        BLOCK_K=block_k,
-        BLOCK_N=block_n,
-    )
+        _warn_fallback(tiles, fallback, str(exc))
+        _launch(*args, fallback, splits, per_tile, use_asm)
+    if splits > 1 and tiles.reduce != "serial":
+        block = 1024
+        sum_splits_kernel[(triton.cdiv(m * n, block),)](ws, out, m * n, SPLIT_K=splits, BLOCK=block)
     return out
