@@ -104,7 +104,7 @@ for stage in "$@"; do
         --types Q5_K Q6_K --output-json "$OUT/gguf_sweep_c.json" ;;
     # The fused kernel's tiles measured per matmul of W1's layer (written to the package's
     # configs/<GPU>.json, which the kernel then reads; a copy in $OUT to commit).
-    int4-sweep) run int4_sweep ${SWEEP_S:-330} python3 benchmarks/int4_gemm.py --sweep --ms 1 \
+    int4-sweep) run int4_sweep ${SWEEP_S:-330} python3 benchmarks/int4_gemm.py --sweep --ms 1 16 \
         --sweep-ms ${SWEEP_MS:-1 16} --sweep-json "$OUT/int4_tiles.json" ;;
     int4-gemm) run int4_gemm 400 python3 benchmarks/int4_gemm.py --output-json "$OUT/int4_gemm.json" ;;
     # W1's model as a GPTQ int4 checkpoint of random weights (our RTN writer, on the GPU, kept
