@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import functools
+import logging
 from typing import NamedTuple
 
 import torch
 import triton
+from triton.runtime.errors import OutOfResources
 
 from pagellm_gguf.kernels import plane_dequantize_kernel, plane_matmul_kernel
 from pagellm_gguf.planes import GGUFPlanes
+
+logger = logging.getLogger(__name__)
 
 DECODE_MAX_M = 32
 """Up to this many rows the decode matmul reads the packed weights once; above it the weights
@@ -54,16 +58,20 @@ def decode_tiles(m: int, n: int, k: int, code_bits: int, num_sms: int) -> Decode
       than by memory: about 7 per weight). The sweep times both.
     - block_m: 16, tl.dot's smallest tile, up to 16 rows; 32 above (DECODE_MAX_M): one M tile,
       so the weights are read once.
-    - block_k: every slab (one code of each word) is BLOCK_K / codes-per-word input rows, the
-      dot's inner size; 32 rows per slab (256 input rows of 4-bit codes, 128 of int8) is a
-      word tile of 8 KB per 64 columns, enough bytes in flight with three stages.
-    - block_n: 64 columns keep the words, scales and biases of a tile in registers (about
-      16 each per thread with four warps) and give N = 4096 64 tiles to split along K.
+    - block_k and block_n, as the H200 sweep (``benchmarks/gguf_gemm.py --sweep``) found them:
+      with tl.dot, 128 columns by 128 input rows of 4-bit codes (64 of int8), about 1.5x
+      faster at M = 16 than 64 by 256 / 128 (16 rows per slab: shorter word tiles, more of
+      them in flight); without, 64 columns by 256 rows (128 of other widths), 32 columns for
+      the widest matmuls (N >= 16,384, e.g. gate_up: 896 programs with no K split instead of
+      448 in two, 15 % faster).
+    - splits: about four programs per SM (`k_splits`).
     """
     dot = m > 1
     block_m = (16 if m <= 16 else 32) if dot else 1
-    block_n = 64
-    block_k = 256 if code_bits == 4 else 128
+    if dot:
+        block_n, block_k = 128, 64 if code_bits == 8 else 128
+    else:
+        block_n, block_k = (32 if n >= 16384 else 64), 256 if code_bits == 4 else 128
     n_tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
     splits = k_splits(n_tiles, triton.cdiv(k, block_k), num_sms)
     return DecodeTiles(block_m, block_n, block_k, splits, dot=dot)
@@ -149,6 +157,34 @@ def planes_matmul(
         y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     else:  # float32 partial sums, added below in a fixed order (graph replay equals eager)
         y = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+    try:
+        _launch_matmul(x, planes, y, tiles, k_split, splits)
+    except OutOfResources as exc:
+        # Tiles too large for this GPU's shared memory (the wider planes of Q5_K / Q6_K, or a
+        # smaller GPU): 64 columns, two stages, with a warning once.
+        fallback = tiles._replace(block_n=64, num_warps=4, num_stages=2)
+        _warn_fallback(tiles, fallback, str(exc))
+        _launch_matmul(x, planes, y, fallback, k_split, splits)
+    return y if splits == 1 else y.sum(0).to(x.dtype)
+
+
+@functools.cache
+def _warn_fallback(tiles: DecodeTiles, fallback: DecodeTiles, reason: str) -> None:
+    logger.warning(
+        "GGUF decode tiles %s do not fit this GPU (%s); using %s", tiles, reason, fallback
+    )
+
+
+def _launch_matmul(
+    x: torch.Tensor,
+    planes: GGUFPlanes,
+    y: torch.Tensor,
+    tiles: DecodeTiles,
+    k_split: int,
+    splits: int,
+) -> None:
+    m, k = x.shape
+    n = planes.out_features
     grid = (triton.cdiv(n, tiles.block_n), triton.cdiv(m, tiles.block_m), splits)
     plane_matmul_kernel[grid](
         x,
@@ -170,7 +206,6 @@ def planes_matmul(
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
-    return y if splits == 1 else y.sum(0).to(x.dtype)
 
 
 def gguf_linear(x: torch.Tensor, planes: GGUFPlanes) -> torch.Tensor:

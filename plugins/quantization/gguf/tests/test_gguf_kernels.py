@@ -209,8 +209,11 @@ def test_default_tiles_split_k_only_when_output_tiles_are_few():
     assert k_splits(n_tiles=448, k_tiles=16, num_sms=132) == 1  # gate_up: enough tiles already
     assert k_splits(n_tiles=64, k_tiles=2, num_sms=132) == 1  # short K: one run
     assert decode_tiles(1, 4096, 4096, 4, 132) == DecodeTiles(1, 64, 256, 8, dot=False)
-    assert decode_tiles(2, 4096, 4096, 4, 132) == DecodeTiles(16, 64, 256, 8)
-    assert decode_tiles(17, 28672, 4096, 8, 132) == DecodeTiles(32, 64, 128, 1)
+    assert decode_tiles(1, 28672, 4096, 4, 132) == DecodeTiles(1, 32, 256, 1, dot=False)
+    # tl.dot: 128 columns, 16 rows a slab (128 of 4-bit codes, 64 of int8); 32 output tiles
+    # for N = 4096, split in 16.
+    assert decode_tiles(2, 4096, 4096, 4, 132) == DecodeTiles(16, 128, 128, 16)
+    assert decode_tiles(17, 28672, 4096, 8, 132) == DecodeTiles(32, 128, 64, 2)
 
 
 def test_tiles_that_the_kernel_cannot_run_are_refused():
