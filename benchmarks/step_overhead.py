@@ -5,12 +5,13 @@ The model is a stub that does no arithmetic worth timing (it emits a fixed, posi
 token), so what is left is the host-side work every step pays whatever the GPU does. Prints one
 JSON object: mean and p50/p99 per step of each stage and of the whole step, in milliseconds.
 
-    python benchmarks/step_overhead.py --num-requests 256 --steps 200
+    python benchmarks/step_overhead.py --num-requests 256 --steps 200 [--profile steps.prof]
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
 import platform
@@ -108,6 +109,11 @@ def main() -> None:
         "--tokenizer", default=None, help="Tokenizer directory (default: the packaged SmolLM2's)."
     )
     parser.add_argument("--output-json", default=None)
+    parser.add_argument(
+        "--profile",
+        default=None,
+        help="Write a cProfile of the timed steps (only they: not start-up) to this path.",
+    )
     args = parser.parse_args()
 
     from pagellm import SamplingParams
@@ -155,7 +161,10 @@ def main() -> None:
     stages: dict[str, list[float]] = {"schedule": [], "execute": [], "update": [], "output": []}
     totals: list[float] = []
     clock = time.perf_counter
+    profiler = cProfile.Profile() if args.profile else None
     for step in range(total_steps):
+        if profiler is not None and step == args.warmup_steps:
+            profiler.enable()
         t0 = clock()
         sched_out = scheduler.schedule()
         t1 = clock()
@@ -175,6 +184,9 @@ def main() -> None:
                 stages[name].append(value)
             totals.append(t4 - t0)
 
+    if profiler is not None:
+        profiler.disable()
+        profiler.dump_stats(args.profile)
     result = {
         "benchmark": "step_overhead",
         "num_running_requests": n,
