@@ -172,12 +172,12 @@ def time_layer(name: str, n: int, k: int, ms: list[int], group: int) -> list[dic
 
 
 def candidates(m: int, n: int, k: int) -> list[int4_tiles.TileConfig]:
-    """First pass: row tiles that fit M, column tiles and splits (any count: a split that does
-    not divide K's tiles gives some programs one tile more, and can fill the SMs' last wave
-    better), 3 stages, the serial split-K sum."""
+    """First pass: kinds and row tiles that fit M (``dot_t`` up to 16 rows), column tiles and
+    splits (any count: a split that does not divide K's tiles gives some programs one tile
+    more, and can fill the SMs' last wave better), 3 stages, the serial split-K sum."""
     # The fma kind (CUDA cores) lost to the dot kind at every M of the first H200 sweep; it
     # stays reachable through the table, not swept.
-    blocks_m = [("dot", 16)] if m <= 16 else [("dot", 32), ("dot", 64)]
+    blocks_m = [("dot", 16), ("dot_t", 16)] if m <= 16 else [("dot", 32), ("dot", 64)]
     widths = ((64, 4), (128, 4), (256, 8)) if m <= 16 else ((64, 4), (128, 4), (256, 4), (256, 8))
     out = []
     k_tiles = triton.cdiv(k, 128)

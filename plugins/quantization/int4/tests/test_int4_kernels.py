@@ -156,7 +156,7 @@ def test_a_measured_table_is_used_for_its_shapes_and_the_rule_elsewhere(tmp_path
         int4_tiles.measured_table.cache_clear()
 
 
-@pytest.mark.parametrize(("kind", "block_m"), [("fma", 1), ("fma", 4), ("dot", 16)])
+@pytest.mark.parametrize(("kind", "block_m"), [("fma", 1), ("fma", 4), ("dot", 16), ("dot_t", 16)])
 @pytest.mark.parametrize(
     ("k", "n", "group"),
     # K tiles past K (masked), one group, groups shorter than a tile, and a shape where every

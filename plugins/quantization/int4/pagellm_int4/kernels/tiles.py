@@ -21,7 +21,9 @@ def _cdiv(a: int, b: int) -> int:
 @dataclass(frozen=True)
 class TileConfig:
     kind: str
-    """``dot`` (tensor cores) or ``fma`` (CUDA cores, BLOCK_M of 1 to 8 rows)."""
+    """``dot`` (tensor cores), ``dot_t`` (tensor cores, the product transposed so that the
+    weights are the A operand; with the inline PTX only, else as ``dot``) or ``fma`` (CUDA
+    cores, BLOCK_M of 1 to 8 rows)."""
     block_m: int
     block_n: int
     block_k: int
@@ -69,6 +71,8 @@ def _rule(m: int, n: int, k: int, group_size: int, num_sms: int) -> TileConfig:
         split *= 2
     return TileConfig(kind, block_m, block_n, block_k, split, 4, stages)
 
+
+TENSOR_CORE_KINDS = ("dot", "dot_t")
 
 SAFE_TILES = TileConfig("dot", 16, 64, TILE_K, 1, 4, 1)
 """What a launch falls back to when its tiles do not fit the GPU (`OutOfResources`): one

@@ -5,8 +5,10 @@ uint8 zeros [G, N], contiguous groups.
 - `w4a16_gemm` (decode): a program streams the words of its [128, BLOCK_N] weight tiles once.
   A word tile [16, BLOCK_N] holds eight *slabs*: nibble ``i`` of every word, the 16 consecutive
   input rows ``k0 + 16 i .. k0 + 16 i + 15``, multiplied with one contiguous [BLOCK_M, 16] load
-  of the activations. Two kinds of program: ``dot`` (tensor cores, one ``tl.dot`` per slab, K =
-  16) and ``fma`` (CUDA cores, one row a program). The dot kind unpacks with inline PTX (two
+  of the activations. Three kinds of program: ``dot`` (tensor cores, one ``tl.dot`` per slab, K =
+  16), ``dot_t`` (the same product transposed, out^T = W^T x^T: with the inline PTX the unpacked
+  weights are the MMA's A operand straight from registers, and on sm_90 128 columns make it a
+  warpgroup MMA; elsewhere it runs as ``dot``) and ``fma`` (CUDA cores, one row a program). The dot kind unpacks with inline PTX (two
   words at a time: byte permutes, a shift and a LOP3 per pair of codes, and one packed FMA that
   leaves ``q - z``, exact); the codes are built as float bits (``offset + q``), never through an
   int-to-float conversion, a quarter-rate instruction that bounded the first version of this
@@ -39,6 +41,7 @@ from pagellm_int4.kernels.inputs import Int4KernelInputError, check_weight
 from pagellm_int4.kernels.split_k import add_splits_if_last, sum_splits_kernel, tile_counters
 from pagellm_int4.kernels.tiles import (
     SAFE_TILES,
+    TENSOR_CORE_KINDS,
     TileConfig,
     scales_per_tile,
     tile_config,
@@ -94,6 +97,7 @@ def _w4a16_gemm_kernel(
     SCALES_PER_TILE: tl.constexpr,
     USE_DOT: tl.constexpr,
     USE_ASM: tl.constexpr,
+    SWAP: tl.constexpr,
     CODE: tl.constexpr,
     OFFSET: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -120,6 +124,8 @@ def _w4a16_gemm_kernel(
     # The dot kind accumulates [BLOCK_M, BLOCK_N]; the fma kind keeps one partial sum per word
     # row too, [BLOCK_M, BLOCK_K / 8, BLOCK_N], summed over the word rows once at the end (no
     # cross-thread reduction in the loop).
+    if SWAP:
+        acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     if USE_DOT:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     else:
@@ -154,12 +160,20 @@ def _w4a16_gemm_kernel(
                 # reductions cost more barriers than the products), a's only use is the dot.
                 neg_zero = (-(z + OFFSET)).to(x_ptr.dtype.element_ty)
                 slabs = unpack_slabs(words, tl.broadcast_to(neg_zero[None, :], words.shape), CODE)
-                part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for i in tl.static_range(8):
-                    rows = k0 + (BLOCK_K // 8) * i + offs_w
-                    a = _activation_slab(x_ptr, offs_m, rows, M, K, stride_xm, mask_m, EVEN_K)
-                    part = tl.dot(a, slabs[i], part)
-                acc += part * s[None, :]
+                if SWAP:  # out^T = W^T x^T: the weights are the A operand, from registers
+                    part_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+                    for i in tl.static_range(8):
+                        rows = k0 + (BLOCK_K // 8) * i + offs_w
+                        a = _activation_slab(x_ptr, offs_m, rows, M, K, stride_xm, mask_m, EVEN_K)
+                        part_t = tl.dot(tl.trans(slabs[i]), tl.trans(a), part_t)
+                    acc_t += part_t * s[:, None]
+                else:
+                    part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                    for i in tl.static_range(8):
+                        rows = k0 + (BLOCK_K // 8) * i + offs_w
+                        a = _activation_slab(x_ptr, offs_m, rows, M, K, stride_xm, mask_m, EVEN_K)
+                        part = tl.dot(a, slabs[i], part)
+                    acc += part * s[None, :]
             elif USE_DOT:
                 # offset + q in the product, offset + z times the activations' sum taken off
                 # once per tile (the sum reduced across threads once, not per slab).
@@ -197,6 +211,8 @@ def _w4a16_gemm_kernel(
                     acc += a.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :]
     if not USE_DOT:
         acc = tl.sum(acc, axis=1)
+    if SWAP:  # one transpose per program, at the end
+        acc = tl.trans(acc_t)
     out_mask = (offs_m < M)[:, None] & n_mask[None, :]
     offs_out = offs_m[:, None] * stride_om + offs_n[None, :]
     if not SPLIT:
@@ -266,8 +282,9 @@ def _launch(
         BLOCK_N=tiles.block_n,
         BLOCK_K=tiles.block_k,
         SCALES_PER_TILE=per_tile,
-        USE_DOT=tiles.kind == "dot",
-        USE_ASM=use_asm and tiles.kind == "dot",
+        USE_DOT=tiles.kind in TENSOR_CORE_KINDS,
+        USE_ASM=use_asm,
+        SWAP=use_asm and tiles.kind == "dot_t",
         CODE=code,
         OFFSET=CODE_OFFSET[code],
         EVEN_K=k % tiles.block_k == 0,
@@ -310,7 +327,13 @@ def w4a16_gemm(
     code = CODE_OF[x.dtype]
     per_tile = scales_per_tile(k, group_size, tiles.block_k)
     # Inline PTX compiles only for the GPU, and packs 16-bit codes.
-    use_asm = tiles.kind == "dot" and tiles.unpack == "asm" and x.is_cuda and per_tile and code > 0
+    use_asm = (
+        tiles.kind in TENSOR_CORE_KINDS
+        and tiles.unpack == "asm"
+        and x.is_cuda
+        and per_tile
+        and code > 0
+    )
     # No more splits than K tiles: every split has at least one.
     splits = max(1, min(split_k or tiles.split_k, triton.cdiv(k, tiles.block_k)))
     ws = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
