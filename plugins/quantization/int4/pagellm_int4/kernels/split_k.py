@@ -9,6 +9,8 @@ import triton
 import triton.language as tl
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
+_OUTGROWN: list[torch.Tensor] = []
+"""Buffers replaced by larger ones, kept alive: a CUDA graph captured with one still uses it."""
 COUNTERS_MIN = 1 << 16
 
 
@@ -18,6 +20,8 @@ def tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
     two GEMMs running at the same time on two streams would share counters."""
     counters = _COUNTERS.get(device)
     if counters is None or counters.numel() < tiles:
+        if counters is not None:
+            _OUTGROWN.append(counters)
         counters = torch.zeros(max(COUNTERS_MIN, tiles), dtype=torch.int32, device=device)
         _COUNTERS[device] = counters
     return counters
