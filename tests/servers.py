@@ -4,6 +4,10 @@ driven by httpx and the official ``openai`` client.
 
 conftest.py loads this module as a plugin (``pytest_plugins``), so its fixtures reach every test
 module without an import, and the session-scoped ones (the model, `shared_server`) are made once.
+
+A module whose servers need only session fixtures declares them in ``server_specs(request)`` and
+takes them with `module_servers`: they are then started two modules ahead (`start_servers_ahead`),
+while earlier tests run, as `shared_server` is.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import httpx
@@ -107,6 +112,7 @@ class Server:
     """One ``pagellm serve`` process; its output goes to a log file the tests read."""
 
     def __init__(self, model: str, log_path: Path, env: dict[str, str], *args: str) -> None:
+        self.model = model
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -202,19 +208,85 @@ class Server:
         self._log.close()
 
 
-@contextlib.contextmanager
-def started_servers(
-    model: str, logs: Path, specs: dict[str, tuple[dict[str, str], tuple[str, ...]]]
-) -> Iterator[dict[str, Server]]:
-    """Start one server per spec (environment, extra flags) together; stop them all after."""
-    started = {
+ServerSpecs = dict[str, tuple[dict[str, str], tuple[str, ...]]]
+
+
+def start_servers(model: str, logs: Path, specs: ServerSpecs) -> dict[str, Server]:
+    """One server per spec (environment, extra flags), all started, none waited for."""
+    return {
         name: Server(model, logs / f"{name}.log", env, *args) for name, (env, args) in specs.items()
     }
+
+
+@contextlib.contextmanager
+def ready_servers(started: dict[str, Server]) -> Iterator[dict[str, Server]]:
+    """``started`` once each is healthy; all stopped after."""
     try:
         yield {name: server.wait_ready() for name, server in started.items()}
     finally:
         for server in started.values():
             server.stop()
+
+
+def started_servers(
+    model: str, logs: Path, specs: ServerSpecs
+) -> AbstractContextManager[dict[str, Server]]:
+    """Start one server per spec together; stop them all after."""
+    return ready_servers(start_servers(model, logs, specs))
+
+
+# A module's `server_specs` servers start when the module this many places before it starts: the
+# tests in between (in-process ones use one core of two) run while they start.
+AHEAD = 2
+
+
+def _specs_of(module: pytest.Module, request: pytest.FixtureRequest) -> tuple[str, ServerSpecs]:
+    request.getfixturevalue("first_party_endpoints")
+    return module.obj.server_specs(request)
+
+
+@pytest.fixture(scope="session")
+def servers_started_ahead() -> Iterator[dict[str, dict[str, Server]]]:
+    """The servers started ahead, by the node id of the module they are for, until it takes them;
+    any left at the end (a module whose tests did not ask for them) are stopped."""
+    started: dict[str, dict[str, Server]] = {}
+    try:
+        yield started
+    finally:
+        for servers in started.values():
+            for server in servers.values():
+                server.stop()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def start_servers_ahead(request: pytest.FixtureRequest) -> None:
+    """At each module's start, start the servers of the modules `AHEAD` places on that declare
+    ``server_specs`` (only modules with a selected test count)."""
+    modules = list(dict.fromkeys(item.getparent(pytest.Module) for item in request.session.items))
+    if request.node not in modules:
+        return
+    here = modules.index(request.node)
+    coming = [m for m in modules[here + 1 : here + 1 + AHEAD] if hasattr(m.obj, "server_specs")]
+    if not coming:
+        return
+    started = request.getfixturevalue("servers_started_ahead")
+    for module in coming:
+        if module.nodeid not in started:
+            model, specs = _specs_of(module, request)
+            logs = request.getfixturevalue("tmp_path_factory").mktemp("server_logs")
+            started[module.nodeid] = start_servers(model, logs, specs)
+
+
+def module_servers(request: pytest.FixtureRequest) -> AbstractContextManager[dict[str, Server]]:
+    """The servers of the requesting module's ``server_specs``, those started ahead or else
+    started now; ready; stopped after."""
+    module = request.node.getparent(pytest.Module)
+    started = request.getfixturevalue("servers_started_ahead").pop(module.nodeid, None)
+    if started is None:
+        model, specs = _specs_of(module, request)
+        logs = request.getfixturevalue("tmp_path_factory").mktemp("server_logs")
+        started = start_servers(model, logs, specs)
+    return ready_servers(started)
 
 
 NEEDS_SHARED_SERVER = pytest.StashKey[bool]()

@@ -15,7 +15,8 @@ from servers import (
     MODEL_NAME,
     ROOT,
     Server,
-    started_servers,
+    ServerSpecs,
+    module_servers,
 )
 
 BLOCK_SIZE = 16
@@ -31,17 +32,20 @@ DOCUMENTED = re.findall(
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
-@pytest.fixture(scope="module")
-def server(
-    first_party_endpoints: None,
-    model_dir: str,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[Server]:
+def server_specs(request: pytest.FixtureRequest) -> tuple[str, ServerSpecs]:
+    """The ``tiny_cache`` server, from session fixtures only: `module_servers` may start it
+    ahead of this module."""
     args = ("--max-model-len", "64", "--block-size", str(BLOCK_SIZE))
     args += ("--kv-cache-memory", str(NUM_BLOCKS * BYTES_PER_BLOCK))
     args += ("--kv-cache-metrics", "--kv-cache-metrics-sample", "1")  # serves kv_block_*
-    specs = {"tiny_cache": ({"VLLM_PLUGINS": "openai,admin"}, args)}
-    with started_servers(model_dir, tmp_path_factory.mktemp("server_logs"), specs) as running:
+    return request.getfixturevalue("model_dir"), {
+        "tiny_cache": ({"VLLM_PLUGINS": "openai,admin"}, args)
+    }
+
+
+@pytest.fixture(scope="module")
+def server(request: pytest.FixtureRequest) -> Iterator[Server]:
+    with module_servers(request) as running:
         yield running["tiny_cache"]
 
 

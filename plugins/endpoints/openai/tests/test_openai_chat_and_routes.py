@@ -29,7 +29,8 @@ from servers import (
     MAX_MODEL_LEN,
     MODEL_NAME,
     Server,
-    started_servers,
+    ServerSpecs,
+    module_servers,
 )
 
 API_KEY = "routes-key"
@@ -51,15 +52,37 @@ PREFILL = [
 ]
 
 
-@pytest.fixture(scope="module")
-def bos_model_dir(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The served model, its tokenizer adding a BOS token to what it encodes."""
+def server_specs(request: pytest.FixtureRequest) -> tuple[str, ServerSpecs]:
+    """The served model (its tokenizer adding a BOS token to what it encodes) and the two servers,
+    from session fixtures only: `module_servers` may start them ahead of this module."""
     from transformers import AutoTokenizer
 
-    directory = tmp_path_factory.mktemp("bos_model")
+    model_dir = request.getfixturevalue("model_dir")
+    directory = request.getfixturevalue("tmp_path_factory").mktemp("bos_model")
     shutil.copytree(model_dir, directory, dirs_exist_ok=True)
     AutoTokenizer.from_pretrained(model_dir, add_bos_token=True).save_pretrained(directory)
-    return str(directory)
+    template_file = directory.parent / f"{directory.name}.jinja"
+    template_file.write_text(TEMPLATE)
+    endpoints = ("--endpoints", "openai,admin")
+    specs: ServerSpecs = {
+        "plain": ({}, endpoints),
+        "templated": (
+            {"PAGELLM_API_KEY": API_KEY},
+            (*endpoints, "--chat-template", str(template_file), "--trust-request-chat-template"),
+        ),
+    }
+    return str(directory), specs
+
+
+@pytest.fixture(scope="module")
+def servers(request: pytest.FixtureRequest) -> Iterator[dict[str, Server]]:
+    with module_servers(request) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def bos_model_dir(servers: dict[str, Server]) -> str:
+    return servers["plain"].model
 
 
 @pytest.fixture(scope="module")
@@ -69,27 +92,6 @@ def hf(bos_model_dir: str) -> Any:
     tokenizer = AutoTokenizer.from_pretrained(bos_model_dir)
     assert tokenizer.encode("hi")[0] == tokenizer.bos_token_id  # what add_special_tokens adds
     return tokenizer
-
-
-@pytest.fixture(scope="module")
-def servers(
-    first_party_endpoints: None,
-    bos_model_dir: str,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[dict[str, Server]]:
-    logs = tmp_path_factory.mktemp("chat_routes_logs")
-    template_file = logs / "template.jinja"
-    template_file.write_text(TEMPLATE)
-    endpoints = ("--endpoints", "openai,admin")
-    specs: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
-        "plain": ({}, endpoints),
-        "templated": (
-            {"PAGELLM_API_KEY": API_KEY},
-            (*endpoints, "--chat-template", str(template_file), "--trust-request-chat-template"),
-        ),
-    }
-    with started_servers(bos_model_dir, logs, specs) as running:
-        yield running
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,8 @@ from servers import (
     MAX_MODEL_LEN,
     MODEL_NAME,
     Server,
-    started_servers,
+    ServerSpecs,
+    module_servers,
 )
 
 COMPLETIONS = "/v1/completions"
@@ -40,34 +41,30 @@ IM_START, IM_END = 1, 2  # SmolLM2's special tokens; <|im_end|> is its EOS
 GREEDY = {"model": MODEL_NAME, "temperature": 0}
 
 
-@pytest.fixture(scope="module")
-def wordpiece_tokenizer(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> str:
-    directory = tmp_path_factory.mktemp("wordpiece_tokenizer")
+def server_specs(request: pytest.FixtureRequest) -> tuple[str, ServerSpecs]:
+    """The ``details`` server, from session fixtures only: `module_servers` may start it ahead of
+    this module."""
+    model_dir = request.getfixturevalue("model_dir")
+    wordpiece_tokenizer = request.getfixturevalue("tmp_path_factory").mktemp("wordpiece_tokenizer")
     for path in Path(model_dir).iterdir():  # all but the weights
         if path.suffix != ".safetensors":
-            shutil.copy(path, directory)
-    spec = json.loads((directory / "tokenizer.json").read_text())
+            shutil.copy(path, wordpiece_tokenizer)
+    spec = json.loads((wordpiece_tokenizer / "tokenizer.json").read_text())
     spec["decoder"] = {"type": "WordPiece", "prefix": "##", "cleanup": False}
-    (directory / "tokenizer.json").write_text(json.dumps(spec))
-    return str(directory)
-
-
-@pytest.fixture(scope="module")
-def details(
-    first_party_endpoints: None,
-    model_dir: str,
-    wordpiece_tokenizer: str,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[Server]:
+    (wordpiece_tokenizer / "tokenizer.json").write_text(json.dumps(spec))
     env = {"VLLM_PLUGINS": "openai,admin"}
     args = (
         "--enable-prompt-tokens-details",
         "--return-tokens-as-token-ids",
         "--tokenizer",
-        wordpiece_tokenizer,
+        str(wordpiece_tokenizer),
     )
-    specs = {"details": (env, args)}
-    with started_servers(model_dir, tmp_path_factory.mktemp("server_logs"), specs) as running:
+    return model_dir, {"details": (env, args)}
+
+
+@pytest.fixture(scope="module")
+def details(request: pytest.FixtureRequest) -> Iterator[Server]:
+    with module_servers(request) as running:
         yield running["details"]
 
 
