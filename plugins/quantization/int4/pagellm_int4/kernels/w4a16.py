@@ -5,10 +5,11 @@ uint8 zeros [G, N], contiguous groups.
 - `w4a16_gemm` (decode): a program streams the words of its [128, BLOCK_N] weight tiles once.
   A word tile [16, BLOCK_N] holds eight *slabs*: nibble ``i`` of every word, the 16 consecutive
   input rows ``k0 + 16 i .. k0 + 16 i + 15``, multiplied with one contiguous [BLOCK_M, 16] load
-  of the activations. Three kinds of program: ``dot`` (tensor cores, one ``tl.dot`` per slab, K =
-  16), ``dot_t`` (the same product transposed, out^T = W^T x^T: with the inline PTX the unpacked
-  weights are the MMA's A operand straight from registers, and on sm_90 128 columns make it a
-  warpgroup MMA; elsewhere it runs as ``dot``) and ``fma`` (CUDA cores, one row a program). The dot kind unpacks with inline PTX (two
+  of the activations. Three kinds of program: ``dot`` (tensor cores, one ``tl.dot`` per slab,
+  K = 16), ``dot_t`` (the same product transposed, out^T = W^T x^T: with the inline PTX the
+  unpacked weights are the MMA's A operand straight from registers, and on sm_90 128 columns
+  make it a warpgroup MMA; elsewhere it runs as ``dot``) and ``fma`` (CUDA cores, one row a
+  program). The dot kind unpacks with inline PTX (two
   words at a time: byte permutes, a shift and a LOP3 per pair of codes, and one packed FMA that
   leaves ``q - z``, exact); the codes are built as float bits (``offset + q``), never through an
   int-to-float conversion, a quarter-rate instruction that bounded the first version of this
@@ -106,9 +107,9 @@ def _w4a16_gemm_kernel(
     """EVEN_K: K is a multiple of BLOCK_K; EVEN_N: N is a multiple of BLOCK_N. Then the weight
     loads need no mask (the bounds checks cost as much as the unpacking).
 
-    Split-K (SPLIT): program ``pid_s`` of ``split_k`` takes K tiles ``[pid_s T / S, (pid_s + 1) T / S)``
-    (any S, balanced to one tile; TILES of them each when S divides T) and writes its float32 partial sums to ``ws``. SERIAL: the
-    last program of an output tile to arrive (a counter per tile, taken with acquire-release
+    Split-K (SPLIT): program ``pid_s`` of ``split_k`` takes K tiles
+    ``[pid_s T / S, (pid_s + 1) T / S)`` (any S, balanced to one tile; TILES of them each when S
+    divides T) and writes its float32 partial sums to ``ws``. SERIAL: the last program of an output tile to arrive (a counter per tile, taken with acquire-release
     atomics and put back to zero for the next launch) adds the S partials in split order and
     writes the output, so one launch does it all and the sum does not depend on who came last;
     otherwise `sum_splits_kernel` adds them in a second launch."""
