@@ -111,8 +111,9 @@ def _w4a16_gemm_kernel(
     ``[pid_s T / S, (pid_s + 1) T / S)`` (any S, balanced to one tile; TILES of them each when S
     divides T) and writes its float32 partial sums to ``ws``. SERIAL: the last program of an
     output tile to arrive (a counter per tile, taken with acquire-release atomics and put back
-    to zero for the next launch) adds the S partials in split order and writes the output, so one launch does it all and the sum does not depend on who came last;
-    otherwise `sum_splits_kernel` adds them in a second launch."""
+    to zero for the next launch) adds the S partials in split order and writes the output, so
+    one launch does it all and the sum does not depend on who came last; otherwise
+    `sum_splits_kernel` adds them in a second launch."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
