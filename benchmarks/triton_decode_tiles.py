@@ -59,7 +59,7 @@ def main() -> int:
         SHAPES.items(), (torch.bfloat16, torch.float8_e4m3fn)
     ):
         b = batch(rows, context, heads, kv_heads, dtype)
-        default = decode_tiles(torch.bfloat16, HEAD)
+        default = decode_tiles(torch.bfloat16, HEAD, dtype)
 
         def run(tiles: Tiles, b: dict = b, rows: int = rows) -> None:
             paged_decode(

@@ -18,6 +18,14 @@ def is_fp8_cache(cache: torch.Tensor) -> bool:
     return cache.dtype == torch.float8_e4m3fn
 
 
+def fp8_as_f16(query: torch.Tensor, cache: torch.Tensor) -> bool:
+    """A bfloat16 query over an FP8 cache: the kernels compute in float16 instead. e4m3 converts
+    to float16 in one instruction per pair of values (to bfloat16 it takes a detour through
+    float32), both exactly; the query's bfloat16 values are float16 values too (for any magnitude
+    below 65,504, subnormals aside), and the softmax weights lie in [0, 1]."""
+    return is_fp8_cache(cache) and query.dtype == torch.bfloat16
+
+
 def check_inner_contiguous(*tensors: torch.Tensor) -> None:
     for t in tensors:
         if t.stride(-1) != 1:
@@ -66,12 +74,16 @@ def mixed_tiles(dtype: torch.dtype, head_size: int, gqa: int, max_query_len: int
     return replace(tiles, block_q=block_q, block_m=max(16, block_q * gqa_p))
 
 
-def decode_tiles(dtype: torch.dtype, head_size: int) -> Tiles:
+def decode_tiles(
+    dtype: torch.dtype, head_size: int, cache_dtype: torch.dtype | None = None
+) -> Tiles:
     """`paged_decode`'s tiles: a 64 x 128 half-precision K tile is 16 KiB; with V and three
     stages a program takes 39 KiB of shared memory and 128 registers a thread, so four programs
-    (16 warps) share an SM and keep enough loads in flight to saturate HBM."""
+    (16 warps) share an SM and keep enough loads in flight to saturate HBM. An FP8 cache's tiles
+    are twice as long for the same bytes in flight."""
     if dtype == torch.float32:
         return _FP32_TILES
+    fp8 = cache_dtype == torch.float8_e4m3fn
     if head_size > 128:
-        return Tiles(block_n=32, num_warps=4, num_stages=2)
-    return Tiles(block_n=64, num_warps=4, num_stages=3)
+        return Tiles(block_n=64 if fp8 else 32, num_warps=4, num_stages=2)
+    return Tiles(block_n=128 if fp8 else 64, num_warps=4, num_stages=3)

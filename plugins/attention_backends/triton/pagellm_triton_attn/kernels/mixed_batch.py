@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import check_inner_contiguous, dot_precision, is_fp8_cache, mixed_tiles
+from .launch import check_inner_contiguous, dot_precision, fp8_as_f16, is_fp8_cache, mixed_tiles
 from .online_softmax import LOG2E, NO_MAX, attend_tile
 
 
@@ -50,6 +50,7 @@ def _paged_attention_kernel(
     PAGE: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     KV_FP8: tl.constexpr,
+    FP8_AS_F16: tl.constexpr,
     SKIP_DECODES: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -94,6 +95,8 @@ def _paged_attention_kernel(
         mask=row_ok[:, None] & d_ok[None, :],
         other=0.0,
     )
+    if FP8_AS_F16:
+        q = q.to(tl.float16)  # the tiles then convert in one instruction per pair, and exactly
 
     # Keys from the last query's window start to the first query's position are visible to
     # every query of the tile: whole key tiles in [full_lo, full_hi) run without masks, the
@@ -210,6 +213,7 @@ def paged_attention(
         PAGE=key_cache.shape[2],
         USE_WINDOW=sliding_window is not None,
         KV_FP8=is_fp8_cache(key_cache),
+        FP8_AS_F16=fp8_as_f16(query, key_cache),
         SKIP_DECODES=skip_decodes,
         DOT_PRECISION=dot_precision(query.dtype),
         num_warps=tiles.num_warps,

@@ -14,7 +14,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import Tiles, check_inner_contiguous, decode_tiles, dot_precision, is_fp8_cache
+from .launch import (
+    Tiles,
+    check_inner_contiguous,
+    decode_tiles,
+    dot_precision,
+    fp8_as_f16,
+    is_fp8_cache,
+)
 from .online_softmax import LOG2E, NO_MAX, attend_tile
 
 # Split-KV never cuts a sequence into more pieces than this (bounds the scratch and the merge).
@@ -51,6 +58,7 @@ def _paged_decode_kernel(
     PAGE: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     KV_FP8: tl.constexpr,
+    FP8_AS_F16: tl.constexpr,
     SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -74,6 +82,8 @@ def _paged_decode_kernel(
         mask=m_ok[:, None] & d_ok[None, :],
         other=0.0,
     )
+    if FP8_AS_F16:
+        q = q.to(tl.float16)  # the tiles then convert in one instruction per pair, and exactly
 
     # This split's share of the sequence's key tiles, balanced to within one tile. A padding
     # row (seq_len 0) has no tiles: it reads nothing and writes zeros.
@@ -200,7 +210,7 @@ def paged_decode(
     check_inner_contiguous(query, out, key_cache, value_cache)
     gqa = num_heads // num_kv_heads
     block_d = triton.next_power_of_2(head_size)
-    tiles = tiles or decode_tiles(query.dtype, head_size)
+    tiles = tiles or decode_tiles(query.dtype, head_size, key_cache.dtype)
     split = num_splits > 1
     if split:
         if scratch is None:
@@ -244,6 +254,7 @@ def paged_decode(
         PAGE=key_cache.shape[2],
         USE_WINDOW=sliding_window is not None,
         KV_FP8=is_fp8_cache(key_cache),
+        FP8_AS_F16=fp8_as_f16(query, key_cache),
         SPLIT=split,
         DOT_PRECISION=dot_precision(query.dtype),
         num_warps=tiles.num_warps,
