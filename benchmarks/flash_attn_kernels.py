@@ -94,14 +94,21 @@ def flash_builder(prefill: str, decode: str, num_kv_heads: int, block_size: int)
         return FlashAttnMetadataBuilder(spec, torch.device("cuda"))
 
 
-def time_flash(name: str, phase: str, query, kv_cache, common, heads: tuple[int, int]) -> float:
+def time_flash(
+    name: str, phase: str, query, kv_cache, common, heads: tuple[int, int]
+) -> float | None:
     from pagellm_flash_attn.kernels import KERNELS, PROVIDERS, LayerParams
 
     block_size = kv_cache.shape[2]
     capability = torch.cuda.get_device_capability()
     prefill = name
     if not KERNELS[name].serves_prefill:  # any provider: the decode-only step never calls it
-        prefill = next(k.name for k in PROVIDERS if usable(k.name, capability, block_size) is None)
+        usable_providers = [
+            k.name for k in PROVIDERS if usable(k.name, capability, block_size) is None
+        ]
+        if not usable_providers:
+            return None  # FLASH_ATTN cannot start here: no prefill provider is importable
+        prefill = usable_providers[0]
     builder = flash_builder(prefill, name, heads[1], block_size)
     meta = builder.build(common)
     layer = LayerParams(heads[0], heads[1], HEAD, HEAD**-0.5, None)
@@ -187,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
                         ms = time_triton_attn(phase, query, kv_cache, common, heads)
                     else:
                         ms = time_flash(name, phase, query, kv_cache, common, heads)
+                        if ms is None:
+                            skipped[f"{name} block {block_size}"] = "no prefill provider importable"
+                            continue
                     value = kv_bytes / ms / 1e6 if phase == "decode" else flops / ms / 1e9
                     unit = "GB/s" if phase == "decode" else "TFLOP/s"
                     rows.append(dict(phase=phase, workload=label, kernel=name, block_size=block_size, us=ms * 1e3, value=value, unit=unit))  # fmt: skip

@@ -9,7 +9,7 @@ figure, and the best, then one JSON object.
 Shapes: 256 rows of 1k context with 16 query / 8 KV heads (the kernel table's), and W1's decode
 (200 rows of 768 context, 32 query / 8 KV heads). Block size 16, head 128.
 
-    python benchmarks/triton_decode_tiles.py [--output-json out.json]
+    python benchmarks/triton_decode_tiles.py [--default-only] [--output-json out.json]
 """
 
 from __future__ import annotations
@@ -35,21 +35,22 @@ def batch(rows: int, context: int, heads: int, kv_heads: int, cache_dtype: torch
     num_blocks = rows * pages + 1
     table = (torch.randperm(num_blocks - 1, device=dev) + 1).int().view(rows, pages)
     # TRITON_ATTN's layout: [num_blocks, kv_heads, block_size, head] per K and per V.
-    kv = torch.randn(2, num_blocks, kv_heads, BLOCK_SIZE, HEAD, device=dev) * 0.5
+    kv = (torch.randn(2, num_blocks, kv_heads, BLOCK_SIZE, HEAD, device=dev) * 0.5).to(cache_dtype)
     return {
         "query": torch.randn(rows, heads, HEAD, device=dev).bfloat16(),
-        "kv": kv.to(cache_dtype),
+        "kv": kv,
         "out": torch.empty(rows, heads, HEAD, device=dev).bfloat16(),
         "qsl": torch.arange(rows + 1, dtype=torch.int32, device=dev),
         "seq_lens": torch.full((rows,), context, dtype=torch.int32, device=dev),
         "table": table,
-        "bytes": 2 * rows * context * kv_heads * HEAD * kv.to(cache_dtype).element_size(),
+        "bytes": 2 * rows * context * kv_heads * HEAD * kv.element_size(),
     }
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output-json", default=None)
+    parser.add_argument("--default-only", action="store_true", help="time the default tiles only")
     args = parser.parse_args()
     from pagellm_triton_attn.kernels.launch import Tiles, decode_tiles
     from pagellm_triton_attn.kernels.split_kv_decode import paged_decode
@@ -68,8 +69,13 @@ def main() -> int:
             )  # fmt: skip
 
         line: dict[str, Any] = {"shape": shape, "cache": str(dtype).split(".")[-1], "tiles": {}}
-        for block_n, warps, stages in itertools.product(*SWEEP.values()):
-            tiles = Tiles(block_n=block_n, num_warps=warps, num_stages=stages)
+        sweep = (
+            [default]
+            if args.default_only
+            else [Tiles(*t) for t in itertools.product(*SWEEP.values())]
+        )
+        for tiles in sweep:
+            block_n, warps, stages = tiles.block_n, tiles.num_warps, tiles.num_stages
             try:
                 ms = triton.testing.do_bench(lambda t=tiles: run(t), warmup=25, rep=100)
             except Exception as exc:  # out of shared memory or registers: say so, go on

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from .launch import check_inner_contiguous, dot_precision, fp8_as_f16, is_fp8_cache, mixed_tiles
-from .online_softmax import LOG2E, NO_MAX, attend_tile
+from .online_softmax import LOG2E, NO_MAX, attend_paged_tile, attend_tile, tile_pages
 
 
 # Per-step integers are not specialised on (== 1, multiple of 16): one compiled kernel serves
@@ -125,12 +125,16 @@ def _paged_attention_kernel(
             qk_scale, stride_cb, stride_cs, PAGE, BLOCK_N, BLOCK_D, HEAD_SIZE,
             True, USE_WINDOW, DOT_PRECISION,
         )  # fmt: skip
+    # Pages one tile ahead, as in `paged_decode`: more than one K/V tile in flight.
+    page = tile_pages(bt_row_ptr, full_lo, seq_len, PAGE, BLOCK_N)
     for n0 in range(full_lo, full_hi, BLOCK_N):
-        acc, m_i, l_i = attend_tile(
-            acc, m_i, l_i, q, q_pos, k_head_ptr, v_head_ptr, bt_row_ptr, n0, seq_len, window,
+        next_page = tile_pages(bt_row_ptr, n0 + BLOCK_N, seq_len, PAGE, BLOCK_N)
+        acc, m_i, l_i = attend_paged_tile(
+            acc, m_i, l_i, q, q_pos, k_head_ptr, v_head_ptr, page, n0, seq_len, window,
             qk_scale, stride_cb, stride_cs, PAGE, BLOCK_N, BLOCK_D, HEAD_SIZE,
             False, USE_WINDOW, DOT_PRECISION,
         )  # fmt: skip
+        page = next_page
     for n0 in range(full_hi, end, BLOCK_N):
         acc, m_i, l_i = attend_tile(
             acc, m_i, l_i, q, q_pos, k_head_ptr, v_head_ptr, bt_row_ptr, n0, seq_len, window,

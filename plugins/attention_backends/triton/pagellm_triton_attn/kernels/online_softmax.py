@@ -65,13 +65,53 @@ def attend_tile(
     ``MASKED`` tiles apply the causal, window and sequence-end masks; the caller proves that
     the other tiles are entirely visible to every row that matters."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
+    if MASKED:
+        page = tl.load(bt_row_ptr + offs_n // PAGE, mask=offs_n < seq_len, other=0)
+    else:
+        page = tl.load(bt_row_ptr + offs_n // PAGE)
+    return attend_paged_tile(
+        acc, m_i, l_i, q, q_pos, k_head_ptr, v_head_ptr, page, n0, seq_len, window, qk_scale,
+        stride_cb, stride_cs, PAGE, BLOCK_N, BLOCK_D, HEAD_SIZE, MASKED, USE_WINDOW,
+        DOT_PRECISION,
+    )  # fmt: skip
+
+
+@triton.jit
+def tile_pages(bt_row_ptr, n0, seq_len, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The cache page of each key of the tile starting at ``n0`` (0 past the sequence end)."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    return tl.load(bt_row_ptr + offs_n // PAGE, mask=offs_n < seq_len, other=0)
+
+
+@triton.jit
+def attend_paged_tile(
+    acc,
+    m_i,
+    l_i,
+    q,
+    q_pos,
+    k_head_ptr,
+    v_head_ptr,
+    page,
+    n0,
+    seq_len,
+    window,
+    qk_scale,
+    stride_cb,
+    stride_cs,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    MASKED: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """`attend_tile` with the tile's pages already loaded (`tile_pages`)."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     n_ok = offs_n < seq_len
     d_ok = offs_d < HEAD_SIZE
-    if MASKED:
-        page = tl.load(bt_row_ptr + offs_n // PAGE, mask=n_ok, other=0)
-    else:
-        page = tl.load(bt_row_ptr + offs_n // PAGE)
     offs = (page.to(tl.int64) * stride_cb + (offs_n % PAGE) * stride_cs)[:, None] + offs_d[None, :]
     k = _load_kv_tile(k_head_ptr + offs, n_ok, d_ok, MASKED, BLOCK_D != HEAD_SIZE).to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale

@@ -22,7 +22,7 @@ from .launch import (
     fp8_as_f16,
     is_fp8_cache,
 )
-from .online_softmax import LOG2E, NO_MAX, attend_tile
+from .online_softmax import LOG2E, NO_MAX, attend_paged_tile, tile_pages
 
 # Split-KV never cuts a sequence into more pieces than this (bounds the scratch and the merge).
 _MAX_SPLITS = 64
@@ -101,12 +101,17 @@ def _paged_decode_kernel(
     l_i = tl.zeros([GQA_P], dtype=tl.float32)
     # Decode is bandwidth-bound: masking every tile costs a few integer ops per key and keeps
     # one loop body (one software pipeline) per program.
+    # The next tile's pages are loaded one iteration ahead: the K/V loads then depend on no load
+    # of their own iteration, and the pipeliner can keep more than one tile in flight.
+    page = tile_pages(bt_row_ptr, tile_lo * BLOCK_N, seq_len, PAGE, BLOCK_N)
     for t in range(tile_lo, tile_hi):
-        acc, m_i, l_i = attend_tile(
-            acc, m_i, l_i, q, q_pos, k_head_ptr, v_head_ptr, bt_row_ptr, t * BLOCK_N, seq_len,
-            window, qk_scale, stride_cb, stride_cs, PAGE, BLOCK_N, BLOCK_D, HEAD_SIZE,
-            True, USE_WINDOW, DOT_PRECISION,
+        next_page = tile_pages(bt_row_ptr, (t + 1) * BLOCK_N, seq_len, PAGE, BLOCK_N)
+        acc, m_i, l_i = attend_paged_tile(
+            acc, m_i, l_i, q, q_pos, k_head_ptr, v_head_ptr, page, t * BLOCK_N, seq_len,
+            window, qk_scale, stride_cb, stride_cs, PAGE, BLOCK_N, BLOCK_D,
+            HEAD_SIZE, True, USE_WINDOW, DOT_PRECISION,
         )  # fmt: skip
+        page = next_page
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     if KV_FP8:
