@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import logging
 import os
 import platform
@@ -118,6 +119,7 @@ def run_pagellm(
     scheduled = core.scheduler.requests
     awaiting_first = {f"bench-{i}" for i in range(len(prompts))}
     ttfts: list[float] = []
+    finished_ids: dict[str, list[int]] = {}
     start = clock()
     for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
         engine.add_request(f"bench-{i}", prompt, p)
@@ -133,7 +135,10 @@ def run_pagellm(
                 awaiting_first.discard(rid)
                 ttfts.append(now)
         num_steps += 1
-        produced += sum(len(o.outputs[0].token_ids) for o in outputs if o.finished)
+        for o in outputs:
+            if o.finished:
+                produced += len(o.outputs[0].token_ids)
+                finished_ids[o.request_id] = o.outputs[0].token_ids
         stats = core.make_scheduler_stats()
         # Steady-state decode: every request has arrived and every running one decodes.
         decode_only = stats.num_scheduled_tokens == stats.num_scheduled_reqs > 1
@@ -147,6 +152,11 @@ def run_pagellm(
         raise RuntimeError(f"pagellm produced {produced} output tokens, expected {expected}.")
     result = _summary("pagellm", requests, total_elapsed)
     result["num_steps"] = num_steps
+    # Two runs that generated the same tokens (async scheduling on and off, say) hash the same.
+    digest = hashlib.sha256()
+    for i in range(len(prompts)):
+        digest.update(np.asarray(finished_ids[f"bench-{i}"], dtype=np.int64).tobytes())
+    result["output_token_ids_sha256"] = digest.hexdigest()
     if ttfts:
         ttft_ms = np.array(ttfts) * 1e3
         result["ttft_ms"] = {

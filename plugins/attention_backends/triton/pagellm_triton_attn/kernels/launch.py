@@ -77,10 +77,11 @@ def mixed_tiles(dtype: torch.dtype, head_size: int, gqa: int, max_query_len: int
 def decode_tiles(
     dtype: torch.dtype, head_size: int, cache_dtype: torch.dtype | None = None
 ) -> Tiles:
-    """`paged_decode`'s tiles: a 64 x 128 half-precision K tile is 16 KiB; with V and three
-    stages a program takes 39 KiB of shared memory and 128 registers a thread, so four programs
-    (16 warps) share an SM and keep enough loads in flight to saturate HBM. An FP8 cache's tiles
-    are twice as long for the same bytes in flight."""
+    """`paged_decode`'s tiles: a 64 x 128 half-precision K tile is 16 KiB; with three stages K and
+    V are double-buffered (the pages are loaded a tile ahead), 70 KiB of shared memory a program,
+    so three programs (12 warps) share an SM and keep enough loads in flight to saturate HBM. An
+    FP8 cache's tiles are twice as long for the same bytes in flight. Chosen by
+    `benchmarks/triton_decode_tiles.py` on an H200."""
     if dtype == torch.float32:
         return _FP32_TILES
     fp8 = cache_dtype == torch.float8_e4m3fn
