@@ -4,7 +4,9 @@
 #   bash benchmarks/backends_round.sh peer-ph ph w2 w1
 # Stages:
 #   peer-w1-fp8  vLLM on W1 with its online fp8 (--quantization fp8)
+#   peer-w    vLLM on W2 and W1 in bf16
 #   w1-fp8   W1 on TRITON_ATTN: bf16, fp8 weights, fp8 weights + fp8 KV cache
+#   async    W2 and W1 with --no-async-scheduling and --async-scheduling (ASYNC_BACKEND, TRITON_ATTN)
 #   ph-fp8   the prefill-heavy workload, bf16 and fp8 weights (PH_FP8_BACKEND, default FLASH_ATTN)
 #   peer-ph  vLLM on the prefill-heavy workload (256 requests, 2,048 in / 16 out, W2's model),
 #            through the peer harness (.vllm-peer/run.sh, carried as an ignored folder)
@@ -40,6 +42,11 @@ for stage in "$@"; do
     peer-w1-fp8)
       OUT=$OUT/peer STAGES="vllm:W1" BUDGET_S=300 PEER_EXTRA="--quantization fp8" bash .vllm-peer/run.sh 2>&1 | tail -8
       cp "$OUT/peer/vllm_W1_equal.json" "$OUT/w1fp8_vllm.json" 2>/dev/null ;;
+    # vLLM in bf16 on W2 and W1 (its settings as pagellm's: the harness's "equal").
+    peer-w)
+      OUT=$OUT/peer STAGES="vllm:W2 vllm:W1" BUDGET_S=420 bash .vllm-peer/run.sh 2>&1 | tail -8
+      cp "$OUT/peer/vllm_W2_equal.json" "$OUT/w2_vllm.json" 2>/dev/null
+      cp "$OUT/peer/vllm_W1_equal.json" "$OUT/w1_vllm.json" 2>/dev/null ;;
     ph) for b in $BACKENDS; do pagellm_run ph W2 200 "$b" $PREFILL_HEAVY; done ;;
     # W1 on TRITON_ATTN in bf16, with fp8 weights, and with fp8 weights and an fp8 KV cache
     # (TRITON_ATTN reads an fp8 cache; FLASHINFER and FLASH_ATTN do not).
@@ -51,6 +58,12 @@ for stage in "$@"; do
     ph-fp8)
       pagellm_run phq_bf16 W2 200 "${PH_FP8_BACKEND:-FLASH_ATTN}" $PREFILL_HEAVY
       pagellm_run phq_fp8 W2 200 "${PH_FP8_BACKEND:-FLASH_ATTN}" $PREFILL_HEAVY --quantization fp8 ;;
+    # W2 and W1 with async scheduling off and on (issue 17): the same tokens (the table's output
+    # hash), and the speed-up.
+    async) for w in W2 W1; do
+        pagellm_run "async_off_$w" "$w" 240 "${ASYNC_BACKEND:-TRITON_ATTN}" --no-async-scheduling
+        pagellm_run "async_on_$w" "$w" 240 "${ASYNC_BACKEND:-TRITON_ATTN}" --async-scheduling
+      done ;;
     w2) for b in $BACKENDS; do pagellm_run w2 W2 200 "$b"; done ;;
     w1) for b in $BACKENDS; do pagellm_run w1 W1 240 "$b"; done ;;
     *) echo "unknown stage $stage" ;;
@@ -59,7 +72,7 @@ done
 
 python3 - "$OUT" <<'PY'
 import glob, json, os, sys
-print(f"{'run':28s} {'out tok/s':>10s} {'elapsed s':>9s} {'startup s':>9s} {'TTFT mean/p99 ms':>18s}  requests  weights GB / KV tokens")
+print(f"{'run':28s} {'out tok/s':>10s} {'elapsed s':>9s} {'startup s':>9s} {'TTFT mean/p99 ms':>18s}  requests  outputs  weights GB / KV tokens")
 for path in sorted(glob.glob(os.path.join(sys.argv[1], "*_*.json"))):
     try:
         r = json.load(open(path))
@@ -70,6 +83,7 @@ for path in sorted(glob.glob(os.path.join(sys.argv[1], "*_*.json"))):
     t = (r.get("details") or {}).get("ttft_ms") or {}
     ttft = f"{t['mean']}/{t['p99']}" if t else ""
     sha = (r.get("requests") or {}).get("requests_sha256", "")[:12]
+    out_sha = r.get("output_token_ids_sha256", "")[:8]
     print(f"{os.path.basename(path)[:-5]:28s} {r.get('output_tokens_per_s', ''):>10} {r.get('elapsed_s', ''):>9} "
-          f"{r.get('startup_s', ''):>9} {ttft:>18s}  {sha}  {r.get('decode_weight_gb', '')} / {r.get('kv_cache_tokens', '')}")
+          f"{r.get('startup_s', ''):>9} {ttft:>18s}  {sha}  {out_sha}  {r.get('decode_weight_gb', '')} / {r.get('kv_cache_tokens', '')}")
 PY
