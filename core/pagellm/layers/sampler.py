@@ -56,10 +56,29 @@ class SamplingMetadata:
 
 
 @dataclass
+class LogprobTensors:
+    """Log-probabilities at N positions, still on the device: the given (sampled or prompt)
+    token first, then the top k."""
+
+    token_ids: torch.Tensor
+    """[N, 1 + k] int64."""
+    logprobs: torch.Tensor
+    """[N, 1 + k] float32."""
+    ranks: torch.Tensor
+    """[N] int64: the given token's rank (1 = the most likely)."""
+
+    def to_list(self) -> list[SampleLogprobs]:
+        """Per position, on the host (a device→host copy unless the tensors are there already)."""
+        ids, lps, ranks = self.token_ids.tolist(), self.logprobs.tolist(), self.ranks.tolist()
+        return [SampleLogprobs(i, lp, r) for i, lp, r in zip(ids, lps, ranks, strict=True)]
+
+
+@dataclass
 class SamplerOutput:
     sampled_token_ids: torch.Tensor
     """[N] int64."""
-    logprobs: list[SampleLogprobs] | None
+    logprobs: LogprobTensors | None
+    """Kept on the device: the model runner copies them to the host with the sampled ids."""
 
 
 def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
@@ -143,13 +162,11 @@ class Sampler(torch.nn.Module):
 
         logprobs = None
         if raw_logprobs is not None:
-            logprobs = gather_logprobs(raw_logprobs, sampled, md.max_num_logprobs or 0)
+            logprobs = logprob_tensors(raw_logprobs, sampled, md.max_num_logprobs or 0)
         return SamplerOutput(sampled, logprobs)
 
 
-def gather_logprobs(
-    logprobs: torch.Tensor, token_ids: torch.Tensor, k: int
-) -> list[SampleLogprobs]:
+def logprob_tensors(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> LogprobTensors:
     """Per row: the given token's logprob and rank, then the top-k (token ids and logprobs)."""
     token_lp = logprobs.gather(1, token_ids.unsqueeze(1))
     ranks = (logprobs > token_lp).sum(dim=-1) + 1
@@ -157,6 +174,15 @@ def gather_logprobs(
         top_lp, top_ids = logprobs.topk(k, dim=-1)
     else:
         top_lp, top_ids = logprobs[:, :0], token_ids[:, None][:, :0]
-    ids = torch.cat([token_ids.unsqueeze(1), top_ids], dim=1).tolist()
-    lps = torch.cat([token_lp, top_lp], dim=1).tolist()
-    return [SampleLogprobs(i, lp, r) for i, lp, r in zip(ids, lps, ranks.tolist(), strict=True)]
+    return LogprobTensors(
+        torch.cat([token_ids.unsqueeze(1), top_ids], dim=1),
+        torch.cat([token_lp, top_lp], dim=1),
+        ranks,
+    )
+
+
+def gather_logprobs(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, k: int
+) -> list[SampleLogprobs]:
+    """`logprob_tensors`, on the host."""
+    return logprob_tensors(logprobs, token_ids, k).to_list()

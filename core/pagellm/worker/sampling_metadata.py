@@ -17,6 +17,7 @@ import torch
 from pagellm.layers.sampler import Penalties, SamplingMetadata
 from pagellm.worker.input_batch import CachedRequestState, InputBatch
 from pagellm.worker.penalty_state import PenaltyState
+from pagellm.worker.step_buffers import small_to_device
 
 
 class SamplingMetadataBuilder:
@@ -28,8 +29,11 @@ class SamplingMetadataBuilder:
         vocab_size: int,
         device: torch.device,
         seed: int,
+        pin_memory: bool = False,
     ) -> None:
         self.batch = batch
+        self.pin_memory = pin_memory
+        """Copy parameters through pinned memory, non-blocking (see `StepBuffers.to_device`)."""
         self.requests = requests
         self.penalty_state = penalty_state
         self.vocab_size = vocab_size
@@ -55,7 +59,7 @@ class SamplingMetadataBuilder:
         return metadata
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(array).to(self.device)
+        return small_to_device(array, self.device, self.pin_memory)
 
     def _dense(self, rows: np.ndarray) -> SamplingMetadata:
         batch, vocab = self.batch, self.vocab_size

@@ -124,8 +124,18 @@ class StepBuffers:
         )
 
     def to_device(self, array: np.ndarray) -> torch.Tensor:
-        """A small per-step array (e.g. sampling indices) on the device."""
-        tensor = torch.from_numpy(np.ascontiguousarray(array))
-        if self.device.type == "cpu":
-            return tensor
-        return tensor.to(self.device, non_blocking=False)
+        """A small per-step array (e.g. sampling indices) on the device. Copied through pinned
+        memory without waiting: a blocking copy would wait for the step still running on the
+        device, which asynchronous scheduling overlaps with this one's preparation."""
+        return small_to_device(array, self.device, self._non_blocking)
+
+
+def small_to_device(array: np.ndarray, device: torch.device, pinned: bool) -> torch.Tensor:
+    """``array`` on ``device``; with ``pinned``, staged in pinned memory (PyTorch's caching host
+    allocator keeps the block until the copy has run) and copied non-blocking."""
+    tensor = torch.from_numpy(np.ascontiguousarray(array))
+    if device.type == "cpu":
+        return tensor
+    if pinned:
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
