@@ -6,10 +6,9 @@ step's output comes; a request preempted or finished meanwhile loses nothing and
 
 from __future__ import annotations
 
-from test_scheduler import SAMPLED, make_request, make_scheduler, num_free
-
 from pagellm.request import RequestStatus
 from pagellm.scheduler.output import ModelRunnerOutput
+from test_scheduler import SAMPLED, make_request, make_scheduler, num_free
 
 
 def launch(scheduler):
