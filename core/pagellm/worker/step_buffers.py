@@ -71,6 +71,16 @@ class StepBuffers:
         self.host: StepArrays[np.ndarray] = StepArrays(
             *(getattr(tensors, f.name).numpy() for f in dataclasses.fields(tensors))
         )
+        self._copied: torch.Event | None = None
+        """Recorded after the last step's copies out of the staging buffers (non-blocking ones)."""
+
+    def wait_until_staging_is_free(self) -> None:
+        """Call before writing the staging buffers: the previous step's non-blocking copies out
+        of them may still be queued on the device (behind a step in flight, under asynchronous
+        scheduling), and must have read them first."""
+        if self._copied is not None:
+            self._copied.synchronize()
+            self._copied = None
 
     def stage_padding(self, num_tokens: int, num_reqs: int, num_padded: int) -> None:
         """Stage rows ``num_reqs..`` up to ``num_padded`` rows (and tokens) of a decode batch
@@ -122,6 +132,9 @@ class StepBuffers:
         d.block_table[:num_reqs, :num_block_cols].copy_(
             h.block_table[:num_reqs, :num_block_cols], non_blocking=nb
         )
+        if nb:
+            self._copied = torch.Event(device=self.device)
+            self._copied.record()
 
     def to_device(self, array: np.ndarray) -> torch.Tensor:
         """A small per-step array (e.g. sampling indices) on the device. Copied through pinned
