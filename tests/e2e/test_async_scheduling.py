@@ -175,3 +175,17 @@ def test_multi_token_bad_words_run_synchronously_with_the_reason_logged(engines,
     assert got == expected
     assert expected[0][1][0][0] != list(plain[0].outputs[0].token_ids)
     assert "Asynchronous scheduling off for some steps: multi-token bad_words" in caplog.text
+
+
+def test_prompt_logprobs_of_chunked_prefills_come_back_with_the_steps_copy(llama_dir, engines):
+    """Chunks that sample nothing still send their prompt logprobs through the step's one
+    device→host copy."""
+    sync, _ = engines
+    prompts = prompts_with_shared_prefix(3)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=6, logprobs=1, prompt_logprobs=2, ignore_eos=True
+    )
+    expected = summary(sync.generate(prompts, params, use_tqdm=False))
+    chunked = make_llm(llama_dir, True, max_num_batched_tokens=16)
+    assert summary(chunked.generate(prompts, params, use_tqdm=False)) == expected
+    assert all(len(p) == len(prompt) for (p, _), prompt in zip(expected, prompts, strict=True))

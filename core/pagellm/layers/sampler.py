@@ -67,6 +67,10 @@ class LogprobTensors:
     ranks: torch.Tensor
     """[N] int64: the given token's rank (1 = the most likely)."""
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The three tensors, in field order (``LogprobTensors(*tensors)`` rebuilds it)."""
+        return [self.token_ids, self.logprobs, self.ranks]
+
     def to_list(self) -> list[SampleLogprobs]:
         """Per position, on the host (a device→host copy unless the tensors are there already)."""
         ids, lps, ranks = self.token_ids.tolist(), self.logprobs.tolist(), self.ranks.tolist()
@@ -121,7 +125,8 @@ def process_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     if md.allowed_mask is not None:
         logits = logits.masked_fill(~md.allowed_mask, NEG_INF)
     if md.banned is not None:
-        logits = logits.index_put(md.banned, torch.tensor(NEG_INF, device=logits.device))
+        # A fill, not a host→device copy: that would wait for the device (a step in flight).
+        logits = logits.index_put(md.banned, torch.full((), NEG_INF, device=logits.device))
     if md.logit_bias is not None:
         rows, tokens, bias = md.logit_bias
         logits = logits.index_put((rows, tokens), bias, accumulate=True)
@@ -179,10 +184,3 @@ def logprob_tensors(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> 
         torch.cat([token_lp, top_lp], dim=1),
         ranks,
     )
-
-
-def gather_logprobs(
-    logprobs: torch.Tensor, token_ids: torch.Tensor, k: int
-) -> list[SampleLogprobs]:
-    """`logprob_tensors`, on the host."""
-    return logprob_tensors(logprobs, token_ids, k).to_list()

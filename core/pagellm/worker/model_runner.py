@@ -22,12 +22,17 @@ from pagellm.config import EngineConfig
 from pagellm.forward_context import set_forward_context
 from pagellm.kv_cache.manager import cdiv
 from pagellm.kv_cache.spec import KVCacheSpec
-from pagellm.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, gather_logprobs
+from pagellm.layers.sampler import (
+    LogprobTensors,
+    Sampler,
+    SamplerOutput,
+    SamplingMetadata,
+    logprob_tensors,
+)
 from pagellm.platforms import current_platform
 from pagellm.scheduler.output import (
     CachedRequestData,
     ModelRunnerOutput,
-    SampleLogprobs,
     SchedulerOutput,
 )
 from pagellm.worker.cudagraphs import CapturedGraph, DecodeGraphs
@@ -197,24 +202,24 @@ class ModelRunner:
         hidden = self._forward(plan, common, graph)
         rows = plan.sample_rows
         step = StepInFlight(
-            self.num_launched,
-            plan.req_ids,
-            plan.sample_pos,
-            rows,
-            batch.num_tokens[rows],
-            batch.version,
-            prompt_logprobs=self._prompt_logprobs(hidden, plan),
+            self.num_launched, plan.req_ids, plan.sample_pos, rows, batch.num_tokens[rows], 0
         )
+        prompt_logprobs = self._prompt_logprobs(hidden, plan)
+        to_host: list[torch.Tensor] = []
         if sampling is not None:
             sample_hidden = hidden if sample_idx is None else hidden.index_select(0, sample_idx)
             result = self._sample(plan, sample_hidden, sampling)
             step.sampled = result.sampled_token_ids
-            to_host = [result.sampled_token_ids]
+            to_host.append(result.sampled_token_ids)
             if result.logprobs is not None:
-                lp = result.logprobs
-                to_host += [lp.token_ids, lp.logprobs, lp.ranks]
+                to_host += result.logprobs.tensors()
                 step.num_logprobs = batch.num_logprobs[rows]
+        for lp in prompt_logprobs.values():
+            to_host += lp.tensors()
+        step.prompt_logprob_ids = list(prompt_logprobs)
+        if to_host:
             step.host_copy = current_platform.copy_to_host(to_host)  # the step's one copy back
+        step.batch_version = batch.version
         self.in_flight.append(step)
 
     def collect(self) -> ModelRunnerOutput:
@@ -270,16 +275,14 @@ class ModelRunner:
         batch.pending_index[rows] = np.arange(len(rows))
         return result
 
-    def _prompt_logprobs(
-        self, hidden: torch.Tensor, plan: StepPlan
-    ) -> dict[str, list[SampleLogprobs]] | None:
+    def _prompt_logprobs(self, hidden: torch.Tensor, plan: StepPlan) -> dict[str, LogprobTensors]:
         """Logprobs of each prompt token given the tokens before it, for the prompt positions
-        computed this step (only for requests that asked, each position once)."""
+        computed this step (only for requests that asked, each position once), on the device."""
         batch = self.input_batch
         wanted = np.flatnonzero(batch.num_prompt_logprobs[plan.rows] >= 0)
+        result: dict[str, LogprobTensors] = {}
         if not len(wanted):
-            return None
-        result: dict[str, list[SampleLogprobs]] = {}
+            return result
         query_start = plan.query_start
         for pos in wanted:
             row, state = plan.rows[pos], self.requests[plan.req_ids[pos]]
@@ -289,11 +292,14 @@ class ModelRunner:
             last = min(start + int(plan.query_lens[pos]), len(state.prompt_token_ids) - 1)
             if first >= last:
                 continue
-            token_idx = torch.arange(first - start, last - start) + int(query_start[pos])
-            logits = self.model.compute_logits(hidden[token_idx.to(self.device)]).float()
-            targets = torch.tensor(state.prompt_token_ids[first + 1 : last + 1], device=self.device)
-            result[state.req_id] = gather_logprobs(
+            offset = int(query_start[pos]) - start
+            token_idx = torch.arange(first + offset, last + offset, device=self.device)
+            logits = self.model.compute_logits(hidden[token_idx]).float()
+            targets = self.buffers.to_device(
+                np.asarray(state.prompt_token_ids[first + 1 : last + 1])
+            )
+            result[state.req_id] = logprob_tensors(
                 logits.log_softmax(dim=-1), targets, int(batch.num_prompt_logprobs[row])
             )
             state.num_prompt_logprobs_done = last
-        return result or None
+        return result

@@ -142,18 +142,18 @@ class SamplingMetadataBuilder:
                     stops.append(state.eos_token_id)
                 ban_rows += [j] * len(stops)
                 ban_tokens += stops
-        dev = self.device
+        to_device = self._to_device
         if bias_rows:
             metadata.logit_bias = (
-                torch.tensor(bias_rows, device=dev),
-                torch.tensor(bias_tokens, device=dev),
-                torch.tensor(bias_values, dtype=torch.float32, device=dev),
+                to_device(np.asarray(bias_rows, dtype=np.int64)),
+                to_device(np.asarray(bias_tokens, dtype=np.int64)),
+                to_device(np.asarray(bias_values, dtype=np.float32)),
             )
         if ban_rows:
             keep = [i for i, t in enumerate(ban_tokens) if t < vocab]
             metadata.banned = (
-                torch.tensor([ban_rows[i] for i in keep], device=dev, dtype=torch.long),
-                torch.tensor([ban_tokens[i] for i in keep], device=dev, dtype=torch.long),
+                to_device(np.asarray([ban_rows[i] for i in keep], dtype=np.int64)),
+                to_device(np.asarray([ban_tokens[i] for i in keep], dtype=np.int64)),
             )
         if allowed is not None:
-            metadata.allowed_mask = allowed.to(dev)
+            metadata.allowed_mask = to_device(allowed.numpy())

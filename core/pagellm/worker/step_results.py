@@ -7,7 +7,7 @@ tokens into the persistent batch and builds the step's `ModelRunnerOutput`.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -34,10 +34,11 @@ class StepInFlight:
     sampled: torch.Tensor | None = None
     """[len(sample_pos)] int64 on the device; None when no request sampled."""
     host_copy: HostCopy | None = None
-    """The sampled ids, then the logprob tensors (when asked), on their way to the host."""
+    """On their way to the host: the sampled ids, the sample logprob tensors (when asked), then
+    the prompt logprob tensors of each request in ``prompt_logprob_ids``."""
     num_logprobs: np.ndarray | None = None
     """Per sampling request: how many top logprobs it asked for (-1: none); None: nobody did."""
-    prompt_logprobs: dict[str, list[SampleLogprobs]] | None = None
+    prompt_logprob_ids: list[str] = field(default_factory=list)
 
     def finish(
         self,
@@ -48,13 +49,18 @@ class StepInFlight:
         """Wait for the host copy, store the tokens, and report them per request."""
         tokens: list[int] = []
         logprobs: list[SampleLogprobs] | None = None
-        if self.host_copy is not None:
-            host = self.host_copy.wait()
+        host = self.host_copy.wait() if self.host_copy is not None else []
+        if self.sampled is not None:
             tokens = host[0].tolist()
-            if len(host) > 1:
-                logprobs = LogprobTensors(*host[1:]).to_list()
             self._store(host[0].numpy(), batch, requests, max_model_len)
-        return self._output(tokens, logprobs)
+            host = host[1:]
+            if self.num_logprobs is not None:
+                logprobs, host = LogprobTensors(*host[:3]).to_list(), host[3:]
+        prompt_logprobs = {
+            req_id: LogprobTensors(*host[3 * k : 3 * k + 3]).to_list()
+            for k, req_id in enumerate(self.prompt_logprob_ids)
+        }
+        return self._output(tokens, logprobs, prompt_logprobs or None)
 
     def _store(
         self,
@@ -85,7 +91,10 @@ class StepInFlight:
                     state.output_token_ids[index] = token
 
     def _output(
-        self, tokens: list[int], logprobs: list[SampleLogprobs] | None
+        self,
+        tokens: list[int],
+        logprobs: list[SampleLogprobs] | None,
+        prompt_logprobs: dict[str, list[SampleLogprobs]] | None,
     ) -> ModelRunnerOutput:
         """Per scheduled request: its sampled token (none for a prefill chunk) and logprobs."""
         num_rows = len(self.req_ids)
@@ -106,5 +115,5 @@ class StepInFlight:
             req_ids=self.req_ids,
             sampled_token_ids=sampled,
             logprobs=row_logprobs if any(lp is not None for lp in row_logprobs) else None,
-            prompt_logprobs=self.prompt_logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
