@@ -6,20 +6,27 @@ step's output comes; a request preempted or finished meanwhile loses nothing and
 
 from __future__ import annotations
 
+import zlib
+from collections import deque
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagellm.kv_cache.manager import cdiv
 from pagellm.request import RequestStatus
 from pagellm.scheduler.output import ModelRunnerOutput
-from test_scheduler import SAMPLED, make_request, make_scheduler, num_free
+from test_scheduler import _PHASES, SAMPLED, make_request, make_scheduler, num_free
 
 
 def launch(scheduler):
     """Schedule a step; returns it with the requests that sample in it (those that got a
     placeholder), as the model runner would report them."""
+    before = {r: q.num_output_placeholders for r, q in scheduler.requests.items()}
     out = scheduler.schedule()
     sampling = {
         r
         for r in out.num_scheduled_tokens
-        if (req := scheduler.requests[r]).num_computed_tokens
-        == req.num_tokens + req.num_output_placeholders - 1
+        if scheduler.requests[r].num_output_placeholders > before[r]
     }
     return out, sampling
 
@@ -131,3 +138,85 @@ def test_a_failed_step_clears_the_placeholders_it_gave():
     assert probe.num_scheduled_tokens == {"a": 5}  # its prompt again, alone
     scheduler.update_from_output(result(probe, sampling))
     assert scheduler.requests["a"].output_token_ids == [SAMPLED]
+
+
+def fake_token(req_id: str, position: int, vocab: int) -> int:
+    """What the fake model samples: a function of the request and the position alone, as a
+    greedy model's token is of the tokens before it."""
+    return zlib.crc32(f"{req_id}@{position}".encode()) % vocab  # 0: the EOS, now and then
+
+
+def run_engine(cfg, adds, overlapped: bool):
+    """Step a scheduler as the engine core does, with one step in flight when ``overlapped``;
+    check the budgets and the blocks each step; return each request's tokens and status."""
+    sched = make_scheduler(**{k: v for k, v in cfg.items() if k != "vocab"})
+    kv = sched.kv_cache_manager
+    requests, in_flight = {}, deque()
+    pending = list(adds)
+    for step in range(2000):
+        while pending and pending[0][0] <= step:
+            _, prompt, max_tokens = pending.pop(0)
+            req_id = f"r{len(requests)}"
+            requests[req_id] = make_request(req_id, prompt, max_tokens=max_tokens, eos_token_id=0)
+            sched.add_request(requests[req_id])
+        if not (pending or sched.has_unfinished_requests() or in_flight):
+            break
+        out, sampling = launch(sched)
+        assert out.total_num_scheduled_tokens <= cfg["max_num_batched_tokens"]
+        sampled = {}
+        for req_id in out.num_scheduled_tokens:
+            request = requests[req_id]
+            in_flight_tokens = request.num_output_placeholders
+            assert 0 <= in_flight_tokens <= (2 if overlapped else 1)
+            assert request.num_computed_tokens <= request.num_tokens + in_flight_tokens
+            # No step past the limits: the workers' rows hold max_model_len tokens.
+            assert request.num_computed_tokens < cfg["max_model_len"]
+            assert len(request.output_token_ids) + in_flight_tokens <= request.max_tokens
+            if req_id in sampling:  # the token it samples goes at the position just computed
+                assert request.num_computed_tokens == request.num_tokens + in_flight_tokens - 1
+                sampled[req_id] = fake_token(req_id, request.num_computed_tokens, cfg["vocab"])
+        in_flight.append(
+            ModelRunnerOutput(
+                req_ids=list(out.num_scheduled_tokens),
+                sampled_token_ids=[
+                    [sampled[r]] if r in sampled else [] for r in out.num_scheduled_tokens
+                ],
+            )
+        )
+        keep = 1 if overlapped and out.total_num_scheduled_tokens else 0
+        while len(in_flight) > keep:
+            sched.update_from_output(in_flight.popleft())
+        for request in sched.running:
+            held = len(kv.req_to_blocks[request.request_id])
+            assert held == cdiv(request.num_computed_tokens, cfg["block_size"])
+    assert not sched.requests and kv.num_free_blocks == cfg["num_blocks"] - 1
+    return {r: (q.output_token_ids, q.status) for r, q in requests.items()}
+
+
+@st.composite
+def workloads(draw):
+    block_size = draw(st.integers(1, 4))
+    max_model_len = draw(st.integers(4, 24))
+    min_blocks = cdiv(max_model_len, block_size) + 1
+    cfg = {
+        "block_size": block_size,
+        "num_blocks": draw(st.integers(min_blocks, min_blocks + 3)),  # preemption is common
+        "max_model_len": max_model_len,
+        "max_num_batched_tokens": draw(st.integers(1, 2 * max_model_len)),
+        "max_num_seqs": draw(st.integers(1, 6)),
+        "enable_caching": draw(st.booleans()),
+        "vocab": draw(st.integers(3, 30)),
+    }
+    prompt = st.lists(st.integers(1, 3), min_size=1, max_size=max_model_len - 1)
+    add = st.tuples(st.integers(0, 12), prompt, st.one_of(st.none(), st.integers(1, 16)))
+    adds = sorted(draw(st.lists(add, min_size=2, max_size=10)), key=lambda a: a[0])
+    return cfg, adds
+
+
+@settings(max_examples=150, deadline=None, derandomize=True, phases=_PHASES)
+@given(workload=workloads())
+def test_one_step_in_flight_gives_the_tokens_of_synchronous_steps_and_frees_every_block(workload):
+    """Random arrivals, prompts sharing prefixes, a small cache (preemption), EOS and length
+    limits: the same tokens and finish states with and without a step in flight."""
+    cfg, adds = workload
+    assert run_engine(cfg, adds, overlapped=True) == run_engine(cfg, adds, overlapped=False)
