@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import random
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -189,3 +191,39 @@ def test_prompt_logprobs_of_chunked_prefills_come_back_with_the_steps_copy(llama
     chunked = make_llm(llama_dir, True, max_num_batched_tokens=16)
     assert summary(chunked.generate(prompts, params, use_tqdm=False)) == expected
     assert all(len(p) == len(prompt) for (p, _), prompt in zip(expected, prompts, strict=True))
+
+
+def test_after_a_failed_step_the_requests_run_alone_with_no_step_in_flight(engines, caplog):
+    """Failure isolation needs each probe's result before the next step is planned: the
+    engine drains (the reason logged), then overlaps again once the culprit is found."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "fault_injection"))
+    import pagellm_fault_injection as faults
+
+    sync, overlapped = engines
+    prompts = prompts_with_shared_prefix(3)
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in sync.generate(prompts, greedy, use_tqdm=False)]
+    poison = 999
+    engine, core = overlapped.llm_engine, core_of(overlapped)
+    faults.install(poison, after=2)
+    try:
+        for i, prompt in enumerate([*prompts, [7, poison, 8]]):
+            engine.add_request(f"probe-{i}", prompt, greedy)
+        got, in_flight_while_isolating = {}, []
+        with caplog.at_level(logging.INFO, logger="pagellm.engine.core"):
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    got[out.request_id] = (
+                        list(out.outputs[0].token_ids),
+                        out.outputs[0].finish_reason,
+                    )
+                if core.scheduler.quarantine or core.scheduler.probe is not None:
+                    in_flight_while_isolating.append(len(core.in_flight))
+    finally:
+        faults.uninstall()
+    assert in_flight_while_isolating and set(in_flight_while_isolating) == {0}
+    assert "Asynchronous scheduling off for some steps: a failed step's" in caplog.text
+    assert [got[f"probe-{i}"][0] for i in range(3)] == expected
+    assert got["probe-3"][1] == "error"
+    assert overlapped.llm_engine.output_processor.requests == {}
+    assert all_blocks_free(overlapped)
