@@ -202,7 +202,12 @@ class ModelRunner:
         hidden = self._forward(plan, common, graph)
         rows = plan.sample_rows
         step = StepInFlight(
-            self.num_launched, plan.req_ids, plan.sample_pos, rows, batch.num_tokens[rows], 0
+            self.num_launched,
+            plan.req_ids,
+            plan.sample_pos,
+            rows,
+            positions=batch.num_tokens[rows],  # a copy: `_sample` counts the new tokens
+            batch_version=batch.version,
         )
         prompt_logprobs = self._prompt_logprobs(hidden, plan)
         to_host: list[torch.Tensor] = []
@@ -219,7 +224,6 @@ class ModelRunner:
         step.prompt_logprob_ids = list(prompt_logprobs)
         if to_host:
             step.host_copy = current_platform.copy_to_host(to_host)  # the step's one copy back
-        step.batch_version = batch.version
         self.in_flight.append(step)
 
     def collect(self) -> ModelRunnerOutput:
