@@ -65,7 +65,8 @@ class ModelRunner:
         max_blocks_per_req = cdiv(self.max_model_len, block_size)
         self.input_batch = InputBatch(max_num_seqs, self.max_model_len, max_blocks_per_req)
         self.requests: dict[str, CachedRequestState] = {}
-        self.penalty_state = PenaltyState(max_num_seqs, model_cfg.vocab_size, device)
+        pin = current_platform.is_pin_memory_available()
+        self.penalty_state = PenaltyState(max_num_seqs, model_cfg.vocab_size, device, pin)
         self.input_batch.on_move = self.penalty_state.move_row
         self.sampling = SamplingMetadataBuilder(
             self.input_batch,
@@ -74,7 +75,7 @@ class ModelRunner:
             model_cfg.vocab_size,
             device,
             model_cfg.seed,
-            pin_memory=current_platform.is_pin_memory_available(),
+            pin_memory=pin,
         )
         self.sampler = Sampler()
         self.model: Any = None
@@ -85,7 +86,7 @@ class ModelRunner:
             max_num_seqs,
             max_blocks_per_req,
             device,
-            pin_memory=current_platform.is_pin_memory_available(),
+            pin_memory=pin,
         )
         self.graphs = DecodeGraphs(current_platform)
         self.in_flight: deque[StepInFlight] = deque()
