@@ -118,6 +118,9 @@ class SchedulerConfig(_Config):
     """A request's prefill chunk is capped at this many tokens per step (0: no cap)."""
     policy: str = "fcfs"
     """A registered scheduling policy (`pagellm.scheduler.policy`): waiting order, preemption victim."""
+    async_scheduling: bool = False
+    """Plan step N+1 while the device runs step N (`EngineCore`), resolved from the user's
+    choice or the platform's `async_scheduling_default`."""
 
 
 class ParallelConfig(_Config):

@@ -86,6 +86,10 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
+        self.num_output_placeholders = 0
+        """Tokens scheduled to be sampled whose values have not come back yet (asynchronous
+        scheduling keeps one step in flight: up to 2 just after `schedule`, else 0 or 1).
+        ``num_computed_tokens`` counts the positions they will fill."""
         self.num_cached_tokens = -1  # prefix-cache hit length at first scheduling
         self.num_preemptions = 0
 

@@ -24,6 +24,13 @@ def shared_prefix_prompts() -> list[list[int]]:
     return [prefix + [rng.randrange(3, 1024) for _ in range(n)] for n in (1, 5, 12, 20, 27, 33)]
 
 
+@pytest.fixture(params=[False, True], ids=["sync", "async"])
+def async_scheduling(request):
+    """Every case with the next step scheduled after the current one's results, and while it
+    runs (asynchronous scheduling: the same tokens)."""
+    return request.param
+
+
 @pytest.fixture(scope="module")
 def llama_dir(tiny_models):
     return tiny_models["llama3"]
@@ -42,12 +49,26 @@ def core_of(llm):
     return llm.llm_engine.engine_core
 
 
-def test_prefix_caching_off_and_on_give_hf_outputs_and_second_pass_hits(llama_dir, reference):
+def test_prefix_caching_off_and_on_give_hf_outputs_and_second_pass_hits(
+    llama_dir, reference, async_scheduling
+):
     prompts = shared_prefix_prompts()
-    off = LLM(llama_dir, max_model_len=128, kv_cache_memory=8 << 20, enable_prefix_caching=False)
+    off = LLM(
+        llama_dir,
+        async_scheduling=async_scheduling,
+        max_model_len=128,
+        kv_cache_memory=8 << 20,
+        enable_prefix_caching=False,
+    )
     assert token_ids(off.generate(prompts, GREEDY, use_tqdm=False)) == reference
 
-    on = LLM(llama_dir, max_model_len=128, kv_cache_memory=8 << 20, enable_prefix_caching=True)
+    on = LLM(
+        llama_dir,
+        async_scheduling=async_scheduling,
+        max_model_len=128,
+        kv_cache_memory=8 << 20,
+        enable_prefix_caching=True,
+    )
     assert token_ids(on.generate(prompts, GREEDY, use_tqdm=False)) == reference
     stats = core_of(on).kv_cache_manager.prefix_cache_stats
     hits_first = stats.hits
@@ -59,10 +80,13 @@ def test_prefix_caching_off_and_on_give_hf_outputs_and_second_pass_hits(llama_di
     assert kv.num_free_blocks == kv.block_pool.num_blocks - 1
 
 
-def test_chunked_prefill_under_small_budget_gives_hf_outputs(llama_dir, reference):
+def test_chunked_prefill_under_small_budget_gives_hf_outputs(
+    llama_dir, reference, async_scheduling
+):
     prompts = shared_prefix_prompts()
     llm = LLM(
         llama_dir,
+        async_scheduling=async_scheduling,
         max_model_len=128,
         kv_cache_memory=8 << 20,
         max_num_batched_tokens=16,
@@ -82,10 +106,18 @@ def test_chunked_prefill_under_small_budget_gives_hf_outputs(llama_dir, referenc
     assert max(chunks) <= 16 < max(len(p) for p in prompts)
 
 
-def test_tiny_kv_cache_forces_preemption_and_gives_hf_outputs(llama_dir, reference):
+def test_tiny_kv_cache_forces_preemption_and_gives_hf_outputs(
+    llama_dir, reference, async_scheduling
+):
     prompts = shared_prefix_prompts()
     # 2 layers x K/V x 16 tokens x 2 heads x 16 dims x 4 bytes = 8 KiB a block: 12 blocks.
-    llm = LLM(llama_dir, max_model_len=128, kv_cache_memory=12 * 8192, enable_prefix_caching=False)
+    llm = LLM(
+        llama_dir,
+        async_scheduling=async_scheduling,
+        max_model_len=128,
+        kv_cache_memory=12 * 8192,
+        enable_prefix_caching=False,
+    )
     core = core_of(llm)
     assert core.kv_cache_manager.block_pool.num_blocks == 12
     assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == reference
@@ -93,10 +125,13 @@ def test_tiny_kv_cache_forces_preemption_and_gives_hf_outputs(llama_dir, referen
     assert core.kv_cache_manager.num_free_blocks == 11
 
 
-def test_preemption_with_prefix_caching_and_chunking_together(llama_dir, reference):
+def test_preemption_with_prefix_caching_and_chunking_together(
+    llama_dir, reference, async_scheduling
+):
     prompts = shared_prefix_prompts()
     llm = LLM(
         llama_dir,
+        async_scheduling=async_scheduling,
         max_model_len=128,
         kv_cache_memory=12 * 8192,
         max_num_batched_tokens=20,
@@ -131,25 +166,31 @@ def hf_greedy_with_repetition_penalty(llama_dir, prompts, num_new, penalty):
     return outputs
 
 
-def test_repetition_penalty_matches_hf_and_survives_preemption(llama_dir):
+def test_repetition_penalty_matches_hf_and_survives_preemption(llama_dir, async_scheduling):
     # Repeating prompts: without the penalty the greedy output would echo them.
     prompts = [[5, 6, 7, 8] * 6, [40, 41] * 15, [100 + i for i in range(30)]]
     expected = hf_greedy_with_repetition_penalty(llama_dir, prompts, NUM_NEW, 1.8)
     params = SamplingParams(
         temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True, repetition_penalty=1.8
     )
-    roomy = LLM(llama_dir, max_model_len=128, kv_cache_memory=8 << 20)
+    roomy = LLM(
+        llama_dir, async_scheduling=async_scheduling, max_model_len=128, kv_cache_memory=8 << 20
+    )
     assert token_ids(roomy.generate(prompts, params, use_tqdm=False)) == expected
     # The penalty's token counts are kept per batch row on the device and updated each step;
     # preemption (rows freed, refilled later, rows moved by condensing) must not change them.
     tight = LLM(
-        llama_dir, max_model_len=128, kv_cache_memory=12 * 8192, enable_prefix_caching=False
+        llama_dir,
+        async_scheduling=async_scheduling,
+        max_model_len=128,
+        kv_cache_memory=12 * 8192,
+        enable_prefix_caching=False,
     )
     assert token_ids(tight.generate(prompts * 2, params, use_tqdm=False)) == expected * 2
     assert core_of(tight).scheduler.num_preemptions > 0
 
 
-def test_frequency_and_presence_penalties_are_counted_incrementally(llama_dir):
+def test_frequency_and_presence_penalties_are_counted_incrementally(llama_dir, async_scheduling):
     prompts = [[5, 6, 7, 8] * 6, [40, 41] * 15, [100 + i for i in range(30)]]
     plain = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
     penalized = SamplingParams(
@@ -159,7 +200,9 @@ def test_frequency_and_presence_penalties_are_counted_incrementally(llama_dir):
         presence_penalty=2.0,
         frequency_penalty=2.0,
     )
-    llm = LLM(llama_dir, max_model_len=128, kv_cache_memory=8 << 20)
+    llm = LLM(
+        llama_dir, async_scheduling=async_scheduling, max_model_len=128, kv_cache_memory=8 << 20
+    )
     # A penalized request next to plain ones: the plain ones are untouched by its statistics.
     mixed = llm.generate(prompts + prompts, [penalized] * 3 + [plain] * 3, use_tqdm=False)
     alone_plain = llm.generate(prompts, plain, use_tqdm=False)
@@ -170,19 +213,29 @@ def test_frequency_and_presence_penalties_are_counted_incrementally(llama_dir):
         # pushed far down once produced: the outputs repeat far less than the plain ones.
         assert len(set(out)) >= len(out) - 4
     tight = LLM(
-        llama_dir, max_model_len=128, kv_cache_memory=12 * 8192, enable_prefix_caching=False
+        llama_dir,
+        async_scheduling=async_scheduling,
+        max_model_len=128,
+        kv_cache_memory=12 * 8192,
+        enable_prefix_caching=False,
     )
     again = tight.generate(prompts * 2, penalized, use_tqdm=False)
     assert token_ids(again) == token_ids(mixed[:3]) * 2
     assert core_of(tight).scheduler.num_preemptions > 0
 
 
-def test_start_up_warm_up_leaves_no_trace(llama_dir, reference):
+def test_start_up_warm_up_leaves_no_trace(llama_dir, reference, async_scheduling):
     """The warm-up a GPU engine runs at start (`pagellm.engine.warm_up`, for platforms that
     `needs_warm_up`; not the CPU), run here by hand: the workers forget its requests, the
     engine's scheduler and KV cache never saw them, and the outputs that follow still equal
     transformers'."""
-    llm = LLM(llama_dir, max_model_len=128, kv_cache_memory=8 << 20, enable_prefix_caching=True)
+    llm = LLM(
+        llama_dir,
+        async_scheduling=async_scheduling,
+        max_model_len=128,
+        kv_cache_memory=8 << 20,
+        enable_prefix_caching=True,
+    )
     core = core_of(llm)
     warm_up(core.config, core.executor, core.kv_cache_manager.block_pool.num_blocks)
     runner = core.executor.collective_rpc(lambda worker: worker.model_runner)[0]

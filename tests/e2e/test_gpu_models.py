@@ -204,6 +204,19 @@ def test_cuda_graphs_give_the_same_tokens_as_eager(gpu_models, dtype: str) -> No
     assert identical >= min_identical, f"{identical}/{len(prompts)} sequences identical"
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_async_scheduling_gives_the_same_tokens_on_gpu(gpu_models, dtype: str) -> None:
+    """One step in flight (the sampled ids fed to the next step on the device, their copy back
+    on a side stream), with CUDA graphs, against synchronous steps. No request ends before its
+    max_tokens, so both run the same batches step by step: the same tokens and logprobs."""
+    prompts = _prompts()
+    sync, _ = _pagellm_generate(gpu_models["llama3"], dtype, prompts)
+    overlapped, _ = _pagellm_generate(gpu_models["llama3"], dtype, prompts, async_scheduling=True)
+    assert [tokens for tokens, _ in overlapped] == [tokens for tokens, _ in sync]
+    for (_, a), (_, b) in zip(overlapped, sync, strict=True):
+        assert max(abs(x - y) for x, y in zip(a, b, strict=True)) <= 1e-5
+
+
 def test_cuda_graphs_are_captured_and_replayed(gpu_models) -> None:
     from pagellm import LLM, SamplingParams
 

@@ -171,3 +171,23 @@ def test_models_mixing_window_and_full_layers_are_refused_when_configured(tiny_m
     )
     with pytest.raises(NotImplementedError, match="mixing sliding-window and full-attention"):
         EngineArgs(model, max_model_len=64).create_engine_config()
+
+
+def test_async_scheduling_follows_the_flag_else_the_platforms_default(tiny_models, monkeypatch):
+    from pagellm.platforms import platforms
+
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    assert parser.parse_args([]).async_scheduling is None
+    assert parser.parse_args(["--async-scheduling"]).async_scheduling is True
+    assert parser.parse_args(["--no-async-scheduling"]).async_scheduling is False
+
+    def resolved(**kwargs) -> bool:
+        args = EngineArgs(tiny_models["llama3"], max_model_len=64, **kwargs)
+        return args.create_engine_config().scheduler.async_scheduling
+
+    assert resolved() is False  # the CPU platform's default (every platform's, for now)
+    assert resolved(async_scheduling=True) is True
+    monkeypatch.setattr(platforms.get("cpu"), "async_scheduling_default", True)
+    assert resolved() is True
+    assert resolved(async_scheduling=False) is False

@@ -26,9 +26,15 @@ PROMPTS = [[5, 6, 7, 8, 9], [11, 12, 13], [20, 21, 22, 23, 24, 25, 26], [30, 31]
 POISONED = [40, 41, POISON, 43]
 
 
-@pytest.fixture(scope="module")
-def llm(tiny_models):
-    return LLM(tiny_models["llama3"], max_model_len=128, kv_cache_memory=8 << 20)
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def llm(tiny_models, request):
+    """One engine per scheduling mode: asynchronous scheduling must isolate a fault as well."""
+    return LLM(
+        tiny_models["llama3"],
+        max_model_len=128,
+        kv_cache_memory=8 << 20,
+        async_scheduling=request.param,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -88,11 +94,17 @@ def test_poisoned_n2_request_fails_whole_and_seeded_neighbours_are_unchanged(llm
     assert _all_blocks_free(llm)
 
 
-def test_steps_that_keep_failing_stop_the_engine(tiny_models, monkeypatch):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_steps_that_keep_failing_stop_the_engine(tiny_models, monkeypatch, async_scheduling):
     from pagellm.engine import core as engine_core
 
     monkeypatch.setattr(engine_core, "MAX_FAILED_STEPS_IN_A_ROW", 2)
-    llm = LLM(tiny_models["llama3"], max_model_len=128, kv_cache_memory=8 << 20)
+    llm = LLM(
+        tiny_models["llama3"],
+        max_model_len=128,
+        kv_cache_memory=8 << 20,
+        async_scheduling=async_scheduling,
+    )
     faults.install(POISON)
     try:
         with pytest.raises(RuntimeError, match="steps failed in a row"):

@@ -106,6 +106,9 @@ class EngineArgs:
     """GPUs to shard the model over (only 1 is supported yet)."""
     enforce_eager: bool = False
     """Never capture CUDA graphs: every step runs eagerly."""
+    async_scheduling: bool | None = None
+    """Schedule the next step while the device runs the current one (same tokens, less idle
+    device time); default: the platform's choice (off everywhere for now)."""
     skip_tokenizer_init: bool = False
     """No tokenizer: prompts must be token ids and outputs carry no text."""
     multiprocess_engine: bool = False
@@ -225,6 +228,9 @@ class EngineArgs:
                 enable_chunked_prefill=chunked,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
                 policy=self.scheduling_policy,
+                async_scheduling=platform.async_scheduling_default
+                if self.async_scheduling is None
+                else self.async_scheduling,
             ),
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
             device=DeviceConfig(device=platform.device_type),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from collections import deque
 from collections.abc import Iterable
 
 import msgspec
@@ -19,13 +20,25 @@ from pagellm.kv_cache.residency import KVBlockResidency
 from pagellm.metrics.stats import SchedulerStats
 from pagellm.platforms import current_platform
 from pagellm.request import EngineCoreRequest, Request, RequestStatus
-from pagellm.scheduler.output import EngineCoreOutputs, SchedulerOutput
+from pagellm.sampling_params import SamplingParams
+from pagellm.scheduler.output import EngineCoreOutput, EngineCoreOutputs, SchedulerOutput
 from pagellm.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
 # Steps that raise one after the other even when their requests run alone: the engine is broken.
 MAX_FAILED_STEPS_IN_A_ROW = 32
+
+
+def needs_host_tokens(params: SamplingParams) -> str | None:
+    """Why a request's steps cannot be planned before its last sampled token is on the host
+    (asynchronous scheduling then runs its steps synchronously), or None. Multi-token bad words:
+    a word's last token is banned once the output ends with the rest of the word, which the
+    sampler reads from the host's copy of the tokens. (Stop strings need no such care: they are
+    checked after the fact and the tokens sampled past them are dropped.)"""
+    if any(len(word) > 1 for word in params.bad_words_token_ids or ()):
+        return "multi-token bad_words (the sampler reads the output's last tokens on the host)"
+    return None
 
 
 class EngineCore:
@@ -59,6 +72,12 @@ class EngineCore:
         self.block_hasher = (
             make_block_hasher(block_size) if config.cache.enable_prefix_caching else None
         )
+        self.async_scheduling = config.scheduler.async_scheduling
+        self.in_flight: deque[SchedulerOutput] = deque()
+        """Steps launched and not collected yet (asynchronous scheduling: one between steps)."""
+        self._host_sync: dict[str, str] = {}
+        """Requests whose steps must not overlap (`needs_host_tokens`), with the reason."""
+        self._logged_sync_reasons: set[str] = set()
 
     def _initialize_kv_cache(self) -> int:
         cfg = self.config
@@ -90,16 +109,37 @@ class EngineCore:
     def add_request(self, request: EngineCoreRequest) -> None:
         fields = msgspec.structs.asdict(request)
         self.scheduler.add_request(Request(**fields, block_hasher=self.block_hasher))
+        reason = needs_host_tokens(request.sampling_params) if self.async_scheduling else None
+        if reason is not None:
+            self._host_sync[request.request_id] = reason
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self.in_flight)
 
     def step(self) -> EngineCoreOutputs:
-        if not self.scheduler.has_unfinished_requests():
+        if not self.has_unfinished_requests():
             return EngineCoreOutputs()
+        if self.async_scheduling:
+            outputs = self._step_overlapped()
+        else:
+            scheduler_output = self._schedule()
+            try:
+                runner_output = self.executor.execute_model(scheduler_output)
+            except Exception:
+                outputs = self._fail_step(scheduler_output)
+            else:
+                self.num_failed_steps_in_a_row = 0
+                outputs = self.scheduler.update_from_output(runner_output)
+        # The front end's timing metrics: when the tokens came, and the requests' state changes.
+        outputs.timestamp = time.monotonic()
+        if self.scheduler.events:
+            outputs.events = self.scheduler.take_events()
+        return outputs
+
+    def _schedule(self) -> SchedulerOutput:
         scheduler_output = self.scheduler.schedule()
         self.num_steps += 1
         scheduled, requests = scheduler_output.num_scheduled_tokens, self.scheduler.requests
@@ -111,18 +151,66 @@ class EngineCore:
             num_context_tokens=sum(requests[r].num_computed_tokens for r in scheduled),
             kv_block_evictions=residency.take_evictions() if residency is not None else [],
         )
+        return scheduler_output
+
+    def _step_overlapped(self) -> EngineCoreOutputs:
+        """Asynchronous scheduling: schedule and launch step N+1 while step N may still run on
+        the device, then take step N's results (the scheduler gave N+1 placeholders for the
+        tokens N samples). No step stays in flight when nothing was scheduled, or when the host
+        must see every token before planning the next step (`_sync_reason`): then the step runs
+        synchronously, its predecessor collected before it is scheduled."""
+        outputs: list[EngineCoreOutput] = []
+        reason = self._sync_reason()
+        if reason is not None:
+            if reason not in self._logged_sync_reasons:
+                self._logged_sync_reasons.add(reason)
+                logger.info("Asynchronous scheduling off for some steps: %s", reason)
+            outputs += self._collect_in_flight()
+        scheduler_output = self._schedule()
         try:
-            runner_output = self.executor.execute_model(scheduler_output)
+            self.executor.launch_model(scheduler_output)
         except Exception:
-            outputs = self._fail_step(scheduler_output)
-        else:
+            outputs += self._collect_in_flight()  # the step before ran: its results stand
+            outputs += self._fail_step(scheduler_output).outputs
+            return EngineCoreOutputs(outputs=outputs)
+        self.in_flight.append(scheduler_output)
+        overlap = reason is None and scheduler_output.total_num_scheduled_tokens > 0
+        outputs += self._collect_in_flight(keep=1 if overlap else 0)
+        if self.in_flight and not self.scheduler.has_unfinished_requests():
+            # Every request ended with the step just collected: what is left only ran on guesses.
+            outputs += self._collect_in_flight()
+        return EngineCoreOutputs(outputs=outputs)
+
+    def _collect_in_flight(self, keep: int = 0) -> list[EngineCoreOutput]:
+        """Collect launched steps, oldest first, until ``keep`` are left in flight. A step whose
+        results cannot be collected fails, and so do those launched after it (their inputs came
+        from it)."""
+        outputs: list[EngineCoreOutput] = []
+        while len(self.in_flight) > keep:
+            scheduler_output = self.in_flight.popleft()
+            try:
+                runner_output = self.executor.collect_output()
+            except Exception:
+                failed = [scheduler_output, *self.in_flight]
+                self.in_flight.clear()
+                for out in failed:
+                    outputs += self._fail_step(out).outputs
+                return outputs
             self.num_failed_steps_in_a_row = 0
-            outputs = self.scheduler.update_from_output(runner_output)
-        # The front end's timing metrics: when the tokens came, and the requests' state changes.
-        outputs.timestamp = time.monotonic()
-        if self.scheduler.events:
-            outputs.events = self.scheduler.take_events()
+            outputs += self.scheduler.update_from_output(runner_output).outputs
         return outputs
+
+    def _sync_reason(self) -> str | None:
+        """Why the next step cannot overlap the one in flight, or None."""
+        scheduler = self.scheduler
+        if scheduler.probe is not None or scheduler.quarantine:
+            return "a failed step's requests run one at a time until the faulty one is found"
+        if self._host_sync:
+            for req_id in [r for r in self._host_sync if r not in scheduler.requests]:
+                del self._host_sync[req_id]
+            if self._host_sync:
+                return next(iter(self._host_sync.values()))
+        return None
 
     def _fail_step(self, out: SchedulerOutput) -> EngineCoreOutputs:
         """A step raised: the workers forget what it touched, and the scheduler fails the request

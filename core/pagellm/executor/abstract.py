@@ -31,6 +31,14 @@ class Executor(ABC):
         # Every rank computes the same sampled tokens; rank 0's answer is the one returned.
         return self.collective_rpc("execute_model", (scheduler_output,))[0]
 
+    def launch_model(self, scheduler_output: SchedulerOutput) -> None:
+        """Queue a step on every worker without waiting for its results (`collect_output`)."""
+        self.collective_rpc("launch_model", (scheduler_output,))
+
+    def collect_output(self) -> ModelRunnerOutput:
+        """The results of the oldest step launched and not collected yet."""
+        return self.collective_rpc("collect_output")[0]
+
     def drop_requests(self, req_ids: list[str]) -> None:
         """Make every worker forget these requests (after a step that raised)."""
         self.collective_rpc("drop_requests", (req_ids,))

@@ -56,10 +56,33 @@ class SamplingMetadata:
 
 
 @dataclass
+class LogprobTensors:
+    """Log-probabilities at N positions, still on the device: the given (sampled or prompt)
+    token first, then the top k."""
+
+    token_ids: torch.Tensor
+    """[N, 1 + k] int64."""
+    logprobs: torch.Tensor
+    """[N, 1 + k] float32."""
+    ranks: torch.Tensor
+    """[N] int64: the given token's rank (1 = the most likely)."""
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The three tensors, in field order (``LogprobTensors(*tensors)`` rebuilds it)."""
+        return [self.token_ids, self.logprobs, self.ranks]
+
+    def to_list(self) -> list[SampleLogprobs]:
+        """Per position, on the host (a device→host copy unless the tensors are there already)."""
+        ids, lps, ranks = self.token_ids.tolist(), self.logprobs.tolist(), self.ranks.tolist()
+        return [SampleLogprobs(i, lp, r) for i, lp, r in zip(ids, lps, ranks, strict=True)]
+
+
+@dataclass
 class SamplerOutput:
     sampled_token_ids: torch.Tensor
     """[N] int64."""
-    logprobs: list[SampleLogprobs] | None
+    logprobs: LogprobTensors | None
+    """Kept on the device: the model runner copies them to the host with the sampled ids."""
 
 
 def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
@@ -102,7 +125,8 @@ def process_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     if md.allowed_mask is not None:
         logits = logits.masked_fill(~md.allowed_mask, NEG_INF)
     if md.banned is not None:
-        logits = logits.index_put(md.banned, torch.tensor(NEG_INF, device=logits.device))
+        # A fill, not a host→device copy: that would wait for the device (a step in flight).
+        logits = logits.index_put(md.banned, torch.full((), NEG_INF, device=logits.device))
     if md.logit_bias is not None:
         rows, tokens, bias = md.logit_bias
         logits = logits.index_put((rows, tokens), bias, accumulate=True)
@@ -143,13 +167,11 @@ class Sampler(torch.nn.Module):
 
         logprobs = None
         if raw_logprobs is not None:
-            logprobs = gather_logprobs(raw_logprobs, sampled, md.max_num_logprobs or 0)
+            logprobs = logprob_tensors(raw_logprobs, sampled, md.max_num_logprobs or 0)
         return SamplerOutput(sampled, logprobs)
 
 
-def gather_logprobs(
-    logprobs: torch.Tensor, token_ids: torch.Tensor, k: int
-) -> list[SampleLogprobs]:
+def logprob_tensors(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> LogprobTensors:
     """Per row: the given token's logprob and rank, then the top-k (token ids and logprobs)."""
     token_lp = logprobs.gather(1, token_ids.unsqueeze(1))
     ranks = (logprobs > token_lp).sum(dim=-1) + 1
@@ -157,6 +179,8 @@ def gather_logprobs(
         top_lp, top_ids = logprobs.topk(k, dim=-1)
     else:
         top_lp, top_ids = logprobs[:, :0], token_ids[:, None][:, :0]
-    ids = torch.cat([token_ids.unsqueeze(1), top_ids], dim=1).tolist()
-    lps = torch.cat([token_lp, top_lp], dim=1).tolist()
-    return [SampleLogprobs(i, lp, r) for i, lp, r in zip(ids, lps, ranks.tolist(), strict=True)]
+    return LogprobTensors(
+        torch.cat([token_ids.unsqueeze(1), top_ids], dim=1),
+        torch.cat([token_lp, top_lp], dim=1),
+        ranks,
+    )

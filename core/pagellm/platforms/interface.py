@@ -3,13 +3,25 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 if TYPE_CHECKING:
     from pagellm.config import EngineConfig
+
+
+class HostCopy:
+    """Device tensors on their way to host memory (`Platform.copy_to_host`); `wait` returns
+    them on the host once they are there. This base class copies at once (synchronously): right
+    for platforms whose device is the host, where it copies nothing."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        self._host = [t.cpu() for t in tensors]
+
+    def wait(self) -> list[torch.Tensor]:
+        return self._host
 
 
 class Platform:
@@ -21,6 +33,10 @@ class Platform:
     """True when kernels are compiled or tuned on first use (Triton, CUDA graphs): the engine
     core then runs short throwaway requests at start (`pagellm.engine.warm_up`), so that the
     first users do not wait for the compiler."""
+    async_scheduling_default: ClassVar[bool] = False
+    """What ``async_scheduling=None`` (the default) means here: whether the engine core plans the
+    next step while the device runs the current one (`EngineCore`). Turned on for a platform only
+    once it has been measured to win there."""
 
     @classmethod
     def device(cls, local_rank: int = 0) -> torch.device:
@@ -69,6 +85,14 @@ class Platform:
     def is_pin_memory_available(cls) -> bool:
         """Whether host staging buffers should be pinned (for non-blocking host→device copies)."""
         return False
+
+    @classmethod
+    def copy_to_host(cls, tensors: Sequence[torch.Tensor]) -> HostCopy:
+        """Start copying a step's results (sampled ids, logprobs) to host memory without making
+        the host wait for the device; the model runner reads them a step later, through
+        `HostCopy.wait`. A device with its own streams copies on a side stream into pinned
+        memory; the default copies synchronously."""
+        return HostCopy(tensors)
 
     @classmethod
     def seed_everything(cls, seed: int) -> None:

@@ -123,8 +123,12 @@ class Scheduler:
         i = 0
         while i < len(running) and token_budget > 0:
             request = running[i]
+            if request.num_output_placeholders and self._ends_in_flight(request):
+                i += 1  # the token in flight is its last one: no step for it beyond
+                continue
             # The tokens it still needs, capped by the long-prefill threshold and the budget.
-            num_new = len(request.all_token_ids) - request.num_computed_tokens
+            num_new = request.num_tokens + request.num_output_placeholders
+            num_new -= request.num_computed_tokens
             if cap and num_new > cap:
                 num_new = cap
             if num_new > token_budget:
@@ -226,10 +230,18 @@ class Scheduler:
         )
         for request in itertools.chain(cached, scheduled_new):
             request.num_computed_tokens += num_scheduled[request.request_id]
+            if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
+                request.num_output_placeholders += 1  # it samples this step
         if self.resend:
             self.resend.difference_update(r.request_id for r in scheduled_new)
         self.finished_req_ids = set()
         return output
+
+    def _ends_in_flight(self, request: Request) -> bool:
+        """Whether the tokens in flight will bring the request to its length limit."""
+        num_output = len(request.output_token_ids) + request.num_output_placeholders
+        num_tokens = request.num_tokens + request.num_output_placeholders
+        return num_output >= (request.max_tokens or 0) or num_tokens >= self.config.max_model_len
 
     def _pick_victim(self) -> Request:
         """The running request to preempt; never the probe (it must run to tell its fault)."""
@@ -259,8 +271,8 @@ class Scheduler:
             zip(runner_output.req_ids, runner_output.sampled_token_ids, strict=True)
         ):
             request = requests.get(req_id)
-            if request is None or request.status != running:
-                continue  # aborted or preempted while the step ran
+            if request is None:
+                continue  # aborted while the step ran
             prompt_logprobs = all_prompt_logprobs.get(req_id) if all_prompt_logprobs else None
             if not new_token_ids:
                 if prompt_logprobs:  # a prefill chunk: only its prompt logprobs to pass on
@@ -268,11 +280,15 @@ class Scheduler:
                         EngineCoreOutput(req_id, [], new_prompt_logprobs=prompt_logprobs)
                     )
                 continue
+            # A request preempted after this step was launched (one step in flight) keeps it:
+            # it is admitted again only once that token is known (not in the step that preempted).
+            was_running = request.status == running
+            request.num_output_placeholders -= 1
             token = new_token_ids[0]  # the runner samples one token per request and step
             request.append_output_token(token)
             self._check_stop(request, token)
             sample_logprobs = all_logprobs[index] if all_logprobs else None
-            finish = request.get_finish_reason() if request.status != running else None
+            finish = request.get_finish_reason()
             outputs.append(
                 EngineCoreOutput(
                     req_id,
@@ -287,7 +303,10 @@ class Scheduler:
             if request is self.probe:
                 self.probe = None  # it ran alone up to a sampled token: it was not the fault
             if finish is not None:
-                self.running.remove(request)
+                if was_running:
+                    self.running.remove(request)
+                else:
+                    self.waiting.remove(request)
                 self._free_request(request)
         return EngineCoreOutputs(outputs=outputs)
 
@@ -296,9 +315,14 @@ class Scheduler:
         (`Worker.drop_requests`). A step of one request fails it; the requests of a larger step
         are recomputed one at a time (see the module docstring). Returns the failed requests'
         outputs (finish reason ERROR)."""
+        # Under asynchronous scheduling, requests the step before it finished have left.
         scheduled = [
-            self.requests[r] for r in scheduler_output.num_scheduled_tokens if r in self.requests
+            request
+            for r in scheduler_output.num_scheduled_tokens
+            if (request := self.requests.get(r)) is not None
+            and request.status == RequestStatus.RUNNING
         ]
+        alone = len(scheduler_output.num_scheduled_tokens) == 1
         # Requests it preempted: the workers dropped their state too, so they come back whole.
         self.resend.update(r for r in scheduler_output.preempted_req_ids if r in self.requests)
         outputs: list[EngineCoreOutput] = []
@@ -309,7 +333,8 @@ class Scheduler:
                 - scheduler_output.num_scheduled_tokens[request.request_id]
             )
             self.running.remove(request)
-            if len(scheduled) == 1:
+            request.num_output_placeholders = 0  # the step sampled nothing
+            if alone:
                 request.status = RequestStatus.FINISHED_ERROR
                 self._free_request(request, valid)
                 outputs.append(

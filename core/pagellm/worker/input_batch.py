@@ -54,6 +54,11 @@ class InputBatch:
         """Rows whose parameters need per-row work (logit bias, allowed ids, bad words, min tokens)."""
         self.generators: dict[int, torch.Generator] = {}
         self.has_penalties = np.zeros(max_num_reqs, dtype=bool)
+        self.pending_step = np.full(max_num_reqs, -1, dtype=np.int64)
+        """The launched step (`ModelRunner.num_launched`) that sampled the row's last token,
+        whose value the host may not have yet (`ModelRunner._feed_pending_tokens`)."""
+        self.pending_index = np.zeros(max_num_reqs, dtype=np.int64)
+        """Where that token sits among the step's sampled ids."""
         self.version = 0
         """Bumped whenever a row changes request (add, remove, condense)."""
         self.on_move: Callable[[int, int], None] | None = None
@@ -83,6 +88,7 @@ class InputBatch:
         self.token_ids[index, prompt_len:num_tokens] = state.output_token_ids
         self.num_tokens[index] = num_tokens
         self.num_computed_tokens[index] = num_computed_tokens
+        self.pending_step[index] = -1  # every token it comes with is known
         self.block_table[index, : len(block_ids)] = block_ids
         self.block_table[index, len(block_ids) :] = 0
         self.num_blocks[index] = len(block_ids)

@@ -1,10 +1,16 @@
 """The model runner: keeps the persistent batch in step with the scheduler, and runs each step as
 named stages: update the batch, plan the step, prepare its inputs, run the forward pass (or replay
 a captured graph), sample one token for each request whose scheduled tokens reach its end, and
-report what was sampled."""
+report what was sampled.
+
+A step is launched (`launch`: everything up to sampling queued on the device, the sampled ids'
+copy to the host started) and collected (`collect`: those ids and logprobs on the host). Under
+asynchronous scheduling the engine core launches step N+1 before it collects step N: the tokens
+step N sampled then reach step N+1's input ids on the device, never through the host."""
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
 import numpy as np
@@ -16,12 +22,17 @@ from pagellm.config import EngineConfig
 from pagellm.forward_context import set_forward_context
 from pagellm.kv_cache.manager import cdiv
 from pagellm.kv_cache.spec import KVCacheSpec
-from pagellm.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
+from pagellm.layers.sampler import (
+    LogprobTensors,
+    Sampler,
+    SamplerOutput,
+    SamplingMetadata,
+    logprob_tensors,
+)
 from pagellm.platforms import current_platform
 from pagellm.scheduler.output import (
     CachedRequestData,
     ModelRunnerOutput,
-    SampleLogprobs,
     SchedulerOutput,
 )
 from pagellm.worker.cudagraphs import CapturedGraph, DecodeGraphs
@@ -30,6 +41,7 @@ from pagellm.worker.penalty_state import PenaltyState
 from pagellm.worker.sampling_metadata import SamplingMetadataBuilder
 from pagellm.worker.step_buffers import StepBuffers
 from pagellm.worker.step_inputs import StepPlan, plan_step, prepare_inputs
+from pagellm.worker.step_results import StepInFlight
 
 
 class ModelRunner:
@@ -53,7 +65,8 @@ class ModelRunner:
         max_blocks_per_req = cdiv(self.max_model_len, block_size)
         self.input_batch = InputBatch(max_num_seqs, self.max_model_len, max_blocks_per_req)
         self.requests: dict[str, CachedRequestState] = {}
-        self.penalty_state = PenaltyState(max_num_seqs, model_cfg.vocab_size, device)
+        pin = current_platform.is_pin_memory_available()
+        self.penalty_state = PenaltyState(max_num_seqs, model_cfg.vocab_size, device, pin)
         self.input_batch.on_move = self.penalty_state.move_row
         self.sampling = SamplingMetadataBuilder(
             self.input_batch,
@@ -62,6 +75,7 @@ class ModelRunner:
             model_cfg.vocab_size,
             device,
             model_cfg.seed,
+            pin_memory=pin,
         )
         self.sampler = Sampler()
         self.model: Any = None
@@ -72,9 +86,12 @@ class ModelRunner:
             max_num_seqs,
             max_blocks_per_req,
             device,
-            pin_memory=current_platform.is_pin_memory_available(),
+            pin_memory=pin,
         )
         self.graphs = DecodeGraphs(current_platform)
+        self.in_flight: deque[StepInFlight] = deque()
+        """Steps launched and not collected yet (one at most between engine steps)."""
+        self.num_launched = 0
 
     # ---------------------------------------------------------------- setup
 
@@ -153,33 +170,86 @@ class ModelRunner:
         for req_id in req_ids:
             self.requests.pop(req_id, None)
             self.input_batch.remove_request(req_id)
+        self.in_flight.clear()  # a step that failed to finish leaves nothing to collect
 
     # ---------------------------------------------------------------- one step
 
-    @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step and wait for its results (synchronous scheduling)."""
+        self.launch(out)
+        return self.collect()
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput) -> None:
+        """Queue one step on the device and start its results' way to the host; `collect`
+        returns them, possibly after the next step was launched. A token sampled by a step not
+        collected yet reaches this step's inputs on the device (`_feed_pending_tokens`)."""
         self._update_states(out)
+        self.num_launched += 1
+        batch = self.input_batch
         if out.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
-        plan = plan_step(self.input_batch, out)
+            empty = np.zeros(0, dtype=np.int64)
+            self.in_flight.append(StepInFlight(self.num_launched, [], empty, empty, empty, 0))
+            return
+        plan = plan_step(batch, out)
         graph = self.graphs.for_step(len(plan.rows), plan.num_tokens)
         common = self._prepare_inputs(plan, graph.size if graph is not None else plan.num_tokens)
+        self._feed_pending_tokens(plan)
         # Staged before the forward pass is queued, so that no copy waits for it.
         sampling = self.sampling.build(plan.sample_rows) if len(plan.sample_pos) else None
         sample_idx = None
         if len(plan.sample_pos) < plan.num_tokens:  # not every token samples: pick those that do
             sample_idx = self.buffers.to_device(plan.query_end[plan.sample_pos] - 1)
         hidden = self._forward(plan, common, graph)
+        rows = plan.sample_rows
+        step = StepInFlight(
+            self.num_launched,
+            plan.req_ids,
+            plan.sample_pos,
+            rows,
+            positions=batch.num_tokens[rows],  # a copy: `_sample` counts the new tokens
+            batch_version=batch.version,
+        )
         prompt_logprobs = self._prompt_logprobs(hidden, plan)
-        tokens: list[int] = []
-        logprobs = None
+        to_host: list[torch.Tensor] = []
         if sampling is not None:
             sample_hidden = hidden if sample_idx is None else hidden.index_select(0, sample_idx)
-            tokens, logprobs = self._sample(plan, sample_hidden, sampling)
-        return self._build_output(plan, tokens, logprobs, prompt_logprobs)
+            result = self._sample(plan, sample_hidden, sampling)
+            step.sampled = result.sampled_token_ids
+            to_host.append(result.sampled_token_ids)
+            if result.logprobs is not None:
+                to_host += result.logprobs.tensors()
+                step.num_logprobs = batch.num_logprobs[rows]
+        for lp in prompt_logprobs.values():
+            to_host += lp.tensors()
+        step.prompt_logprob_ids = list(prompt_logprobs)
+        if to_host:
+            step.host_copy = current_platform.copy_to_host(to_host)  # the step's one copy back
+        self.in_flight.append(step)
+
+    def collect(self) -> ModelRunnerOutput:
+        """The results of the oldest step launched and not collected yet (waits for them)."""
+        step = self.in_flight.popleft()
+        return step.finish(self.input_batch, self.requests, self.max_model_len)
 
     def _prepare_inputs(self, plan: StepPlan, num_padded: int) -> CommonAttentionMetadata:
         return prepare_inputs(self.input_batch, self.buffers, plan, self.block_size, num_padded)
+
+    def _feed_pending_tokens(self, plan: StepPlan) -> None:
+        """Rows whose last token was sampled by the step still in flight: the host staged a stale
+        id there, so copy the sampled id over it, on the device (each such row's query ends
+        with that token)."""
+        prev = self.in_flight[-1] if self.in_flight else None
+        if prev is None or prev.sampled is None:
+            return
+        batch = self.input_batch
+        pending = batch.pending_step[plan.rows] == prev.step_id
+        if not pending.any():
+            return
+        to_device = self.buffers.to_device
+        dst = to_device(plan.query_end[pending] - 1)
+        src = to_device(batch.pending_index[plan.rows[pending]])
+        self.buffers.device_tensors.input_ids.index_copy_(0, dst, prev.sampled[src])
 
     def _forward(
         self, plan: StepPlan, common: CommonAttentionMetadata, graph: CapturedGraph | None
@@ -194,8 +264,9 @@ class ModelRunner:
 
     def _sample(
         self, plan: StepPlan, hidden: torch.Tensor, sampling: SamplingMetadata
-    ) -> tuple[list[int], list[SampleLogprobs] | None]:
-        """One token for each sampling row, appended to the row's tokens (and its logprobs)."""
+    ) -> SamplerOutput:
+        """One token for each sampling row, counted in the row's length at once; its value
+        reaches the row's token ids when the step is collected."""
         batch, rows = self.input_batch, plan.sample_rows
         result = self.sampler(self.model.compute_logits(hidden), sampling)
         penalized = batch.has_penalties[rows]
@@ -204,53 +275,19 @@ class ModelRunner:
                 self.buffers.to_device(rows[penalized]),
                 result.sampled_token_ids[self.buffers.to_device(np.flatnonzero(penalized))],
             )
-        tokens: list[int] = result.sampled_token_ids.tolist()  # the step's one device→host copy
-        num_tokens = batch.num_tokens[rows]
-        fits = num_tokens < self.max_model_len
-        batch.token_ids[rows[fits], num_tokens[fits]] = np.asarray(tokens)[fits]
-        batch.num_tokens[rows] = num_tokens + 1
-        return tokens, result.logprobs
+        batch.num_tokens[rows] += 1
+        batch.pending_step[rows] = self.num_launched
+        batch.pending_index[rows] = np.arange(len(rows))
+        return result
 
-    def _build_output(
-        self,
-        plan: StepPlan,
-        tokens: list[int],
-        logprobs: list[SampleLogprobs] | None,
-        prompt_logprobs: dict[str, list[SampleLogprobs]] | None,
-    ) -> ModelRunnerOutput:
-        """Per scheduled row: its sampled token (none for a prefill chunk) and logprobs."""
-        num_rows = len(plan.rows)
-        sample_pos = plan.sample_pos.tolist()
-        if len(sample_pos) == num_rows:
-            sampled = [[token] for token in tokens]
-        else:
-            sampled = [[] for _ in range(num_rows)]
-            for pos, token in zip(sample_pos, tokens, strict=True):
-                sampled[pos] = [token]
-        row_logprobs: list[SampleLogprobs | None] = [None] * num_rows
-        if logprobs is not None:
-            num_logprobs = self.input_batch.num_logprobs[plan.sample_rows].tolist()
-            for pos, lp, k in zip(sample_pos, logprobs, num_logprobs, strict=True):
-                if k >= 0:  # the sampled token, then the row's own top k
-                    lp.token_ids, lp.logprobs = lp.token_ids[: k + 1], lp.logprobs[: k + 1]
-                    row_logprobs[pos] = lp
-        return ModelRunnerOutput(
-            req_ids=plan.req_ids,
-            sampled_token_ids=sampled,
-            logprobs=row_logprobs if any(lp is not None for lp in row_logprobs) else None,
-            prompt_logprobs=prompt_logprobs,
-        )
-
-    def _prompt_logprobs(
-        self, hidden: torch.Tensor, plan: StepPlan
-    ) -> dict[str, list[SampleLogprobs]] | None:
+    def _prompt_logprobs(self, hidden: torch.Tensor, plan: StepPlan) -> dict[str, LogprobTensors]:
         """Logprobs of each prompt token given the tokens before it, for the prompt positions
-        computed this step (only for requests that asked, each position once)."""
+        computed this step (only for requests that asked, each position once), on the device."""
         batch = self.input_batch
         wanted = np.flatnonzero(batch.num_prompt_logprobs[plan.rows] >= 0)
+        result: dict[str, LogprobTensors] = {}
         if not len(wanted):
-            return None
-        result: dict[str, list[SampleLogprobs]] = {}
+            return result
         query_start = plan.query_start
         for pos in wanted:
             row, state = plan.rows[pos], self.requests[plan.req_ids[pos]]
@@ -260,11 +297,14 @@ class ModelRunner:
             last = min(start + int(plan.query_lens[pos]), len(state.prompt_token_ids) - 1)
             if first >= last:
                 continue
-            token_idx = torch.arange(first - start, last - start) + int(query_start[pos])
-            logits = self.model.compute_logits(hidden[token_idx.to(self.device)]).float()
-            targets = torch.tensor(state.prompt_token_ids[first + 1 : last + 1], device=self.device)
-            result[state.req_id] = gather_logprobs(
+            offset = int(query_start[pos]) - start
+            token_idx = torch.arange(first + offset, last + offset, device=self.device)
+            logits = self.model.compute_logits(hidden[token_idx]).float()
+            targets = self.buffers.to_device(
+                np.asarray(state.prompt_token_ids[first + 1 : last + 1])
+            )
+            result[state.req_id] = logprob_tensors(
                 logits.log_softmax(dim=-1), targets, int(batch.num_prompt_logprobs[row])
             )
             state.num_prompt_logprobs_done = last
-        return result or None
+        return result

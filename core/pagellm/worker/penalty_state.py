@@ -6,14 +6,21 @@ with the context. The tensors are allocated when the first request with a penalt
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+
+from pagellm.worker.step_buffers import small_to_device
 
 
 class PenaltyState:
-    def __init__(self, max_num_reqs: int, vocab_size: int, device: torch.device) -> None:
+    def __init__(
+        self, max_num_reqs: int, vocab_size: int, device: torch.device, pin_memory: bool = False
+    ) -> None:
         self.max_num_reqs = max_num_reqs
         self.vocab_size = vocab_size
         self.device = device
+        self.pin_memory = pin_memory
+        """Copy token ids through pinned memory, non-blocking (see `StepBuffers.to_device`)."""
         self.output_counts: torch.Tensor | None = None
         """[max_num_reqs, V] float32: how often each token occurs in the row's output."""
         self.prompt_mask: torch.Tensor | None = None
@@ -31,10 +38,13 @@ class PenaltyState:
         counts, mask = self._allocate()
         counts[row].zero_()
         mask[row].zero_()
-        mask[row, torch.tensor(prompt_token_ids, device=self.device)] = True
+        mask[row, self._to_device(prompt_token_ids)] = True
         if output_token_ids:
-            tokens = torch.tensor(output_token_ids, device=self.device)
+            tokens = self._to_device(output_token_ids)
             counts[row].index_add_(0, tokens, torch.ones_like(tokens, dtype=torch.float32))
+
+    def _to_device(self, token_ids: list[int]) -> torch.Tensor:
+        return small_to_device(np.asarray(token_ids, dtype=np.int64), self.device, self.pin_memory)
 
     def move_row(self, src: int, dst: int) -> None:
         """The batch moved a request from row ``src`` to ``dst`` (condensing)."""

@@ -17,6 +17,7 @@ import torch
 from pagellm.layers.sampler import Penalties, SamplingMetadata
 from pagellm.worker.input_batch import CachedRequestState, InputBatch
 from pagellm.worker.penalty_state import PenaltyState
+from pagellm.worker.step_buffers import small_to_device
 
 
 class SamplingMetadataBuilder:
@@ -28,8 +29,11 @@ class SamplingMetadataBuilder:
         vocab_size: int,
         device: torch.device,
         seed: int,
+        pin_memory: bool = False,
     ) -> None:
         self.batch = batch
+        self.pin_memory = pin_memory
+        """Copy parameters through pinned memory, non-blocking (see `StepBuffers.to_device`)."""
         self.requests = requests
         self.penalty_state = penalty_state
         self.vocab_size = vocab_size
@@ -55,7 +59,7 @@ class SamplingMetadataBuilder:
         return metadata
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(array).to(self.device)
+        return small_to_device(array, self.device, self.pin_memory)
 
     def _dense(self, rows: np.ndarray) -> SamplingMetadata:
         batch, vocab = self.batch, self.vocab_size
@@ -138,18 +142,18 @@ class SamplingMetadataBuilder:
                     stops.append(state.eos_token_id)
                 ban_rows += [j] * len(stops)
                 ban_tokens += stops
-        dev = self.device
+        to_device = self._to_device
         if bias_rows:
             metadata.logit_bias = (
-                torch.tensor(bias_rows, device=dev),
-                torch.tensor(bias_tokens, device=dev),
-                torch.tensor(bias_values, dtype=torch.float32, device=dev),
+                to_device(np.asarray(bias_rows, dtype=np.int64)),
+                to_device(np.asarray(bias_tokens, dtype=np.int64)),
+                to_device(np.asarray(bias_values, dtype=np.float32)),
             )
         if ban_rows:
             keep = [i for i, t in enumerate(ban_tokens) if t < vocab]
             metadata.banned = (
-                torch.tensor([ban_rows[i] for i in keep], device=dev, dtype=torch.long),
-                torch.tensor([ban_tokens[i] for i in keep], device=dev, dtype=torch.long),
+                to_device(np.asarray([ban_rows[i] for i in keep], dtype=np.int64)),
+                to_device(np.asarray([ban_tokens[i] for i in keep], dtype=np.int64)),
             )
         if allowed is not None:
-            metadata.allowed_mask = allowed.to(dev)
+            metadata.allowed_mask = to_device(allowed.numpy())

@@ -71,6 +71,16 @@ class StepBuffers:
         self.host: StepArrays[np.ndarray] = StepArrays(
             *(getattr(tensors, f.name).numpy() for f in dataclasses.fields(tensors))
         )
+        self._copied: torch.Event | None = None
+        """Recorded after the last step's copies out of the staging buffers (non-blocking ones)."""
+
+    def wait_until_staging_is_free(self) -> None:
+        """Call before writing the staging buffers: the previous step's non-blocking copies out
+        of them may still be queued on the device (behind a step in flight, under asynchronous
+        scheduling), and must have read them first."""
+        if self._copied is not None:
+            self._copied.synchronize()
+            self._copied = None
 
     def stage_padding(self, num_tokens: int, num_reqs: int, num_padded: int) -> None:
         """Stage rows ``num_reqs..`` up to ``num_padded`` rows (and tokens) of a decode batch
@@ -122,10 +132,23 @@ class StepBuffers:
         d.block_table[:num_reqs, :num_block_cols].copy_(
             h.block_table[:num_reqs, :num_block_cols], non_blocking=nb
         )
+        if nb:
+            self._copied = torch.Event(device=self.device)
+            self._copied.record()
 
     def to_device(self, array: np.ndarray) -> torch.Tensor:
-        """A small per-step array (e.g. sampling indices) on the device."""
-        tensor = torch.from_numpy(np.ascontiguousarray(array))
-        if self.device.type == "cpu":
-            return tensor
-        return tensor.to(self.device, non_blocking=False)
+        """A small per-step array (e.g. sampling indices) on the device. Copied through pinned
+        memory without waiting: a blocking copy would wait for the step still running on the
+        device, which asynchronous scheduling overlaps with this one's preparation."""
+        return small_to_device(array, self.device, self._non_blocking)
+
+
+def small_to_device(array: np.ndarray, device: torch.device, pinned: bool) -> torch.Tensor:
+    """``array`` on ``device``; with ``pinned``, staged in pinned memory (PyTorch's caching host
+    allocator keeps the block until the copy has run) and copied non-blocking."""
+    tensor = torch.from_numpy(np.ascontiguousarray(array))
+    if device.type == "cpu":
+        return tensor
+    if pinned:
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)

@@ -69,6 +69,7 @@ def prepare_inputs(
     only for a graph replay (`StepBuffers.stage_padding`)."""
     rows, total = plan.rows, plan.num_tokens
     num_reqs = len(rows)
+    buffers.wait_until_staging_is_free()
     h = buffers.host
     if total == num_reqs:  # decode-only: one token per row, no repeats needed
         positions = batch.num_computed_tokens[rows]

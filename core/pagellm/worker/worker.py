@@ -90,5 +90,11 @@ class Worker:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)
 
+    def launch_model(self, scheduler_output: SchedulerOutput) -> None:
+        self.model_runner.launch(scheduler_output)
+
+    def collect_output(self) -> ModelRunnerOutput:
+        return self.model_runner.collect()
+
     def drop_requests(self, req_ids: list[str]) -> None:
         self.model_runner.drop_requests(req_ids)

@@ -12,15 +12,16 @@ import dataclasses
 import functools
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from pagellm.attention.registry import attention_backends
-from pagellm.platforms.interface import Platform
+from pagellm.platforms.interface import HostCopy, Platform
 from pagellm_cuda.cudagraphs import cudagraph_capture_sizes
 from pagellm_cuda.devices import cuda_device_count, physical_device_id, visible_device_id
+from pagellm_cuda.host_copy import CudaHostCopy
 from pagellm_cuda.memory import cudagraph_reserve, kv_cache_bytes, profile_memory
 
 if TYPE_CHECKING:
@@ -202,6 +203,11 @@ class CudaPlatform(Platform):
     @classmethod
     def is_pin_memory_available(cls) -> bool:
         return True
+
+    @classmethod
+    def copy_to_host(cls, tensors: Sequence[torch.Tensor]) -> HostCopy:
+        """On a side stream into pinned memory, with an event (`pagellm_cuda.host_copy`)."""
+        return CudaHostCopy(tensors)
 
     @classmethod
     def seed_everything(cls, seed: int) -> None:

@@ -531,3 +531,19 @@ def test_custom_ops_that_cannot_import_fall_back_with_a_warning(monkeypatch, cap
     finally:
         cuda_platform._load_custom_ops.cache_clear()
     assert "CUDA custom ops unavailable" in caplog.text
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_step_results_come_back_through_pinned_memory_once_the_device_is_done():
+    """`copy_to_host` returns at once, while the device is still busy; `wait` blocks on the
+    side stream's event and hands back the values in pinned memory (asynchronous scheduling)."""
+    values = torch.arange(4096, device="cuda")
+    torch.cuda._sleep(100_000_000)  # the step still running when its results are asked for
+    tripled = values * 3
+    copy = CudaPlatform.copy_to_host([tripled, tripled[:5].float()])
+    host = copy.wait()
+    assert all(t.is_pinned() and t.device.type == "cpu" for t in host)
+    assert host[0].tolist() == list(range(0, 3 * 4096, 3))
+    assert host[1].tolist() == [0.0, 3.0, 6.0, 9.0, 12.0]
+    assert copy.wait() is host
