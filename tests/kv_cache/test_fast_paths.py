@@ -1,6 +1,8 @@
-"""`KVCacheManager.allocate_slots` across prefill chunks and decode steps: the step that needs no
-new block returns at once, and still every block is there and every full block is registered
-under its hash when it fills up (never before, never later)."""
+"""The KV cache's fast paths do what the slow ones did. `KVCacheManager.allocate_slots` across
+prefill chunks and decode steps: the step that needs no new block returns at once, and still every
+block is there and every full block is registered under its hash when it fills up (never before,
+never later). `BlockPool.free_blocks` queues a request's blocks at once, in the order that queueing
+them one by one gives."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import random
 
 import pytest
 
+from pagellm.kv_cache.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
 from pagellm.kv_cache.hashing import make_block_hasher
 from pagellm.kv_cache.manager import KVCacheManager, cdiv
 from pagellm.request import Request
@@ -82,3 +85,30 @@ def test_block_filled_by_a_decode_step_is_registered_in_that_step():
     request.num_computed_tokens = 4
     request.append_output_token(5)
     assert len(manager.allocate_slots(request, 1) or []) == 1
+
+
+def test_free_blocks_queues_blocks_as_one_by_one_would():
+    rng = random.Random(9)
+    pool = BlockPool(41)
+    blocks = pool.get_new_blocks(40)
+    pool.cache_full_blocks(blocks, [bytes([i]) for i in range(40)], 0, 40)
+    for block in rng.sample(blocks, 20):
+        pool.uncache(block)
+    rng.shuffle(blocks)
+    pool.free_blocks(blocks[:10])  # queued on an empty queue, then onto both of its ends
+    pool.free_blocks(blocks[10:])
+
+    mirror = [KVCacheBlock(b.block_id) for b in blocks]
+    reference = FreeBlockQueue([])
+    for original, block in zip(blocks, mirror, strict=True):
+        (reference.appendleft if original.block_hash is None else reference.append)(block)
+    assert [b.block_id for b in pool.free_block_queue] == [b.block_id for b in reference]
+    assert pool.get_num_free_blocks() == 40
+    # The backward links too: removing from the middle relinks both neighbours.
+    removed = set(rng.sample([b.block_id for b in blocks], 15))
+    for block in blocks:
+        if block.block_id in removed:
+            pool.free_block_queue.remove(block)
+    expected = [b.block_id for b in reference if b.block_id not in removed]
+    assert [b.block_id for b in pool.free_block_queue] == expected
+    assert [pool.free_block_queue.popleft().block_id for _ in expected] == expected
