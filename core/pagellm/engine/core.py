@@ -41,6 +41,10 @@ class EngineCore:
         self._last_step = SchedulerStats()
         """What the last step scheduled (the rest of the stats are read when they are sent)."""
         self.num_failed_steps_in_a_row = 0
+        # Everything built so far (block pool, model, graphs) lives as long as the engine: keep it
+        # out of the garbage collector's scans, which would otherwise stall steps at random.
+        gc.collect()
+        gc.freeze()
         block_size = config.cache.block_size
         observability = config.observability
         self.kv_block_residency = (
@@ -55,11 +59,6 @@ class EngineCore:
         self.block_hasher = (
             make_block_hasher(block_size) if config.cache.enable_prefix_caching else None
         )
-        # Everything built so far (model, graphs, the block pool's one object per block) lives as
-        # long as the engine: keep it out of the garbage collector's scans, which would otherwise
-        # stall steps at random (a full scan of 260,000 blocks takes tens of milliseconds).
-        gc.collect()
-        gc.freeze()
 
     def _initialize_kv_cache(self) -> int:
         cfg = self.config
