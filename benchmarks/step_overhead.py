@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import json
 import os
 import platform
@@ -86,8 +87,41 @@ def _stats(samples: list[float]) -> dict[str, float]:
     }
 
 
+class GCClock:
+    """The garbage collector's pauses while ``on``: a full collection walks every tracked object
+    (each KV block, each token list), so it shows up as a slow step."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.pauses: dict[int, list[float]] = {0: [], 1: [], 2: []}
+        self._start = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if not self.on:
+            return
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.pauses[info["generation"]].append(time.perf_counter() - self._start)
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        return {
+            f"gen{g}": {
+                "collections": len(p),
+                "total_ms": round(sum(p) * 1e3, 2),
+                "max_ms": round(max(p, default=0.0) * 1e3, 2),
+            }
+            for g, p in self.pauses.items()
+        }
+
+
 class StepTimer:
-    """One engine step split into its four stages, timed; samples kept per stage and whole."""
+    """One engine step split into its four stages, timed; samples kept per stage and whole, and
+    the garbage collector's pauses within the recorded steps."""
 
     STAGES = ("schedule", "execute", "update", "output")
 
@@ -97,10 +131,12 @@ class StepTimer:
         self.output_processor = engine.output_processor
         self.stages: dict[str, list[float]] = {name: [] for name in self.STAGES}
         self.totals: list[float] = []
+        self.gc = GCClock()
 
     def step(self, record: bool) -> tuple[int, list[Any]]:
         """Run one step; returns how many requests it scheduled and its `RequestOutput`s."""
         clock = time.perf_counter
+        self.gc.on = record
         t0 = clock()
         sched_out = self.scheduler.schedule()
         t1 = clock()
@@ -110,6 +146,7 @@ class StepTimer:
         t3 = clock()
         outputs, _ = self.output_processor.process_outputs(core_out)
         t4 = clock()
+        self.gc.on = False
         if record:
             for name, value in zip(self.STAGES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
                 self.stages[name].append(value)
@@ -117,9 +154,11 @@ class StepTimer:
         return len(sched_out.num_scheduled_tokens), outputs
 
     def summary(self) -> dict[str, Any]:
+        self.gc.close()
         return {
             "stages": {name: _stats(values) for name, values in self.stages.items()},
             "step": _stats(self.totals),
+            "gc_pauses": self.gc.summary(),
         }
 
 
