@@ -101,13 +101,8 @@ class Request:
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
-        all_token_ids = self.all_token_ids
-        all_token_ids.append(token_id)
-        # update_block_hashes, inlined: the check runs for every request every step.
-        if self._block_hasher is not None and len(all_token_ids) >= self._hash_block_size * (
-            len(self.block_hashes) + 1
-        ):
-            self.block_hashes.extend(self._block_hasher(self))
+        self.all_token_ids.append(token_id)
+        self.update_block_hashes()
 
     def update_block_hashes(self) -> None:
         """Hash the blocks that became full since the last call."""
