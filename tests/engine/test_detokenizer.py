@@ -97,3 +97,74 @@ def test_without_spaces_between_special_tokens_adjacent_ones_are_joined(wordpiec
     joined = " <|im_start|><|im_end|> Hello <|im_start|><|im_end|><|im_end|>"
     assert text(skip_special_tokens=False, spaces_between_special_tokens=False) == joined
     assert text(spaces_between_special_tokens=False) == text() == " Hello"
+
+
+SPACE_AND_CJK_LEAD = 17097  # " " and the first byte of a three-byte character, in one token
+
+
+def streamed(detok, output: list[int]) -> str:
+    return "".join(detok.update([t]) for t in output)
+
+
+def random_outputs(tokenizer, count: int, length: int) -> list[list[int]]:
+    """Token runs mixing text, emoji and CJK (several tokens per character), special tokens and
+    bare byte tokens that start characters they never finish."""
+    import random
+
+    rng = random.Random(17)
+    pieces = [
+        tokenizer.encode(text, add_special_tokens=False)
+        for text in (" Bonjour", ", ça va?", " 日本語", " 🙂", "\n", " fin", "é", " ok")
+    ]
+    pieces += [[i] for i in tokenizer.all_special_ids] + [[E_ACUTE_FIRST], [SPACE_AND_CJK_LEAD]]
+    runs = []
+    for _ in range(count):
+        run: list[int] = []
+        while len(run) < length:
+            run += rng.choice(pieces)
+        runs.append(run[: rng.randrange(1, length + 1)])
+    return runs
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+@pytest.mark.parametrize("cls", [FastIncrementalDetokenizer, IncrementalDetokenizer])
+def test_decode_all_gives_the_streamed_text(tokenizer, cls, skip_special_tokens):
+    params = SamplingParams(skip_special_tokens=skip_special_tokens)
+    prompts = [
+        tokenizer.encode("Say it:", add_special_tokens=False),
+        [HELLO, E_ACUTE_FIRST],  # ends inside a character
+        [],
+    ]
+    runs = random_outputs(tokenizer, 60, 24)
+    for prompt in prompts:
+        for output in runs:
+            whole = cls(tokenizer, prompt, params).decode_all(output)
+            assert whole == streamed(cls(tokenizer, prompt, params), output), (prompt, output)
+
+
+@pytest.mark.parametrize(
+    ("output", "text"),
+    [
+        ([HELLO, E_ACUTE_FIRST], "Hello"),  # ends inside a character: held back
+        ([HELLO, E_ACUTE_FIRST, SPACE_AND_CJK_LEAD], "Hello"),  # text between broken characters
+        ([HELLO, E_ACUTE_FIRST, SPACE_AND_CJK_LEAD, HELLO], "Hello\ufffd \ufffdHello"),
+    ],
+)
+def test_decode_all_holds_back_an_unfinished_character_at_the_end(tokenizer, output, text):
+    prompt = tokenizer.encode("Hi", add_special_tokens=False)
+    params = SamplingParams()
+    assert FastIncrementalDetokenizer(tokenizer, prompt, params).decode_all(output) == text
+    assert streamed(FastIncrementalDetokenizer(tokenizer, prompt, params), output) == text
+
+
+def test_decode_all_with_a_non_byte_level_decoder_goes_token_by_token(wordpiece_decoded):
+    """A WordPiece decoder drops the space before a whole output's first word, which the stream
+    (primed with the prompt) keeps: one decode of the output would not be the streamed text."""
+    from pagellm.engine.detokenizer import make_detokenizer
+
+    prompt = wordpiece_decoded.encode("Hi", add_special_tokens=False)
+    output = [HELLO, *wordpiece_decoded.encode(" world", add_special_tokens=False)]
+    params = SamplingParams()
+    whole = make_detokenizer(wordpiece_decoded, prompt, params).decode_all(output)
+    assert whole == streamed(make_detokenizer(wordpiece_decoded, prompt, params), output)
+    assert whole != wordpiece_decoded.backend_tokenizer.decode(output)

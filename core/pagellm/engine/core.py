@@ -54,8 +54,10 @@ class EngineCore:
         self._last_step = SchedulerStats()
         """What the last step scheduled (the rest of the stats are read when they are sent)."""
         self.num_failed_steps_in_a_row = 0
-        # Everything built so far (block pool, model, graphs) lives as long as the engine: keep it
-        # out of the garbage collector's scans, which would otherwise stall steps at random.
+        # Everything built so far (model, graphs) lives as long as the engine: keep it out of the
+        # garbage collector's scans, which would otherwise stall steps at random. The block pool,
+        # built below, stays unfrozen on purpose: frozen, it would leave the watched heap so small
+        # that full collections came far more often (docs/benchmarks.md, 2026-12-02).
         gc.collect()
         gc.freeze()
         block_size = config.cache.block_size

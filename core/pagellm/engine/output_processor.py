@@ -5,6 +5,10 @@ incremental detokenizer, stop strings (found even across tokens; the earliest-en
 suppressed until ``min_tokens``), logprobs, and the text held back while streaming so no delta
 ever holds the start of a stop string that later matches. Per user request: the n completions
 gathered into one `RequestOutput` in the requested output kind.
+
+A ``FINAL_ONLY`` completion without stop strings only gathers its tokens (and sampled logprobs)
+while it runs: its text is decoded and its logprob entries built once, when it ends (`_settle`),
+into the same output the token-by-token path gives.
 """
 
 from __future__ import annotations
@@ -55,6 +59,10 @@ class CompletionState:
     sent_logprobs: int = 0
     sent_finish: bool = False
     """Its finish reason went out (in a DELTA output): later outputs of the request omit it."""
+    deferred: bool = False
+    """Text and logprob entries wait for the end (``FINAL_ONLY`` without stop strings)."""
+    samples: list[SampleLogprobs] = field(default_factory=list)
+    """A deferred completion's sampled logprobs, not yet made into ``logprobs``."""
 
     @property
     def holdback(self) -> int:
@@ -91,6 +99,8 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.requests: dict[str, RequestState] = {}
         self.engine_to_request: dict[str, tuple[RequestState, CompletionState]] = {}
+        self.token_texts: dict[int, str] = {}
+        """Each token's text on its own, for logprob entries (decoded once per token id)."""
 
     def add_request(
         self,
@@ -99,6 +109,8 @@ class OutputProcessor:
         engine_requests: list[tuple[str, SamplingParams]],
     ) -> None:
         """Follow a user request that runs as ``engine_requests`` (`processor.fan_out`)."""
+        params = prompt.params
+        final_only = params.output_kind == RequestOutputKind.FINAL_ONLY
         completions = []
         for index, (engine_id, cparams) in enumerate(engine_requests):
             detok = (
@@ -106,11 +118,12 @@ class OutputProcessor:
                 if cparams.detokenize and self.tokenizer is not None
                 else None
             )
-            completion = CompletionState(engine_id, index, cparams, detok)
+            completion = CompletionState(
+                engine_id, index, cparams, detok, deferred=final_only and not cparams.stop
+            )
             if cparams.logprobs is not None:
                 completion.logprobs, completion.cumulative_logprob = [], 0.0
             completions.append(completion)
-        params = prompt.params
         state = RequestState(request_id, prompt.text, prompt.token_ids, params, completions)
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = [None]
@@ -172,7 +185,14 @@ class OutputProcessor:
                 )
             if not out.new_token_ids:
                 continue  # a prefill chunk: its prompt logprobs wait for the first token
-            if self._add_tokens(completion, out.new_token_ids, out.new_logprobs):
+            if completion.deferred:  # no stop strings to look for: text and logprobs wait
+                completion.token_ids += out.new_token_ids
+                if out.new_logprobs and completion.logprobs is not None:
+                    completion.samples += out.new_logprobs
+                stopped = False
+            else:
+                stopped = self._add_tokens(completion, out.new_token_ids, out.new_logprobs)
+            if stopped:
                 to_abort.append(completion.engine_id)
             elif out.finish_reason is not None:
                 completion.finish_reason = str(FinishReason(out.finish_reason))
@@ -225,16 +245,36 @@ class OutputProcessor:
 
     def _position_logprobs(self, sample: SampleLogprobs) -> PositionLogprobs:
         position: PositionLogprobs = {}
+        texts, tokenizer = self.token_texts, self.tokenizer
         for rank, (tok, lp) in enumerate(zip(sample.token_ids, sample.logprobs, strict=True)):
             if tok not in position:
-                decoded = self.tokenizer.decode([tok]) if self.tokenizer is not None else None
+                decoded = None
+                if tokenizer is not None:
+                    decoded = texts.get(tok)
+                    if decoded is None:
+                        decoded = texts[tok] = tokenizer.decode([tok])
                 position[tok] = Logprob(lp, sample.sampled_rank if rank == 0 else rank, decoded)
         return position
+
+    def _settle(self, completion: CompletionState) -> None:
+        """A deferred completion's text and logprob entries, made once from all its tokens."""
+        completion.deferred = False
+        if completion.detokenizer is not None:
+            completion.text = completion.detokenizer.decode_all(completion.token_ids)
+        if completion.logprobs is not None:
+            cumulative = 0.0
+            for sample in completion.samples:
+                completion.logprobs.append(self._position_logprobs(sample))
+                cumulative += sample.logprobs[0]  # in order: the sum the per-token path makes
+            completion.cumulative_logprob = cumulative
+            completion.samples = []
 
     def _finish(self, state: RequestState) -> RequestOutput:
         del self.requests[state.request_id]
         for completion in state.completions:
             self.engine_to_request.pop(completion.engine_id, None)
+            if completion.deferred:
+                self._settle(completion)
         return self._make_output(state)
 
     def _make_output(self, state: RequestState) -> RequestOutput:

@@ -37,8 +37,7 @@ class FreeBlockQueue:
         self._head.next_free = self._tail
         self._tail.prev_free = self._head
         self.num_free_blocks = 0
-        for block in blocks:
-            self.append(block)
+        self.extend(list(blocks))
 
     def popleft(self) -> KVCacheBlock:
         block = self._head.next_free
@@ -71,6 +70,26 @@ class FreeBlockQueue:
 
     def appendleft(self, block: KVCacheBlock) -> None:
         self._insert_after(self._head, block)
+
+    def extend(self, blocks: list[KVCacheBlock]) -> None:
+        """``append`` each block, in order (one pass: a request's blocks are freed together)."""
+        prev = self._tail.prev_free
+        assert prev is not None
+        for block in blocks:
+            block.prev_free, prev.next_free = prev, block
+            prev = block
+        prev.next_free, self._tail.prev_free = self._tail, prev
+        self.num_free_blocks += len(blocks)
+
+    def extendleft(self, blocks: list[KVCacheBlock]) -> None:
+        """``appendleft`` each block, in order: the last one ends up first."""
+        nxt = self._head.next_free
+        assert nxt is not None
+        for block in blocks:
+            block.next_free, nxt.prev_free = nxt, block
+            nxt = block
+        nxt.prev_free, self._head.next_free = self._head, nxt
+        self.num_free_blocks += len(blocks)
 
     def __iter__(self) -> Iterator[KVCacheBlock]:
         block = self._head.next_free
@@ -152,6 +171,8 @@ class BlockPool:
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference from each block; blocks reaching zero go back to the free queue,
         in the given order (the first freed is the first evicted among the hashed ones)."""
+        unhashed: list[KVCacheBlock] = []
+        hashed: list[KVCacheBlock] = []
         for block in ordered_blocks:
             if block.is_null:
                 continue
@@ -159,10 +180,11 @@ class BlockPool:
                 raise RuntimeError(f"Double free of {block}.")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                if block.block_hash is None:
-                    self.free_block_queue.appendleft(block)
-                else:
-                    self.free_block_queue.append(block)
+                (unhashed if block.block_hash is None else hashed).append(block)
+        # The two ends of the queue do not meet: queueing each end's blocks at once gives the
+        # order that queueing them one by one would.
+        self.free_block_queue.extendleft(unhashed)
+        self.free_block_queue.extend(hashed)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only possible when no block is in use."""

@@ -38,6 +38,9 @@ class KVCacheManager:
         self.block_pool = BlockPool(num_blocks, residency)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}
+        # Per request, the most tokens its blocks hold before it needs another block or fills one
+        # (which prefix caching must register): below that, an allocation has nothing to do.
+        self.room: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
 
     @property
@@ -83,20 +86,11 @@ class KVCacheManager:
         """
         if num_new_tokens <= 0:
             raise ValueError(f"num_new_tokens must be positive, got {num_new_tokens}.")
-        if new_computed_blocks is None:
-            # Fast path (most decode steps): the last block still has room and no block filled up.
-            blocks = self.req_to_blocks.get(request.request_id)
-            total = request.num_computed_tokens + num_new_tokens
-            if (
-                blocks is not None
-                and total <= len(blocks) * self.block_size
-                and (
-                    not self.enable_caching
-                    or min(total // self.block_size, len(request.block_hashes))
-                    <= self.num_cached_blocks.get(request.request_id, 0)
-                )
-            ):
-                return []
+        if (
+            new_computed_blocks is None
+            and request.num_computed_tokens + num_new_tokens <= self.room.get(request.request_id, 0)
+        ):
+            return []  # most decode steps: the last block has room and fills no block
         computed_blocks = new_computed_blocks or []
         req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + num_new_computed_tokens
@@ -124,6 +118,10 @@ class KVCacheManager:
                     req_blocks, request.block_hashes, num_cached, num_full
                 )
                 self.num_cached_blocks[request.request_id] = num_full
+            next_full = (self.num_cached_blocks.get(request.request_id, 0) + 1) * self.block_size
+            self.room[request.request_id] = min(len(req_blocks) * self.block_size, next_full - 1)
+        else:
+            self.room[request.request_id] = len(req_blocks) * self.block_size
         return new_blocks
 
     def free(self, request: Request, num_valid_tokens: int | None = None) -> None:
@@ -138,6 +136,7 @@ class KVCacheManager:
                 if block.block_hash is not None and block.ref_cnt == 1:
                     self.block_pool.uncache(block)
         self.num_cached_blocks.pop(request.request_id, None)
+        self.room.pop(request.request_id, None)
         self.block_pool.free_blocks(reversed(blocks))
 
     def get_block_ids(self, request_id: str) -> list[int]:

@@ -267,6 +267,7 @@ class Scheduler:
         requests, running = self.requests, RequestStatus.RUNNING
         all_prompt_logprobs = runner_output.prompt_logprobs
         all_logprobs = runner_output.logprobs
+        finished: list[Request] = []
         for index, (req_id, new_token_ids) in enumerate(
             zip(runner_output.req_ids, runner_output.sampled_token_ids, strict=True)
         ):
@@ -304,10 +305,13 @@ class Scheduler:
                 self.probe = None  # it ran alone up to a sampled token: it was not the fault
             if finish is not None:
                 if was_running:
-                    self.running.remove(request)
-                else:
+                    finished.append(request)
+                else:  # preempted while its last token was in flight: it waits, not runs
                     self.waiting.remove(request)
                 self._free_request(request)
+        if finished:  # one pass over the running list, however many requests ended
+            gone = set(finished)
+            self.running[:] = [r for r in self.running if r not in gone]
         return EngineCoreOutputs(outputs=outputs)
 
     def fail_step(self, scheduler_output: SchedulerOutput) -> EngineCoreOutputs:
