@@ -33,6 +33,9 @@ class Platform:
     """True when kernels are compiled or tuned on first use (Triton, CUDA graphs): the engine
     core then runs short throwaway requests at start (`pagellm.engine.warm_up`), so that the
     first users do not wait for the compiler."""
+    dist_backend: ClassVar[str] = "gloo"
+    """The ``torch.distributed`` backend of tensor-parallel collectives between this platform's
+    workers (`pagellm.distributed`)."""
     async_scheduling_default: ClassVar[bool] = False
     """What ``async_scheduling=None`` (the default) means here: whether the engine core plans the
     next step while the device runs the current one (`EngineCore`). Turned on for a platform only

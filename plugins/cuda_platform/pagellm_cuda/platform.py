@@ -68,6 +68,7 @@ class CudaPlatform(Platform):
     # Measured on an H200 (docs/benchmarks.md, 2026-12-02): W2 +31 %, W1 +7 %, the prefill-heavy
     # run 11 % faster, the same tokens; `--no-async-scheduling` turns it off.
     async_scheduling_default = True
+    dist_backend = "nccl"
 
     # ------------------------------------------------------------------ devices (GPU only)
 
