@@ -11,6 +11,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from pagellm.distributed import destroy_distributed, init_distributed
+from pagellm.layers.linear import Linear
 from pagellm.layers.parallel_linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -75,6 +76,19 @@ def _layers(rank: int, port: int, results: dict) -> None:
             row.load_checkpoint_tensor(name, getattr(down, name), name, None)
         rank_input = x[:, :8].narrow(-1, rank * 4, 4)  # the rank's slice of the 8 inputs
         out["row_reduced"] = row(rank_input)
+
+        # fp8 quantized online, after loading: a rank's rows get the scales the whole layer's get.
+        fp8 = quantization_methods.get("fp8_per_channel").from_config({})
+        whole = Linear(HIDDEN, 8, quant_config=fp8, output_sizes=[4, 4])
+        split = MergedColumnParallelLinear(HIDDEN, [4, 4], quant_config=fp8)
+        for layer in (whole, split):
+            for shard in (0, 1):
+                layer.load_checkpoint_tensor("weight", ref.weight[shard * 4 :][:4], "w", shard)
+            layer.linear_method.process_weights_after_loading(layer)
+        mine = [rank * 2, rank * 2 + 1, 4 + rank * 2, 5 + rank * 2]
+        for name in ("weight", "weight_scale"):
+            out[f"fp8_{name}"] = split.get_parameter(name).float()
+            out[f"fp8_whole_{name}"] = whole.get_parameter(name).float()[mine]
     destroy_distributed()
     results[rank] = out
 
@@ -122,6 +136,15 @@ def test_row_parallel_sums_partial_outputs_and_adds_the_bias_once(rank_outputs):
     expected = _reference(8, HIDDEN, 6)(_x()[:, :8]).detach()
     for rank in (0, 1):
         torch.testing.assert_close(rank_outputs[rank]["row_reduced"], expected)
+
+
+def test_fp8_online_quantization_of_a_rank_slice_equals_that_slice_of_the_whole_layer(
+    rank_outputs,
+):
+    for rank in (0, 1):
+        for name in ("weight", "weight_scale"):
+            out = rank_outputs[rank]
+            torch.testing.assert_close(out[f"fp8_{name}"], out[f"fp8_whole_{name}"], rtol=0, atol=0)
 
 
 def test_kv_heads_are_shared_or_replicated_and_uneven_layouts_are_refused():
