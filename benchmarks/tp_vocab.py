@@ -67,12 +67,18 @@ def _rank(rank: int, port: int, tokens: list[int], steps: int, results: dict) ->
         def parallel_lm_head(hidden: torch.Tensor = hidden) -> torch.Tensor:
             return group.all_gather(hidden @ part.t(), dim=-1)
 
+        def replicated_embedding(ids: torch.Tensor = ids) -> torch.Tensor:
+            return F.embedding(ids, table)
+
+        def replicated_lm_head(hidden: torch.Tensor = hidden) -> torch.Tensor:
+            return hidden @ table.t()
+
         runs.append(
             {
                 "tokens": n,
-                "embedding_replicated_ms": _median_ms(lambda: F.embedding(ids, table), steps),
+                "embedding_replicated_ms": _median_ms(replicated_embedding, steps),
                 "embedding_vocab_parallel_ms": _median_ms(parallel_embedding, steps),
-                "lm_head_replicated_ms": _median_ms(lambda: hidden @ table.t(), steps),
+                "lm_head_replicated_ms": _median_ms(replicated_lm_head, steps),
                 "lm_head_vocab_parallel_ms": _median_ms(parallel_lm_head, steps),
             }
         )
