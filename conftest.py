@@ -114,11 +114,12 @@ def smollm2_tokenizer_dir() -> str:
     )
 
 
-def make_tiny_model(kind: str, directory: str, tokenizer_dir: str) -> str:
-    """Save a tiny random HF model of ``kind`` (and SmolLM2's tokenizer) in ``directory``."""
+def make_tiny_model(kind: str, directory: str, tokenizer_dir: str, **overrides: object) -> str:
+    """Save a tiny random HF model of ``kind`` (and SmolLM2's tokenizer) in ``directory``, its
+    config changed by ``overrides``."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    spec = {**TINY_COMMON, **TINY_CONFIGS[kind]}
+    spec = {**TINY_COMMON, **TINY_CONFIGS[kind], **overrides}
     model_type = spec.pop("model_type")
     config = AutoConfig.for_model(model_type, **spec)
     torch.manual_seed(0)
@@ -142,4 +143,18 @@ def tiny_models(
     return {
         kind: make_tiny_model(kind, os.path.join(root, kind), smollm2_tokenizer_dir)
         for kind in TINY_CONFIGS
+    }
+
+
+@pytest.fixture(scope="session")
+def tiny_one_kv_head_models(
+    tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer_dir: str
+) -> dict[str, str]:
+    """Llama 3 and Qwen3 with one KV head (fewer KV heads than tensor-parallel ranks)."""
+    root = tmp_path_factory.mktemp("tiny_one_kv_head_models")
+    return {
+        kind: make_tiny_model(
+            kind, os.path.join(root, kind), smollm2_tokenizer_dir, num_key_value_heads=1
+        )
+        for kind in ("llama3", "qwen3")
     }

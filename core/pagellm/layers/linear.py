@@ -3,6 +3,8 @@ default, or a quantization method's), so quantization plugins change layers with
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -11,7 +13,30 @@ from pagellm.quantization.base import LinearMethodBase, QuantizationConfig
 from pagellm.quantization.unquantized import UnquantizedLinearMethod
 
 
+class TensorSlice(Protocol):
+    """A checkpoint tensor not read yet (safetensors' ``get_slice``): indexing reads that part."""
+
+    def get_shape(self) -> list[int]: ...
+
+    def __getitem__(self, index: object) -> torch.Tensor: ...
+
+
+CheckpointTensor = torch.Tensor | TensorSlice
+
+
+def checkpoint_shape(tensor: CheckpointTensor) -> tuple[int, ...]:
+    return tuple(tensor.shape if isinstance(tensor, torch.Tensor) else tensor.get_shape())
+
+
+def materialize(tensor: CheckpointTensor) -> torch.Tensor:
+    """The whole tensor (read from the file when it is a lazy slice)."""
+    return tensor if isinstance(tensor, torch.Tensor) else tensor[:]
+
+
 class Linear(nn.Module):
+    """A linear layer held whole by every rank; the parallel layers (`parallel_linear`) subclass
+    it and override `rank_part` to keep only their rank's slice of each checkpoint tensor."""
+
     def __init__(
         self,
         in_features: int,
@@ -36,6 +61,21 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_method.apply(self, x)
+
+    def rank_part(self, tensor: CheckpointTensor, shard: int | None) -> torch.Tensor:
+        """This rank's part of checkpoint tensor ``tensor`` (of fused part ``shard``): all of it."""
+        return materialize(tensor)
+
+    def load_checkpoint_tensor(
+        self, param_name: str, tensor: CheckpointTensor, name: str, shard: int | None
+    ) -> None:
+        """Copy this rank's part of checkpoint tensor ``name`` into parameter ``param_name``, into
+        the rows of fused part ``shard`` (None: an unfused layer)."""
+        rows = None
+        if shard is not None:
+            rows = (sum(self.output_sizes[:shard]), self.output_sizes[shard])
+        param = self.get_parameter(param_name)
+        load_parameter(param, self.rank_part(tensor, shard), name, shard, rows)
 
 
 class VocabEmbedding(nn.Module):

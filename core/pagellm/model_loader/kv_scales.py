@@ -21,10 +21,10 @@ import math
 import re
 from collections.abc import Iterable, Iterator
 
-import torch
 from torch import nn
 
 from pagellm.attention.layer import Attention
+from pagellm.layers.linear import CheckpointTensor, materialize
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +38,8 @@ KVScales = dict[str, dict[str, float]]
 
 
 def take_kv_scales(
-    weights: Iterable[tuple[str, torch.Tensor]], into: KVScales
-) -> Iterator[tuple[str, torch.Tensor]]:
+    weights: Iterable[tuple[str, CheckpointTensor]], into: KVScales
+) -> Iterator[tuple[str, CheckpointTensor]]:
     """``weights`` without their KV cache scales, which land in ``into`` as they stream by."""
     for name, tensor in weights:
         match = _SCALE_NAME.match(name)
@@ -47,6 +47,7 @@ def take_kv_scales(
             yield name, tensor
             continue
         which = match["own"] or match["proj"] or match["plain"]
+        tensor = materialize(tensor)
         if tensor.numel() != 1:
             raise NotImplementedError(
                 f"Checkpoint tensor {name!r} holds {tensor.numel()} KV cache scales; only one "

@@ -14,7 +14,8 @@ from torch import nn
 
 from pagellm.attention import AttentionBackend
 from pagellm.config import EngineConfig
-from pagellm.layers.linear import Linear
+from pagellm.distributed import get_tp_group
+from pagellm.layers.linear import CheckpointTensor, Linear
 from pagellm.model_loader.formats import get_model_format
 from pagellm.model_loader.kv_scales import KVScales, apply_kv_scales, take_kv_scales
 from pagellm.model_loader.source import resolve_model_source
@@ -41,15 +42,18 @@ def safetensors_files(directory: str) -> list[str]:
     return files
 
 
-def iterate_safetensors_weights(directory: str) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_safetensors_weights(
+    directory: str, lazy: bool = False
+) -> Iterator[tuple[str, CheckpointTensor]]:
     """Tensors in their stored dtype: copying into a parameter casts to its dtype, and a
-    quantized checkpoint's float8 weights and float32 scales must reach theirs unrounded."""
+    quantized checkpoint's float8 weights and float32 scales must reach theirs unrounded. With
+    ``lazy``, slices not read yet, so that a tensor-parallel rank reads only its part."""
     from safetensors import safe_open
 
     for path in safetensors_files(directory):
         with safe_open(path, framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                yield name, f.get_tensor(name)
+                yield name, f.get_slice(name) if lazy else f.get_tensor(name)
 
 
 def _init_dummy_weights(model: nn.Module, seed: int) -> None:
@@ -68,11 +72,14 @@ def load_model(
     model_cfg = config.model
     _, model_cls = resolve_model_cls([model_cfg.architecture])
     quant_config = None
+    tp = get_tp_group().world_size
     if config.quantization is not None:
-        checkpoint_quant = getattr(model_cfg.hf_config, "quantization_config", None) or {}
-        quant_config = quantization_methods.get(config.quantization).from_config(
-            dict(checkpoint_quant)
-        )
+        checkpoint_quant = dict(getattr(model_cfg.hf_config, "quantization_config", None) or {})
+        quant_cls = quantization_methods.get(config.quantization)
+        refusal = quant_cls.tensor_parallel_refusal(tp, checkpoint_quant) if tp > 1 else None
+        if refusal is not None:
+            raise ValueError(refusal)
+        quant_config = quant_cls.from_config(checkpoint_quant)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(model_cfg.torch_dtype)
     try:
@@ -90,13 +97,15 @@ def load_model(
     source = resolve_model_source(model_cfg.model)
     if load_format == "auto":
         load_format = "gguf" if source.gguf_file else "safetensors"
+    weights: Iterator[tuple[str, CheckpointTensor]]
     if load_format == "gguf":
         if not source.gguf_file:
             raise ValueError(f"load_format='gguf' but {model_cfg.model} is not a GGUF file.")
-        gguf = get_model_format("gguf")  # pagellm-gguf's reader
+        gguf = get_model_format("gguf")  # pagellm-gguf's reader (whole tensors: each rank
+        # reads them all and keeps its part)
         weights = gguf.iterate_weights(source.gguf_file, model_cfg.torch_dtype, quant_config)
     else:
-        weights = iterate_safetensors_weights(source.directory)
+        weights = iterate_safetensors_weights(source.directory, lazy=tp > 1)
     with torch.no_grad():
         loaded = model.load_weights(take_kv_scales(weights, kv_scales))  # type: ignore[operator]
     apply_kv_scales(model, kv_scales, config.cache.cache_dtype)

@@ -1,7 +1,10 @@
 """The Llama family decoder (Llama 2/3, SmolLM2, Mistral; Qwen2 and Qwen3 subclass it).
 
 Projections are fused (qkv, gate_up) for fewer, larger matmuls; `load_weights` maps the HF
-checkpoint's separate q/k/v and gate/up tensors into their slices.
+checkpoint's separate q/k/v and gate/up tensors into their slices. Under tensor parallelism
+(`get_tp_group` with several ranks) qkv and gate_up are column-parallel, o_proj and down_proj
+row-parallel (one all-reduce each per layer), and each rank's attention runs its share of the
+heads; the embedding and the LM head are replicated.
 """
 
 from __future__ import annotations
@@ -17,7 +20,18 @@ from pagellm.attention import Attention, AttentionBackend
 from pagellm.config import EngineConfig
 from pagellm.layers.activation import SiluAndMul
 from pagellm.layers.layernorm import RMSNorm
-from pagellm.layers.linear import Linear, VocabEmbedding, load_parameter
+from pagellm.layers.linear import (
+    CheckpointTensor,
+    Linear,
+    VocabEmbedding,
+    load_parameter,
+    materialize,
+)
+from pagellm.layers.parallel_linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from pagellm.layers.rotary_embedding import RotaryEmbedding, rope_parameters
 from pagellm.quantization.base import QuantizationConfig
 
@@ -40,21 +54,27 @@ class LlamaAttention(nn.Module):
         super().__init__()
         cfg = ctx.hf_config
         hidden = cfg.hidden_size
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
-        self.head_size = getattr(cfg, "head_dim", None) or hidden // self.num_heads
-        self.q_size = self.num_heads * self.head_size
-        self.kv_size = self.num_kv_heads * self.head_size
+        total_heads = cfg.num_attention_heads
+        total_kv_heads = getattr(cfg, "num_key_value_heads", None) or total_heads
+        self.head_size = getattr(cfg, "head_dim", None) or hidden // total_heads
         bias = getattr(cfg, "attention_bias", False)
-        self.qkv_proj = Linear(
+        self.qkv_proj = QKVParallelLinear(
             hidden,
-            self.q_size + 2 * self.kv_size,
+            self.head_size,
+            total_heads,
+            total_kv_heads,
             bias or ctx.qkv_bias,
             ctx.quant_config,
             f"{prefix}.qkv_proj",
-            output_sizes=[self.q_size, self.kv_size, self.kv_size],
         )
-        self.o_proj = Linear(self.q_size, hidden, bias, ctx.quant_config, f"{prefix}.o_proj")
+        # This rank's heads (all of them with one rank).
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.q_size = self.num_heads * self.head_size
+        self.kv_size = self.num_kv_heads * self.head_size
+        self.o_proj = RowParallelLinear(
+            total_heads * self.head_size, hidden, bias, ctx.quant_config, f"{prefix}.o_proj"
+        )
         self.qk_norm = ctx.qk_norm
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_size, cfg.rms_norm_eps)
@@ -86,15 +106,10 @@ class LlamaMLP(nn.Module):
         cfg = ctx.hf_config
         bias = getattr(cfg, "mlp_bias", False)
         inter = cfg.intermediate_size
-        self.gate_up_proj = Linear(
-            cfg.hidden_size,
-            2 * inter,
-            bias,
-            ctx.quant_config,
-            f"{prefix}.gate_up_proj",
-            output_sizes=[inter, inter],
+        self.gate_up_proj = MergedColumnParallelLinear(
+            cfg.hidden_size, [inter, inter], bias, ctx.quant_config, f"{prefix}.gate_up_proj"
         )
-        self.down_proj = Linear(
+        self.down_proj = RowParallelLinear(
             inter, cfg.hidden_size, bias, ctx.quant_config, f"{prefix}.down_proj"
         )
         self.act_fn = SiluAndMul()
@@ -193,39 +208,34 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return hidden_states @ self.lm_head.weight.t()
 
-    def _shard_sizes(self, fused: str) -> list[int]:
-        attn = self.model.layers[0].self_attn
-        assert isinstance(attn, LlamaAttention)
-        if fused == "qkv_proj":
-            return [attn.q_size, attn.kv_size, attn.kv_size]
-        inter = self.hf_config.intermediate_size
-        return [inter, inter]
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy checkpoint tensors (HF names) into the parameters; returns the parameters set."""
+    def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> set[str]:
+        """Copy checkpoint tensors (HF names; lazy slices under tensor parallelism, of which a
+        linear layer reads only its rank's part) into the parameters; returns the parameters
+        set."""
         params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
         loaded: set[str] = set()
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue
-            for fused, part, shard in self.stacked_params:
-                if f".{part}." not in name:
-                    continue
-                target = name.replace(f".{part}.", f".{fused}.")
-                sizes = self._shard_sizes(fused)
-                offset = sum(sizes[:shard])
-                load_parameter(params[target], tensor, name, shard, (offset, sizes[shard]))
-                loaded.add(target)
-                break
+            target, shard = name, None
+            for fused, part, index in self.stacked_params:
+                if f".{part}." in name:
+                    target, shard = name.replace(f".{part}.", f".{fused}."), index
+                    break
+            if target not in params:
+                raise ValueError(
+                    f"Checkpoint tensor {name!r} matches no parameter of {type(self).__name__}."
+                )
+            module_name, _, param_name = target.rpartition(".")
+            module = modules[module_name]
+            if isinstance(module, Linear):
+                module.load_checkpoint_tensor(param_name, tensor, name, shard)
             else:
-                if name not in params:
-                    raise ValueError(
-                        f"Checkpoint tensor {name!r} matches no parameter of {type(self).__name__}."
-                    )
-                load_parameter(params[name], tensor, name)
-                loaded.add(name)
+                load_parameter(params[target], materialize(tensor), name)
+            loaded.add(target)
         return loaded
 
 

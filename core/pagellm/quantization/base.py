@@ -66,6 +66,17 @@ class QuantizationConfig(ABC):
         return False
 
     @classmethod
+    def tensor_parallel_refusal(cls, tp_size: int, checkpoint_config: dict[str, Any]) -> str | None:
+        """Why this method cannot run split over ``tp_size`` > 1 ranks for a checkpoint with this
+        ``quantization_config`` (empty: float weights), or None when it can. A method that can
+        receives each checkpoint tensor already cut to the rank's part (see docs/plugins.md);
+        by default methods refuse, since a packed layout need not split where floats do."""
+        return (
+            f"quantization {cls.name} does not support tensor_parallel_size {tp_size} yet; "
+            "use tensor_parallel_size 1 or a float checkpoint."
+        )
+
+    @classmethod
     def platform_refusal(cls, device_type: str, dtype: torch.dtype) -> str | None:
         """Why this method cannot run on this process's ``device_type`` device with model
         ``dtype`` (checked when the engine config is built), or None when it can."""

@@ -19,9 +19,11 @@ import torch
 from pagellm.attention.backend import CommonAttentionMetadata
 from pagellm.attention.registry import attention_backends
 from pagellm.config import EngineConfig
+from pagellm.distributed import get_tp_group
 from pagellm.forward_context import set_forward_context
 from pagellm.kv_cache.manager import cdiv
 from pagellm.kv_cache.spec import KVCacheSpec
+from pagellm.layers.parallel_linear import kv_heads_per_rank
 from pagellm.layers.sampler import (
     LogprobTensors,
     Sampler,
@@ -55,7 +57,8 @@ class ModelRunner:
         self.max_model_len = model_cfg.max_model_len
         self.kv_cache_spec = KVCacheSpec(
             block_size=block_size,
-            num_kv_heads=model_cfg.num_kv_heads,
+            # This rank's KV heads: the cache holds only those (all of them with one rank).
+            num_kv_heads=kv_heads_per_rank(model_cfg.num_kv_heads, get_tp_group().world_size),
             head_size=model_cfg.head_size,
             dtype=model_cfg.torch_dtype,
             sliding_window=model_cfg.sliding_window,
