@@ -222,11 +222,13 @@ class MultiprocExecutor(Executor):
             if self._dead is not None:
                 raise ExecutorDeadError(*self._dead.args)
             events = dict(self._poller.poll())
-            if sock in events:
+            if len(events) > (sock in events):  # a sentinel: a worker has exited
+                self._dead = self._death()
+            elif sock in events:
                 return wire.worker_decoder.decode(sock.recv())
-            self._dead = self._death()
 
     def _broadcast(self, msg: wire.DriverMsg) -> None:
+        self._dead = self._dead or self._death()
         if self._dead is not None:
             raise ExecutorDeadError(*self._dead.args)
         frame = wire.encoder.encode(msg)
