@@ -9,9 +9,11 @@ from __future__ import annotations
 import os
 import signal
 
+import psutil
 import pytest
 
 from pagellm import LLM, SamplingParams
+from pagellm.engine.errors import EngineDeadError
 from pagellm.executor.errors import ExecutorDeadError, WorkerError
 from pagellm.executor.multiproc import MultiprocExecutor
 from pagellm.scheduler.output import CachedRequestData, SchedulerOutput
@@ -104,3 +106,26 @@ def test_killed_worker_fails_the_engine_naming_its_rank_and_no_process_is_left(t
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_killed_worker_under_an_engine_process_fails_it_naming_the_rank(tiny_models, capfd):
+    """The engine core in its own process (as under ``pagellm serve``): the executor's monitor
+    sees the death between steps, and the engine process reports it (its log goes to the
+    inherited stderr) and exits; the front end then refuses requests."""
+    llm = LLM(tiny_models["llama3"], tensor_parallel_size=2, multiprocess_engine=True, **ENGINE)
+    client = llm.llm_engine.core_client
+    workers = [
+        p
+        for p in psutil.Process(client.proc.pid).children()
+        if "spawn_main" in " ".join(p.cmdline())
+    ]
+    assert len(workers) == 2 and len(_tokens(llm)) == len(PROMPTS)
+    os.kill(workers[1].pid, signal.SIGKILL)
+    client.proc.join(60)  # a guard against a hang, not a timing check: it exits on its own
+    assert client.proc.exitcode == 1
+    assert "Worker rank 1" in capfd.readouterr().err
+    with pytest.raises(EngineDeadError):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    client.shutdown()
+    _, alive = psutil.wait_procs(workers, timeout=10)
+    assert not alive

@@ -24,6 +24,7 @@ import signal
 import socket
 import tempfile
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import wait
@@ -44,6 +45,7 @@ from pagellm.worker.worker import Worker
 logger = logging.getLogger(__name__)
 
 _STOP_TIMEOUT_S = 5.0
+_MONITOR_INTERVAL_S = 1.0
 
 
 def free_port() -> int:
@@ -205,15 +207,20 @@ class MultiprocExecutor(Executor):
         return None
 
     def _monitor(self) -> None:
-        """Between calls nobody waits on the workers: report a death to the failure callbacks."""
-        wait([proc.sentinel for proc in self.procs])
-        if self._closing:
-            return
-        death = self._death()
-        if death is not None:
-            logger.error("%s", death)
-            self._dead = self._dead or death
-            self._report_failure(str(death))
+        """Between calls nobody waits on the workers: report a death to the failure callbacks.
+        A sentinel may read ready before its process is reaped: then look again shortly."""
+        sentinels = [proc.sentinel for proc in self.procs]
+        while not self._closing:
+            if not wait(sentinels, timeout=_MONITOR_INTERVAL_S):
+                continue
+            death = self._death()
+            if death is None:
+                time.sleep(_MONITOR_INTERVAL_S / 10)
+            elif not self._closing:
+                logger.error("%s", death)
+                self._dead = self._dead or death
+                self._report_failure(str(death))
+                return
 
     def _recv(self) -> wire.WorkerMsg:
         """The next reply; raises `ExecutorDeadError` as soon as a worker has exited."""
