@@ -30,7 +30,7 @@ try:
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 except ImportError:  # an optional dependency: pip install 'pagellm[ray]'
-    ray = None
+    ray = None  # type: ignore[assignment]
 
 
 class RankActor:
@@ -64,7 +64,7 @@ class RayExecutor(Executor):
         ray.get(self._group.ready())
         init_method = f"tcp://{ray.util.get_node_ip_address()}:{free_port()}"
         remote = ray.remote(num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0))(RankActor)
-        self.actors = [
+        self.actors: list[Any] = [
             remote.options(
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self._group, placement_group_bundle_index=rank
