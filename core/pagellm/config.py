@@ -123,8 +123,21 @@ class SchedulerConfig(_Config):
     choice or the platform's `async_scheduling_default`."""
 
 
+ExecutorBackend = Literal["uni", "mp", "ray"]
+"""How the engine core reaches its workers: one in its own process (uni), one process per rank
+(mp), or one Ray actor per rank (ray)."""
+
+
 class ParallelConfig(_Config):
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    """Only 1 is built: the dimension exists so that the rank layout already has its place."""
+    distributed_executor_backend: ExecutorBackend = "uni"
+
+    @property
+    def world_size(self) -> int:
+        """Workers, one per rank."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 class DeviceConfig(_Config):

@@ -27,6 +27,7 @@ from pagellm.config import (
     DeviceConfig,
     DTypeName,
     EngineConfig,
+    ExecutorBackend,
     KVCacheDTypeName,
     LoadConfig,
     LoadFormat,
@@ -103,7 +104,12 @@ class EngineArgs:
     device: str | None = None
     """The platform (name or device type): the CLI selects it, LLM checks it is the current one."""
     tensor_parallel_size: PositiveInt = 1
-    """GPUs to shard the model over (only 1 is supported yet)."""
+    """Ranks (GPUs; processes on the CPU) the model's layers are sharded over."""
+    pipeline_parallel_size: PositiveInt = 1
+    """Pipeline stages (only 1 is supported yet)."""
+    distributed_executor_backend: ExecutorBackend | None = None
+    """How the workers run: uni (one, in the engine core's process), mp (one process per rank),
+    ray (one Ray actor per rank); default: uni for one rank, else mp."""
     enforce_eager: bool = False
     """Never capture CUDA graphs: every step runs eagerly."""
     async_scheduling: bool | None = None
@@ -164,8 +170,7 @@ class EngineArgs:
                 f"device={self.device!r} but this process runs on platform {platform.name!r}; "
                 "choose the platform before first use with PAGELLM_PLATFORM (the CLI's --device does)."
             )
-        if self.tensor_parallel_size != 1:
-            raise NotImplementedError("tensor_parallel_size > 1 is not supported yet.")
+        parallel = self._resolve_parallel(platform)
         source = resolve_model_source(self.model, field="model")
         tokenizer = self.tokenizer or self.model
         if not self.skip_tokenizer_init:
@@ -232,7 +237,7 @@ class EngineArgs:
                 if self.async_scheduling is None
                 else self.async_scheduling,
             ),
-            parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+            parallel=parallel,
             device=DeviceConfig(device=platform.device_type),
             load=LoadConfig(load_format=self.load_format),
             compilation=CompilationConfig(enforce_eager=self.enforce_eager),
@@ -245,6 +250,32 @@ class EngineArgs:
         )
         platform.check_and_update_config(config)
         return config
+
+    def _resolve_parallel(self, platform: Any) -> ParallelConfig:
+        if self.pipeline_parallel_size != 1:
+            raise ConfigError(
+                f"pipeline_parallel_size={self.pipeline_parallel_size} (--pipeline-parallel-size): "
+                "only 1 is supported; shard a large model with --tensor-parallel-size instead."
+            )
+        world_size = self.tensor_parallel_size * self.pipeline_parallel_size
+        backend = self.distributed_executor_backend or ("uni" if world_size == 1 else "mp")
+        if backend == "uni" and world_size > 1:
+            raise ConfigError(
+                f"distributed_executor_backend='uni' (--distributed-executor-backend) runs one "
+                f"worker; {world_size} ranks need mp or ray."
+            )
+        count = platform.device_count()
+        if count is not None and world_size > count and backend != "ray":
+            raise ConfigError(
+                f"tensor_parallel_size={self.tensor_parallel_size} needs {world_size} devices; "
+                f"{count} are visible on {platform.name}. Lower --tensor-parallel-size, or use "
+                "--distributed-executor-backend ray to place ranks on several machines."
+            )
+        return ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            distributed_executor_backend=backend,
+        )
 
     def _resolve_quantization(self, model_cfg: ModelConfig, device_type: str) -> str | None:
         """The method asked for, or the checkpoint's own; refused here when it cannot run."""

@@ -13,7 +13,8 @@ import msgspec
 from pagellm.config import EngineConfig
 from pagellm.engine.warm_up import warm_up
 from pagellm.executor.abstract import Executor
-from pagellm.executor.uniproc import UniProcExecutor
+from pagellm.executor.errors import ExecutorDeadError
+from pagellm.executor.selection import executor_class
 from pagellm.kv_cache.hashing import make_block_hasher
 from pagellm.kv_cache.manager import KVCacheManager, cdiv
 from pagellm.kv_cache.residency import KVBlockResidency
@@ -42,11 +43,10 @@ def needs_host_tokens(params: SamplingParams) -> str | None:
 
 
 class EngineCore:
-    def __init__(
-        self, config: EngineConfig, executor_cls: type[Executor] = UniProcExecutor
-    ) -> None:
+    def __init__(self, config: EngineConfig, executor_cls: type[Executor] | None = None) -> None:
+        """``executor_cls``: default, the one ``config.parallel`` names (`executor_class`)."""
         self.config = config
-        self.executor = executor_cls(config)
+        self.executor = (executor_cls or executor_class(config.parallel))(config)
         num_blocks = self._initialize_kv_cache()
         if current_platform.needs_warm_up:
             warm_up(config, self.executor, num_blocks)
@@ -130,6 +130,8 @@ class EngineCore:
             scheduler_output = self._schedule()
             try:
                 runner_output = self.executor.execute_model(scheduler_output)
+            except ExecutorDeadError:  # no step can run: the engine fails, not the requests
+                raise
             except Exception:
                 outputs = self._fail_step(scheduler_output)
             else:
@@ -171,6 +173,8 @@ class EngineCore:
         scheduler_output = self._schedule()
         try:
             self.executor.launch_model(scheduler_output)
+        except ExecutorDeadError:
+            raise
         except Exception:
             outputs += self._collect_in_flight()  # the step before ran: its results stand
             outputs += self._fail_step(scheduler_output).outputs
@@ -192,6 +196,8 @@ class EngineCore:
             scheduler_output = self.in_flight.popleft()
             try:
                 runner_output = self.executor.collect_output()
+            except ExecutorDeadError:
+                raise
             except Exception:
                 failed = [scheduler_output, *self.in_flight]
                 self.in_flight.clear()

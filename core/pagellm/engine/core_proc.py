@@ -26,6 +26,7 @@ import zmq
 from pagellm.config import EngineConfig
 from pagellm.engine import messages
 from pagellm.engine.core import EngineCore
+from pagellm.executor.errors import ExecutorDeadError
 from pagellm.request import FinishReason
 from pagellm.scheduler.output import EngineCoreOutput, EngineCoreOutputs
 
@@ -72,6 +73,8 @@ class EngineCoreProc:
                 msg = messages.request_decoder.decode(frame)
                 if isinstance(msg, messages.Shutdown):
                     return
+                if isinstance(msg, messages.WorkersFailed):
+                    raise ExecutorDeadError(msg.message)
                 aborted |= isinstance(msg, messages.AbortRequests)
                 self._handle(msg)
             if core.has_unfinished_requests():
@@ -108,7 +111,7 @@ class EngineCoreProc:
             return messages.UtilityResult(call.call_id, error=f"{type(exc).__name__}: {exc}")
 
 
-def _exit_when_orphaned(parent_pid: int) -> None:
+def exit_when_orphaned(parent_pid: int) -> None:
     """If the front end dies without shutting us down, nobody will: leave too (a sent step
     output would otherwise block forever on a socket with no reader)."""
     while True:
@@ -117,13 +120,22 @@ def _exit_when_orphaned(parent_pid: int) -> None:
             os._exit(1)
 
 
+def _wake_with_failure(ctx: zmq.Context, input_address: str, message: str) -> None:
+    """From the executor's monitor thread: put a `WorkersFailed` in the busy loop's input (a
+    socket of this thread's own: ZMQ sockets are not shared between threads)."""
+    sock = ctx.socket(zmq.PUSH)
+    sock.connect(input_address)
+    sock.send(messages.encoder.encode(messages.WorkersFailed(message)))
+    sock.close(linger=1000)
+
+
 def run_engine_core(
     config: EngineConfig, input_address: str, output_address: str, parent_pid: int
 ) -> None:
     """The engine-core process's entry point (a `multiprocessing` spawn target)."""
     # Ctrl-C reaches the whole process group: the front end decides when the engine stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
+    threading.Thread(target=exit_when_orphaned, args=(parent_pid,), daemon=True).start()
     ctx = zmq.Context()
     input_socket = ctx.socket(zmq.PULL)
     input_socket.bind(input_address)
@@ -133,6 +145,9 @@ def run_engine_core(
     core: EngineCore | None = None
     try:
         core = EngineCore(config)  # its worker loads the general plugins
+        core.executor.register_failure_callback(
+            lambda message: _wake_with_failure(ctx, input_address, message)
+        )
         proc = EngineCoreProc(core, input_socket, output_socket)
         proc.send(messages.EngineReady(num_blocks=core.kv_cache_manager.block_pool.num_blocks))
         proc.run_busy_loop()

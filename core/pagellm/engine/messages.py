@@ -4,7 +4,8 @@ Two one-way ZMQ PUSH/PULL channels over local IPC; every frame is one msgpack-en
 struct (never pickle). Each direction is a tagged union (the tag is the struct's first array
 element), so the receiver decodes straight to the right type:
 
-- front end → engine (`EngineRequestMsg`): `AddRequest`, `AbortRequests`, `UtilityCall`, `Shutdown`;
+- front end → engine (`EngineRequestMsg`): `AddRequest`, `AbortRequests`, `UtilityCall`, `Shutdown`
+  (and `WorkersFailed`, which the engine's own executor monitor sends to wake its loop);
 - engine → front end (`EngineOutputMsg`): `EngineReady` once at start-up, then `EngineStepOutputs`
   after every step, `UtilityResult` per utility call, and `EngineError` just before the process
   exits on an exception.
@@ -41,6 +42,12 @@ class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
     pass
 
 
+class WorkersFailed(msgspec.Struct, tag="workers_failed", array_like=True):
+    """A worker of the engine's executor died between steps: the engine core stops."""
+
+    message: str
+
+
 class EngineReady(msgspec.Struct, tag="ready", array_like=True):
     """Sent once the engine core is built (model loaded, KV cache sized)."""
 
@@ -67,7 +74,7 @@ class EngineError(msgspec.Struct, tag="error", array_like=True):
     traceback: str = ""
 
 
-EngineRequestMsg = AddRequest | AbortRequests | UtilityCall | Shutdown
+EngineRequestMsg = AddRequest | AbortRequests | UtilityCall | Shutdown | WorkersFailed
 EngineOutputMsg = EngineReady | EngineStepOutputs | UtilityResult | EngineError
 
 encoder = msgspec.msgpack.Encoder()

@@ -14,7 +14,17 @@ from pagellm.scheduler.output import ModelRunnerOutput, SchedulerOutput
 class Executor(ABC):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        self._failure_callbacks: list[Callable[[str], None]] = []
         self._init_executor()
+
+    def register_failure_callback(self, callback: Callable[[str], None]) -> None:
+        """Call ``callback(message)`` from another thread when a worker dies while no call
+        waits on it (executors whose workers run elsewhere; a call in progress raises instead)."""
+        self._failure_callbacks.append(callback)
+
+    def _report_failure(self, message: str) -> None:
+        for callback in self._failure_callbacks:
+            callback(message)
 
     @abstractmethod
     def _init_executor(self) -> None:

@@ -46,6 +46,12 @@ class Platform:
         return torch.device(cls.device_type)
 
     @classmethod
+    def device_count(cls) -> int | None:
+        """Devices this process may map ranks to (`device`); None: no limit (the CPU, where every
+        rank shares the host)."""
+        return None
+
+    @classmethod
     def device_name(cls, device_id: int | None = None) -> str:
         """What the device is, for benchmark records (e.g. ``"NVIDIA H200"``); ``device_id`` is
         a logical id, None for the current device."""

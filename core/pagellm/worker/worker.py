@@ -9,6 +9,7 @@ import torch
 
 from pagellm.attention.layer import Attention
 from pagellm.config import EngineConfig
+from pagellm.distributed import get_tp_group
 from pagellm.forward_context import set_forward_context
 from pagellm.kv_cache.spec import KVCacheSpec
 from pagellm.model_loader import load_model
@@ -37,6 +38,10 @@ class Worker:
         runner = self.model_runner
         runner.model = load_model(self.config, runner.attn_backend, self.device)
         logger.info("%s", describe_weight_bytes(runner.model, self.config.quantization))
+
+    def parallel_rank(self) -> int:
+        """This worker's rank in its tensor-parallel group (0 when it works alone)."""
+        return get_tp_group().rank_in_group
 
     def get_kv_cache_spec(self) -> KVCacheSpec:
         return self.model_runner.kv_cache_spec

@@ -82,6 +82,11 @@ class CudaPlatform(Platform):
         return torch.device("cuda", index)
 
     @classmethod
+    def device_count(cls) -> int | None:
+        """The visible GPUs (``CUDA_VISIBLE_DEVICES`` applied)."""
+        return cuda_device_count()
+
+    @classmethod
     def _index(cls, device_id: int | None) -> int:
         if device_id is None:
             return torch.cuda.current_device()
