@@ -316,6 +316,12 @@ class EngineArgs:
         refusal = quant_cls.platform_refusal(device_type, model_cfg.torch_dtype)
         if refusal is not None:
             raise ConfigError(f"quantization={name!r} cannot run here: {refusal}")
+        tp = self.tensor_parallel_size
+        refusal = (
+            quant_cls.tensor_parallel_refusal(tp, dict(checkpoint_quant or {})) if tp > 1 else None
+        )
+        if refusal is not None:  # judged here too, not first in every worker process
+            raise ConfigError(refusal)
         return name
 
     def _resolve_dtype(self, hf_config: Any, platform: Any) -> DTypeName:
