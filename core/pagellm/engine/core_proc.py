@@ -13,10 +13,8 @@ the process exits with status 1.
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import threading
-import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -27,6 +25,7 @@ from pagellm.config import EngineConfig
 from pagellm.engine import messages
 from pagellm.engine.core import EngineCore
 from pagellm.executor.errors import ExecutorDeadError
+from pagellm.parent_watch import exit_when_orphaned
 from pagellm.request import FinishReason
 from pagellm.scheduler.output import EngineCoreOutput, EngineCoreOutputs
 
@@ -34,7 +33,6 @@ logger = logging.getLogger(__name__)
 
 # How long closing the output socket may wait to deliver the last messages (e.g. an EngineError).
 _LINGER_MS = 2000
-_PARENT_CHECK_INTERVAL_S = 1.0
 
 
 class EngineCoreProc:
@@ -109,15 +107,6 @@ class EngineCoreProc:
             return messages.UtilityResult(call.call_id, result=method(*call.args))
         except Exception as exc:  # a failed utility call is the caller's error, not the engine's
             return messages.UtilityResult(call.call_id, error=f"{type(exc).__name__}: {exc}")
-
-
-def exit_when_orphaned(parent_pid: int) -> None:
-    """If the front end dies without shutting us down, nobody will: leave too (a sent step
-    output would otherwise block forever on a socket with no reader)."""
-    while True:
-        time.sleep(_PARENT_CHECK_INTERVAL_S)
-        if os.getppid() != parent_pid:
-            os._exit(1)
 
 
 def _wake_with_failure(ctx: zmq.Context, input_address: str, message: str) -> None:

@@ -34,11 +34,11 @@ from typing import Any
 import zmq
 
 from pagellm.config import EngineConfig
-from pagellm.engine.core_proc import exit_when_orphaned
 from pagellm.executor import wire
 from pagellm.executor.abstract import Executor
 from pagellm.executor.errors import ExecutorDeadError, WorkerError
 from pagellm.executor.worker_host import OUTPUT_RANK, WorkerHost
+from pagellm.parent_watch import exit_when_orphaned
 from pagellm.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from pagellm.worker.worker import Worker
 
