@@ -64,6 +64,24 @@ def _codec(n: int, repeat: int = 200) -> dict[str, float]:
     return {"frame_bytes": len(frame), "encode_us": 1e6 * encode, "decode_us": 1e6 * decode}
 
 
+def measure(model: str, n: int, tokens: int, tp: int) -> dict[str, object]:
+    """uni, mp at TP 1 and mp at TP ``tp`` on the same workload, and the codec alone."""
+    runs = {
+        "uni": _run(model, n, tokens),
+        "mp_tp1": _run(model, n, tokens, distributed_executor_backend="mp"),
+        f"mp_tp{tp}": _run(model, n, tokens, tensor_parallel_size=tp),
+    }
+    uni = runs["uni"]["ms_per_step"]
+    for run in runs.values():
+        run["overhead_ms_per_step"] = run["ms_per_step"] - uni
+    return {
+        "machine": f"{platform.machine()} {os.cpu_count()} CPUs",
+        "workload": f"{n} requests, 4-token prompts, {tokens} greedy tokens each",
+        "runs": runs,
+        "scheduler_output_codec": _codec(n),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
@@ -71,21 +89,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--tp", type=int, default=2)
     args = parser.parse_args()
-    n, tokens = args.num_requests, args.max_tokens
-    runs = {
-        "uni": _run(args.model, n, tokens),
-        "mp_tp1": _run(args.model, n, tokens, distributed_executor_backend="mp"),
-        f"mp_tp{args.tp}": _run(args.model, n, tokens, tensor_parallel_size=args.tp),
-    }
-    uni = runs["uni"]["ms_per_step"]
-    for run in runs.values():
-        run["overhead_ms_per_step"] = run["ms_per_step"] - uni
-    record = {
-        "machine": f"{platform.machine()} {os.cpu_count()} CPUs",
-        "workload": f"{n} requests, 4-token prompts, {tokens} greedy tokens each",
-        "runs": runs,
-        "scheduler_output_codec": _codec(n),
-    }
+    record = measure(args.model, args.num_requests, args.max_tokens, args.tp)
     print(json.dumps(record, indent=2))
 
 

@@ -250,6 +250,33 @@ def _profile_path(base: str | None, n: int, several: bool) -> str | None:
     return f"{stem}_{n}{ext}"
 
 
+def executor_runs(n: int, tp: int, tokenizer_dir: str | None) -> dict[str, object]:
+    """``--tp``: what reaching the workers costs per step (uni, mp at TP 1, mp at TP ``tp``), on
+    a tiny random Llama: spawned worker processes cannot load the stub, which is registered in
+    this process only. The runs of `executor_broadcast.py`, the sibling script."""
+    from executor_broadcast import measure
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from pagellm.model_loader import default_model_path
+    from pagellm.model_loader.source import resolve_model_source
+
+    tokenizer_dir = tokenizer_dir or resolve_model_source(default_model_path()).hf_directory()
+    config = LlamaConfig(
+        vocab_size=STUB_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.manual_seed(0)
+        LlamaForCausalLM(config).save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(tmp)
+        return measure(tmp, n, 32, tp)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -282,6 +309,13 @@ def main() -> None:
     )
     parser.add_argument("--output-json", default=None)
     parser.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="Above 1: also time reaching the workers at the first --num-requests (uni, mp at "
+        "TP 1 and at TP N, on a tiny random Llama), as the result's 'executors'.",
+    )
+    parser.add_argument(
         "--profile",
         default=None,
         help="Write a cProfile of the timed and drain steps (not start-up) to this path "
@@ -311,6 +345,8 @@ def main() -> None:
             "torch": torch.__version__,
         },
     }
+    if args.tp > 1:
+        result["executors"] = executor_runs(args.num_requests[0], args.tp, args.tokenizer)
     text = json.dumps(result, indent=2)
     print(text)
     if args.output_json:
