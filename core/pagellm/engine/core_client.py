@@ -29,6 +29,7 @@ from typing import Any, Protocol
 
 import zmq
 
+from pagellm.child_processes import join_or_kill
 from pagellm.config import EngineConfig
 from pagellm.engine import messages
 from pagellm.engine.core_proc import run_engine_core
@@ -74,16 +75,7 @@ def _stop_process(
     try:
         if proc.pid is not None and proc.exitcode is None:
             send_shutdown(input_socket)
-            proc.join(_SHUTDOWN_TIMEOUT_S)
-            if proc.exitcode is None:
-                logger.warning(
-                    "Engine core did not stop in %.0f s: terminating", _SHUTDOWN_TIMEOUT_S
-                )
-                proc.terminate()
-                proc.join(_SHUTDOWN_TIMEOUT_S)
-            if proc.exitcode is None:
-                proc.kill()
-                proc.join()
+            join_or_kill(proc, _SHUTDOWN_TIMEOUT_S, "Engine core")
     finally:
         for sock in sockets:
             sock.close(linger=0)

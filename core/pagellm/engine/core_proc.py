@@ -21,11 +21,11 @@ from typing import Any
 
 import zmq
 
+from pagellm.child_processes import exit_when_orphaned
 from pagellm.config import EngineConfig
 from pagellm.engine import messages
 from pagellm.engine.core import EngineCore
 from pagellm.executor.errors import ExecutorDeadError
-from pagellm.parent_watch import exit_when_orphaned
 from pagellm.request import FinishReason
 from pagellm.scheduler.output import EngineCoreOutput, EngineCoreOutputs
 

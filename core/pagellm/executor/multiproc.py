@@ -33,12 +33,12 @@ from typing import Any
 
 import zmq
 
+from pagellm.child_processes import exit_when_orphaned, join_or_kill
 from pagellm.config import EngineConfig
 from pagellm.executor import wire
 from pagellm.executor.abstract import Executor
 from pagellm.executor.errors import ExecutorDeadError, WorkerError
 from pagellm.executor.worker_host import OUTPUT_RANK, WorkerHost
-from pagellm.parent_watch import exit_when_orphaned
 from pagellm.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from pagellm.worker.worker import Worker
 
@@ -122,16 +122,7 @@ def _stop_workers(procs: list[BaseProcess], sockets: list[zmq.Socket], ipc_dir: 
         for proc in procs:
             if proc.pid is None:
                 continue
-            proc.join(_STOP_TIMEOUT_S)
-            if proc.exitcode is None:
-                logger.warning(
-                    "Worker %s did not stop in %.0f s: terminating", proc.name, _STOP_TIMEOUT_S
-                )
-                proc.terminate()
-                proc.join(_STOP_TIMEOUT_S)
-            if proc.exitcode is None:
-                proc.kill()
-                proc.join()
+            join_or_kill(proc, _STOP_TIMEOUT_S, f"Worker {proc.name}")
     finally:
         for sock in sockets:
             sock.close(linger=0)
