@@ -9,6 +9,8 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from pagellm.multimodal.inputs import MultiModalSpec
+
 DTypeName = Literal["float32", "float16", "bfloat16"]
 LoadFormat = Literal["auto", "safetensors", "gguf", "dummy"]
 KVCacheDTypeName = Literal["auto", "fp8_e4m3"]
@@ -53,6 +55,9 @@ class ModelConfig(_Config):
     io_processor: str | None = None
     """The registered name of the IO processor the front end builds for this model
     (`pagellm.io_processors`), or None: prompts and outputs as they are."""
+    multimodal_specs: list[MultiModalSpec] = Field(default_factory=list)
+    """What multimodal items the model takes (its class's ``multimodal_specs``); none for a
+    text-only model."""
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -168,6 +173,18 @@ class ObservabilityConfig(_Config):
     """The fraction of allocated blocks followed when ``kv_cache_metrics`` is on."""
 
 
+class MultiModalConfig(_Config):
+    """Limits on the media a request brings (read by the IO processors that decode it)."""
+
+    allowed_local_media_path: str | None = None
+    """A directory whose files requests may name as ``file:`` URLs (None: no local file)."""
+    max_images_per_prompt: int = Field(default=4, ge=0)
+    max_image_bytes: int = Field(default=20 << 20, ge=1)
+    """The most bytes of one encoded image (a data URL's, decoded, or a file's)."""
+    max_image_pixels: int = Field(default=4096 * 4096, ge=1)
+    """The most pixels (width × height) of one decoded image."""
+
+
 class EngineConfig(_Config):
     model: ModelConfig
     cache: CacheConfig
@@ -181,3 +198,4 @@ class EngineConfig(_Config):
     quantization: str | None
     """The quantization method's registered name, or None for dense weights."""
     observability: ObservabilityConfig = Field(default_factory=ObservabilityConfig)
+    multimodal: MultiModalConfig = Field(default_factory=MultiModalConfig)

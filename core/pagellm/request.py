@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import msgspec
 
+from pagellm.multimodal.inputs import MultiModalItem
 from pagellm.sampling_params import SamplingParams
 
 
@@ -52,6 +53,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     arrival_time: float
     priority: int = 0
     cache_salt: str | None = None
+    mm_items: list[MultiModalItem] = []
+    """The prompt's multimodal items (images), in prompt order, their placeholders expanded."""
 
 
 class Request:
@@ -69,6 +72,7 @@ class Request:
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        mm_items: list[MultiModalItem] | None = None,
         block_hasher: Callable[[Request], list[bytes]] | None = None,
     ) -> None:
         self.request_id = request_id
@@ -78,6 +82,7 @@ class Request:
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.priority = priority
         self.cache_salt = cache_salt
+        self.mm_items = list(mm_items or ())
         self.max_tokens = sampling_params.max_tokens
 
         self.status = RequestStatus.WAITING

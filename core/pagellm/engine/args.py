@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import types
 import typing
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from pagellm.config import (
     LoadConfig,
     LoadFormat,
     ModelConfig,
+    MultiModalConfig,
     ObservabilityConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -119,7 +121,16 @@ class EngineArgs:
     io_processor: str | None = None
     """An IO processor by registered name (pagellm.io_processor_plugins): it turns requests into
     engine prompts and outputs into responses, in the front end (default: the model
-    config.json's io_processor_plugin, else none)."""
+    config.json's io_processor_plugin, else the one its architecture names, else none)."""
+    allowed_local_media_path: str | None = None
+    """A directory whose files requests may name as file: URLs for their images (default: none;
+    inline data: URLs only, and remote URLs are always refused)."""
+    max_images_per_prompt: Annotated[int, Field(ge=0)] = 4
+    """Most images in one prompt (one chat request); more are refused (HTTP 400)."""
+    max_image_bytes: PositiveInt = 20 << 20
+    """Most bytes of one encoded image (a data URL's, decoded, or a file's)."""
+    max_image_pixels: PositiveInt = 4096 * 4096
+    """Most pixels (width × height) of one image, checked before it is decoded."""
     skip_tokenizer_init: bool = False
     """No tokenizer: prompts must be token ids and outputs carry no text."""
     multiprocess_engine: bool = False
@@ -182,11 +193,14 @@ class EngineArgs:
             resolve_model_source(tokenizer, field="tokenizer")
         hf_config = load_hf_config(source)
         architectures = list(getattr(hf_config, "architectures", None) or [])
-        architecture, _ = resolve_model_cls(architectures)
+        architecture, model_cls = resolve_model_cls(architectures)
         try:
-            io_processor = resolve_io_processor_name(self.io_processor, hf_config)
+            io_processor = resolve_io_processor_name(
+                self.io_processor, hf_config, getattr(model_cls, "default_io_processor", None)
+            )
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+        multimodal_specs = getattr(model_cls, "multimodal_specs", None)
 
         model_cfg = ModelConfig(
             model=self.model,
@@ -199,6 +213,7 @@ class EngineArgs:
             architecture=architecture,
             hf_config=hf_config,
             io_processor=io_processor,
+            multimodal_specs=multimodal_specs(hf_config) if multimodal_specs else [],
         )
         model_cfg.max_model_len = self._resolve_max_model_len(model_cfg)
 
@@ -257,9 +272,26 @@ class EngineArgs:
                 kv_cache_metrics=self.kv_cache_metrics,
                 kv_cache_metrics_sample=self.kv_cache_metrics_sample,
             ),
+            multimodal=self._resolve_multimodal(),
         )
         platform.check_and_update_config(config)
         return config
+
+    def _resolve_multimodal(self) -> MultiModalConfig:
+        directory = self.allowed_local_media_path
+        if directory is not None:
+            if not os.path.isdir(directory):
+                raise ConfigError(
+                    f"allowed_local_media_path={directory!r} (--allowed-local-media-path) is not "
+                    "a directory."
+                )
+            directory = os.path.realpath(directory)
+        return MultiModalConfig(
+            allowed_local_media_path=directory,
+            max_images_per_prompt=self.max_images_per_prompt,
+            max_image_bytes=self.max_image_bytes,
+            max_image_pixels=self.max_image_pixels,
+        )
 
     def _resolve_parallel(self, platform: Any) -> ParallelConfig:
         if self.pipeline_parallel_size != 1:
