@@ -17,8 +17,9 @@ install:
 PLUGINS = plugins/cuda_platform plugins/attention_backends/triton \
 	plugins/attention_backends/flashinfer plugins/attention_backends/flash_attn \
 	plugins/endpoints/openai plugins/endpoints/admin plugins/quantization/fp8 \
-	plugins/quantization/int4 plugins/quantization/gguf
+	plugins/quantization/int4 plugins/quantization/gguf plugins/io_processors/image
 
+# pagellm-io-image decodes images with Pillow (the plugins install with --no-deps: pinned here).
 # pagellm-fp8's tests write checkpoints with compressed-tensors (pure Python; pagellm-int4's
 # check their packing against it): its requirements
 # are the core's (torch, transformers, pydantic) and loguru, installed with it.
@@ -27,6 +28,7 @@ install-test: install
 	$(PIP) install -q triton==3.6.0
 	$(PIP) install -q --no-deps $(addprefix -e ,$(PLUGINS))
 	$(PIP) install -q --no-deps compressed-tensors==0.17.0 loguru==0.7.3
+	$(PIP) install -q pillow==13.0.0
 
 run: install
 	$(PYTHON) -m pagellm.entrypoints.cli generate

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import msgspec
 from tqdm.auto import tqdm
@@ -125,7 +125,10 @@ class LLM:
         template. A message's content may be a list of parts (OpenAI's): ``text``, and for a
         model that takes images ``image_url`` (``{"url": data or file URL}``) or ``image_pil``
         (a PIL image), rendered as the IO processor's placeholder."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        conversations = cast(
+            list[list[ChatMessage]],
+            [messages] if messages and isinstance(messages[0], dict) else messages,
+        )
         tokenizer = self.get_tokenizer()
         io = self.llm_engine.io_processor
         placeholders = io.chat_placeholders if io is not None else {}

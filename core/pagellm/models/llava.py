@@ -17,7 +17,7 @@ the hub's llava-hf checkpoints hold) and ``model.language_model.*`` / ``lm_head.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -26,6 +26,7 @@ from pagellm.attention import AttentionBackend
 from pagellm.config import EngineConfig
 from pagellm.layers.linear import CheckpointTensor, load_parameter, materialize
 from pagellm.models.clip import CLIPVisionTower, activation
+from pagellm.models.llama import LlamaForCausalLM
 from pagellm.models.registry import models
 from pagellm.multimodal.inputs import MultiModalSpec
 from pagellm.quantization.base import QuantizationConfig
@@ -108,7 +109,7 @@ class LlavaForConditionalGeneration(nn.Module):
                 f"LLaVA with a {text_type!r} text model is not supported; supported: "
                 f"{', '.join(_DECODERS)}."
             )
-        decoder_cls = models.get(_DECODERS[text_type])
+        decoder_cls = cast(type[LlamaForCausalLM], models.get(_DECODERS[text_type]))
         self.language_model = decoder_cls(config, attn_backend, quant_config)
 
     def embed_multimodal(self, modality: str, pixel_values: torch.Tensor) -> torch.Tensor:

@@ -221,6 +221,8 @@ class ServingContext:
         except IOProcessorInputError as exc:
             raise bad_request(str(exc), param="messages") from exc
         [engine_prompt] = prompts
+        if not isinstance(engine_prompt, dict):
+            raise TypeError(f"The IO processor made a {type(engine_prompt).__name__} prompt.")
         return (
             Prompt(
                 chat.text, engine_prompt["prompt_token_ids"], engine_prompt["multi_modal_items"]

@@ -8,10 +8,10 @@ import io
 
 import numpy as np
 import pytest
+from pagellm_io_image.media import MediaLimits, load_image
 from PIL import Image
 
 from pagellm.io_processors import IOProcessorInputError
-from pagellm_io_image.media import MediaLimits, load_image
 
 LIMITS = MediaLimits(max_bytes=64 << 10, max_pixels=256 * 256, local_dir=None)
 

@@ -6,9 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from PIL import Image
-
 from pagellm_io_image.preprocess import ClipPreprocessing
+from PIL import Image
 
 LLAVA_LIKE = {
     "size": {"shortest_edge": 32},
