@@ -4,6 +4,7 @@ values and fills every field: no field is left for a later layer to pick."""
 
 from __future__ import annotations
 
+import os
 from typing import Any, Literal
 
 import torch
@@ -183,6 +184,26 @@ class MultiModalConfig(_Config):
     """The most bytes of one encoded image (a data URL's, decoded, or a file's)."""
     max_image_pixels: int = Field(default=4096 * 4096, ge=1)
     """The most pixels (width × height) of one decoded image."""
+
+    @classmethod
+    def from_args(
+        cls, directory: str | None, max_images: int, max_bytes: int, max_pixels: int
+    ) -> MultiModalConfig:
+        """The limits of the engine arguments (``--allowed-local-media-path`` ...), the media
+        directory checked and made a real path."""
+        if directory is not None:
+            if not os.path.isdir(directory):
+                raise ConfigError(
+                    f"allowed_local_media_path={directory!r} (--allowed-local-media-path) is not "
+                    "a directory."
+                )
+            directory = os.path.realpath(directory)
+        return cls(
+            allowed_local_media_path=directory,
+            max_images_per_prompt=max_images,
+            max_image_bytes=max_bytes,
+            max_image_pixels=max_pixels,
+        )
 
 
 class EngineConfig(_Config):

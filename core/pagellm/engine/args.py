@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import types
 import typing
 from dataclasses import dataclass
@@ -42,6 +41,7 @@ from pagellm.io_processors.selection import resolve_io_processor_name
 from pagellm.model_loader.formats import get_model_format
 from pagellm.model_loader.source import load_hf_config, resolve_model_source
 from pagellm.models.registry import resolve_model_cls
+from pagellm.multimodal.inputs import multimodal_specs
 from pagellm.platforms import current_platform, current_platform_name
 from pagellm.quantization.registry import quantization_methods
 from pagellm.quantization.selection import resolve_quantization
@@ -119,12 +119,10 @@ class EngineArgs:
     """Schedule the next step while the device runs the current one (same tokens, less idle
     device time); default: the platform's choice (off everywhere for now)."""
     io_processor: str | None = None
-    """An IO processor by registered name (pagellm.io_processor_plugins): it turns requests into
-    engine prompts and outputs into responses, in the front end (default: the model
-    config.json's io_processor_plugin, else the one its architecture names, else none)."""
+    """An IO processor by registered name (pagellm.io_processor_plugins), in the front end
+    (default: config.json's io_processor_plugin, else its architecture's, else none)."""
     allowed_local_media_path: str | None = None
-    """A directory whose files requests may name as file: URLs for their images (default: none;
-    inline data: URLs only, and remote URLs are always refused)."""
+    """A directory whose files requests may name as file: URLs for their images (default: none)."""
     max_images_per_prompt: Annotated[int, Field(ge=0)] = 4
     """Most images in one prompt (one chat request); more are refused (HTTP 400)."""
     max_image_bytes: PositiveInt = 20 << 20
@@ -194,13 +192,7 @@ class EngineArgs:
         hf_config = load_hf_config(source)
         architectures = list(getattr(hf_config, "architectures", None) or [])
         architecture, model_cls = resolve_model_cls(architectures)
-        try:
-            io_processor = resolve_io_processor_name(
-                self.io_processor, hf_config, getattr(model_cls, "default_io_processor", None)
-            )
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-        multimodal_specs = getattr(model_cls, "multimodal_specs", None)
+        io_processor = resolve_io_processor_name(self.io_processor, hf_config, model_cls)
 
         model_cfg = ModelConfig(
             model=self.model,
@@ -213,7 +205,7 @@ class EngineArgs:
             architecture=architecture,
             hf_config=hf_config,
             io_processor=io_processor,
-            multimodal_specs=multimodal_specs(hf_config) if multimodal_specs else [],
+            multimodal_specs=multimodal_specs(model_cls, hf_config),
         )
         model_cfg.max_model_len = self._resolve_max_model_len(model_cfg)
 
@@ -272,26 +264,15 @@ class EngineArgs:
                 kv_cache_metrics=self.kv_cache_metrics,
                 kv_cache_metrics_sample=self.kv_cache_metrics_sample,
             ),
-            multimodal=self._resolve_multimodal(),
+            multimodal=MultiModalConfig.from_args(
+                self.allowed_local_media_path,
+                self.max_images_per_prompt,
+                self.max_image_bytes,
+                self.max_image_pixels,
+            ),
         )
         platform.check_and_update_config(config)
         return config
-
-    def _resolve_multimodal(self) -> MultiModalConfig:
-        directory = self.allowed_local_media_path
-        if directory is not None:
-            if not os.path.isdir(directory):
-                raise ConfigError(
-                    f"allowed_local_media_path={directory!r} (--allowed-local-media-path) is not "
-                    "a directory."
-                )
-            directory = os.path.realpath(directory)
-        return MultiModalConfig(
-            allowed_local_media_path=directory,
-            max_images_per_prompt=self.max_images_per_prompt,
-            max_image_bytes=self.max_image_bytes,
-            max_image_pixels=self.max_image_pixels,
-        )
 
     def _resolve_parallel(self, platform: Any) -> ParallelConfig:
         if self.pipeline_parallel_size != 1:

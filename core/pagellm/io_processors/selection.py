@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+from pagellm.config import ConfigError
 from pagellm.io_processors.base import IOProcessor
 from pagellm.plugins.groups import IO_PROCESSOR
 from pagellm.plugins.registry import NotRegisteredError, Registry
@@ -23,20 +24,21 @@ CONFIG_FIELD = "io_processor_plugin"
 """The model config.json's field naming its IO processor (vLLM's name)."""
 
 
-class IOProcessorNotInstalledError(NotRegisteredError):
+class IOProcessorNotInstalledError(NotRegisteredError, ConfigError):
     """The IO processor a flag or the model's config names is not installed."""
 
 
 def resolve_io_processor_name(
-    requested: str | None, hf_config: Any, architecture_default: str | None = None
+    requested: str | None, hf_config: Any, model_cls: type | None = None
 ) -> str | None:
     """The IO processor to use: ``requested`` (``--io-processor``), else the model config's
-    ``io_processor_plugin``, else ``architecture_default`` (the model class's
-    ``default_io_processor``: LLaVA's is ``image``), else None (plain prompts, plain outputs).
+    ``io_processor_plugin``, else the model class's ``default_io_processor`` (LLaVA's is
+    ``image``), else None (plain prompts, plain outputs).
     A processor the flag or the config names must be installed: otherwise
-    `IOProcessorNotInstalledError`, listing the installed ones. The architecture's default is only
+    `IOProcessorNotInstalledError` (a `ConfigError`), listing the installed ones. The architecture's default is only
     logged when it is missing: the model still runs, on text."""
     from_config = getattr(hf_config, CONFIG_FIELD, None)
+    architecture_default = getattr(model_cls, "default_io_processor", None)
     name = requested or from_config
     if not name:
         if architecture_default and architecture_default not in io_processors:
@@ -49,7 +51,7 @@ def resolve_io_processor_name(
             return None
         return architecture_default
     if not isinstance(name, str):
-        raise ValueError(f"The model config's {CONFIG_FIELD} must be a string, got {name!r}.")
+        raise ConfigError(f"The model config's {CONFIG_FIELD} must be a string, got {name!r}.")
     if name not in io_processors:
         installed = ", ".join(io_processors.names()) or "none"
         source = (

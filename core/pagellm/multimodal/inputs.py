@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -92,6 +93,12 @@ class MultiModalSpec:
     """The embeddings one item gives (its placeholder tokens)."""
     item_shape: tuple[int, ...]
     """The shape of one item's tensor (an image's: channels × height × width)."""
+
+
+def multimodal_specs(model_cls: type, hf_config: Any) -> list[MultiModalSpec]:
+    """What the model class takes (its ``multimodal_specs(hf_config)``); none for text only."""
+    specs_of = getattr(model_cls, "multimodal_specs", None)
+    return list(specs_of(hf_config)) if specs_of is not None else []
 
 
 def check_items(
