@@ -10,6 +10,7 @@ import torch
 
 if TYPE_CHECKING:
     from pagellm.config import EngineConfig
+    from pagellm.distributed.parallel_state import CustomAllReduce, GroupCoordinator
 
 
 class HostCopy:
@@ -119,6 +120,16 @@ class Platform:
         work()
         cls.synchronize()
         return time.perf_counter() - start
+
+    @classmethod
+    def custom_all_reduce(cls, group: GroupCoordinator) -> CustomAllReduce | None:
+        """A faster all-reduce for ``group`` than ``torch.distributed``'s, or None (the default:
+        every platform of the project uses ``dist_backend``'s). Asked once per worker, after the
+        process groups exist; the function it returns gets each all-reduce of the parallel
+        layers and may decline a tensor by returning None (e.g. one-shot reductions over peer
+        memory for small decode activations, NCCL beyond a size). On a platform that captures
+        graphs, it must be capturable like the collectives it replaces."""
+        return None
 
     @classmethod
     def graph_pool(cls) -> object:
