@@ -4,6 +4,7 @@ each step through its model runner."""
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -35,9 +36,13 @@ class Worker:
         self.model_runner = ModelRunner(config, self.device)
 
     def load_model(self) -> None:
-        runner = self.model_runner
+        runner, start = self.model_runner, time.perf_counter()
         runner.model = load_model(self.config, runner.attn_backend, self.device)
-        logger.info("%s", describe_weight_bytes(runner.model, self.config.quantization))
+        logger.info(
+            "Model loaded in %.2f s. %s",
+            time.perf_counter() - start,
+            describe_weight_bytes(runner.model, self.config.quantization),
+        )
 
     def parallel_rank(self) -> int:
         """This worker's rank in its tensor-parallel group (0 when it works alone)."""
