@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import types
 import typing
 from dataclasses import dataclass
@@ -34,15 +35,19 @@ from pagellm.config import (
     ModelConfig,
     ObservabilityConfig,
     ParallelConfig,
+    Runner,
     SchedulerConfig,
 )
 from pagellm.model_loader.formats import get_model_format
+from pagellm.model_loader.sentence_transformers import read_pooler_config
 from pagellm.model_loader.source import load_hf_config, resolve_model_source
-from pagellm.models.registry import resolve_model_cls
+from pagellm.models.registry import model_is_causal, model_runners, resolve_model_cls
 from pagellm.platforms import current_platform, current_platform_name
 from pagellm.quantization.registry import quantization_methods
 from pagellm.quantization.selection import resolve_quantization
 from pagellm.scheduler.policy import scheduling_policies
+
+logger = logging.getLogger(__name__)
 
 _DEFAULT_MAX_NUM_SEQS = 256
 _DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
@@ -67,6 +72,11 @@ class EngineArgs:
     """A Hugging Face model directory or a GGUF file (a local path)."""
     tokenizer: str | None = None
     """The tokenizer's directory or GGUF file (default: the model's)."""
+    runner: Literal["auto", "generate", "pooling"] = "auto"
+    """generate (text), or pooling (one vector per prompt: embeddings; no chunked prefill, no
+    prefix caching); auto: the model's own (BertModel pools, decoders generate)."""
+    task: Literal["auto", "generate", "embed"] = "auto"
+    """vLLM's older name for the runner: embed is runner pooling, generate runner generate."""
     dtype: DTypeArg = "auto"
     """Weights and activations dtype; auto: the platform's choice for the checkpoint's dtype."""
     seed: int = 0
@@ -177,7 +187,8 @@ class EngineArgs:
             resolve_model_source(tokenizer, field="tokenizer")
         hf_config = load_hf_config(source)
         architectures = list(getattr(hf_config, "architectures", None) or [])
-        architecture, _ = resolve_model_cls(architectures)
+        architecture, model_cls = resolve_model_cls(architectures)
+        runner = self._resolve_runner(architecture, model_runners(model_cls))
 
         model_cfg = ModelConfig(
             model=self.model,
@@ -189,10 +200,23 @@ class EngineArgs:
             skip_tokenizer_init=self.skip_tokenizer_init,
             architecture=architecture,
             hf_config=hf_config,
+            runner=runner,
+            is_causal=model_is_causal(model_cls),
+            pooler=read_pooler_config(
+                None if source.gguf_file else source.directory,
+                getattr(model_cls, "default_pooling_type", "LAST"),
+            )
+            if runner == "pooling"
+            else None,
         )
         model_cfg.max_model_len = self._resolve_max_model_len(model_cfg)
 
-        chunked = self.enable_chunked_prefill
+        pooling = runner == "pooling"
+        if pooling:
+            self._check_pooling_knobs()
+        # A pooling request runs once over its whole prompt; an encoder's prompt tokens see the
+        # tokens after them too, so neither a chunk nor a cached prefix can be computed alone.
+        chunked = self.enable_chunked_prefill and not pooling
         max_num_batched_tokens = self.max_num_batched_tokens or (
             _DEFAULT_MAX_NUM_BATCHED_TOKENS
             if chunked
@@ -202,7 +226,8 @@ class EngineArgs:
             raise ConfigError(
                 f"max_num_batched_tokens={max_num_batched_tokens} is smaller than max_model_len="
                 f"{model_cfg.max_model_len} with chunked prefill off, so a long prompt could never be "
-                "scheduled; raise max_num_batched_tokens, lower max_model_len or enable chunked prefill."
+                "scheduled; raise max_num_batched_tokens, lower max_model_len"
+                + ("." if pooling else " or enable chunked prefill.")
             )
         quantization = self._resolve_quantization(model_cfg, platform.device_type)
         scheduling_policies.get(self.scheduling_policy)  # an unknown name lists the installed ones
@@ -216,12 +241,13 @@ class EngineArgs:
             block_size=self.block_size,
             sliding_window=model_cfg.sliding_window,
             kv_cache_dtype=kv_cache_dtype,
+            causal=model_cfg.is_causal,
         )
         config = EngineConfig(
             model=model_cfg,
             cache=CacheConfig(
                 block_size=self.block_size or backend.default_block_size,
-                enable_prefix_caching=self.enable_prefix_caching,
+                enable_prefix_caching=self.enable_prefix_caching and not pooling,
                 kv_cache_memory=self.kv_cache_memory,
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 cache_dtype=kv_cache_dtype,
@@ -240,7 +266,8 @@ class EngineArgs:
             parallel=parallel,
             device=DeviceConfig(device=platform.device_type),
             load=LoadConfig(load_format=self.load_format),
-            compilation=CompilationConfig(enforce_eager=self.enforce_eager),
+            # Decode graphs replay one-token steps, which a pooling model never runs.
+            compilation=CompilationConfig(enforce_eager=self.enforce_eager or pooling),
             attention_backend=backend.name,
             quantization=quantization,
             observability=ObservabilityConfig(
@@ -250,6 +277,48 @@ class EngineArgs:
         )
         platform.check_and_update_config(config)
         return config
+
+    def _resolve_runner(self, architecture: str, supported: tuple[Runner, ...]) -> Runner:
+        """The runner asked for (``runner``, or vLLM's ``task``), else the model's default."""
+        by_task: dict[str, Runner] = {"generate": "generate", "embed": "pooling"}
+        from_task = by_task.get(self.task)
+        if from_task and self.runner not in ("auto", from_task):
+            raise ConfigError(
+                f"task={self.task!r} (--task) asks for runner {from_task!r} but runner="
+                f"{self.runner!r} (--runner); pass only one of them."
+            )
+        asked = from_task or (None if self.runner == "auto" else self.runner)
+        if asked is None:
+            return supported[0]
+        if asked not in supported:
+            what = {"generate": "generate text", "pooling": "pool (embed)"}[asked]
+            raise ConfigError(
+                f"runner={asked!r}: {architecture} cannot {what}; it supports runner "
+                f"{', '.join(repr(r) for r in supported)}."
+            )
+        return asked
+
+    def _check_pooling_knobs(self) -> None:
+        """What the pooling runner turns off (logged), and what it cannot honour (refused)."""
+        if self.long_prefill_token_threshold:
+            raise ConfigError(
+                f"long_prefill_token_threshold={self.long_prefill_token_threshold} "
+                "(--long-prefill-token-threshold): a pooling model computes each prompt in one "
+                "step; leave it at 0."
+            )
+        off = [
+            name
+            for name, on in (
+                ("chunked prefill", self.enable_chunked_prefill),
+                ("prefix caching", self.enable_prefix_caching),
+            )
+            if on
+        ]
+        if off:
+            logger.info(
+                "Pooling runner: %s off (each prompt is computed whole, in one step)",
+                " and ".join(off),
+            )
 
     def _resolve_parallel(self, platform: Any) -> ParallelConfig:
         if self.pipeline_parallel_size != 1:

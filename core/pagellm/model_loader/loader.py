@@ -59,7 +59,7 @@ def iterate_safetensors_weights(
 def _init_dummy_weights(model: nn.Module, seed: int) -> None:
     generator = torch.Generator().manual_seed(seed)
     for name, param in model.named_parameters():
-        if name.endswith("norm.weight"):
+        if name.lower().endswith("norm.weight"):  # RMSNorm's, LayerNorm's
             param.data.fill_(1.0)
         else:
             values = torch.empty(param.shape, dtype=torch.float32)
