@@ -71,6 +71,9 @@ class ModelConfig(_Config):
     architecture: str
     hf_config: Any = Field(repr=False)
     """The `transformers.PretrainedConfig` of the model."""
+    io_processor: str | None = None
+    """The registered name of the IO processor the front end builds for this model
+    (`pagellm.io_processors`), or None: prompts and outputs as they are."""
     runner: Runner = "generate"
     is_causal: bool = True
     """False for an encoder's bidirectional attention (every token sees the whole prompt)."""

@@ -125,7 +125,7 @@ print(current_platform.name, cfg.attention_backend, cfg.cache.block_size, out[0]
 GENERATE_FRONT_END = GENERATE + textwrap.dedent("""
     from pagellm.io_processors import io_processors
     from pagellm.metrics.registry import stat_loggers
-    print(io_processors.get("upper_text")().process_input("hi"), stat_loggers.get("collecting").__name__)
+    print(io_processors.get("upper_text")(cfg, None).pre_process(["hi"])[0], stat_loggers.get("collecting").__name__)
 """)
 PLAIN_GENERATE = (GENERATE_FRONT_END, None, Model("llama3"))
 

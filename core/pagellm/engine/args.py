@@ -38,6 +38,7 @@ from pagellm.config import (
     Runner,
     SchedulerConfig,
 )
+from pagellm.io_processors.selection import resolve_io_processor_name
 from pagellm.model_loader.formats import get_model_format
 from pagellm.model_loader.sentence_transformers import read_pooler_config
 from pagellm.model_loader.source import load_hf_config, resolve_model_source
@@ -125,6 +126,10 @@ class EngineArgs:
     async_scheduling: bool | None = None
     """Schedule the next step while the device runs the current one (same tokens, less idle
     device time); default: the platform's choice (off everywhere for now)."""
+    io_processor: str | None = None
+    """An IO processor by registered name (pagellm.io_processor_plugins): it turns requests into
+    engine prompts and outputs into responses, in the front end (default: the model
+    config.json's io_processor_plugin, else none)."""
     skip_tokenizer_init: bool = False
     """No tokenizer: prompts must be token ids and outputs carry no text."""
     multiprocess_engine: bool = False
@@ -189,6 +194,10 @@ class EngineArgs:
         architectures = list(getattr(hf_config, "architectures", None) or [])
         architecture, model_cls = resolve_model_cls(architectures)
         runner = self._resolve_runner(architecture, model_runners(model_cls))
+        try:
+            io_processor = resolve_io_processor_name(self.io_processor, hf_config)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
 
         model_cfg = ModelConfig(
             model=self.model,
@@ -200,6 +209,7 @@ class EngineArgs:
             skip_tokenizer_init=self.skip_tokenizer_init,
             architecture=architecture,
             hf_config=hf_config,
+            io_processor=io_processor,
             runner=runner,
             is_causal=model_is_causal(model_cls),
             pooler=read_pooler_config(

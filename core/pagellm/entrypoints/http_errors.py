@@ -1,8 +1,8 @@
 """OpenAI-style HTTP errors: ``{"error": {"message", "type", "param", "code"}}``.
 
 Route handlers (the server's and the endpoint plugins') raise `APIError`; `install_error_handlers`
-turns it, and every other error the server knows (validation, unknown route, dead engine,
-overload, shutdown), into this body. A failure inside the server is `internal_error`: the client
+turns it, and every other error the server knows (validation, an IO processor's
+`IOProcessorInputError`, unknown route, dead engine, overload, shutdown), into this body. A failure inside the server is `internal_error`: the client
 learns the request id, the log gets the details.
 """
 
@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from pagellm.engine.errors import EngineDeadError, EngineOverloadedError, EngineShuttingDownError
+from pagellm.io_processors import IOProcessorInputError
 
 INVALID_REQUEST = "invalid_request_error"
 SERVER_ERROR = "server_error"
@@ -148,6 +149,10 @@ def install_error_handlers(app: FastAPI) -> None:
         error = APIError(exc.status_code, str(exc.detail))
         return error.response(headers=dict(exc.headers or {}))
 
+    async def io_input_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, IOProcessorInputError)
+        return bad_request(str(exc), param=exc.param).response()
+
     async def engine_error(request: Request, exc: Exception) -> Response:
         error = error_for(exc, _request_id(request))
         retry = error.code == "server_overloaded"
@@ -156,5 +161,6 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(HTTPException, http_error)
+    app.add_exception_handler(IOProcessorInputError, io_input_error)
     for engine_exc in (EngineDeadError, EngineOverloadedError, EngineShuttingDownError):
         app.add_exception_handler(engine_exc, engine_error)

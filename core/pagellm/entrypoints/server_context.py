@@ -11,6 +11,7 @@ if TYPE_CHECKING:
     from pagellm.config import EngineConfig
     from pagellm.engine.processor import PromptType
     from pagellm.entrypoints.server_args import ServerArgs
+    from pagellm.io_processors import IOProcessor
     from pagellm.metrics.stats import StatLoggerBase
     from pagellm.outputs import RequestOutput
     from pagellm.sampling_params import SamplingParams
@@ -25,6 +26,11 @@ class EngineClient(Protocol):
     @property
     def tokenizer(self) -> Any:
         """The Hugging Face tokenizer; None when the engine runs without one."""
+
+    @property
+    def io_processor(self) -> IOProcessor[Any, Any] | None:
+        """The model's IO processor (``--io-processor``, else its config.json's
+        ``io_processor_plugin``), or None; routes call its ``*_async`` stages."""
 
     def generate(
         self, prompt: PromptType, params: SamplingParams, request_id: str, priority: int = 0
