@@ -49,16 +49,20 @@ def _items(raw: Any) -> list[str | list[int]]:
         if texts and isinstance(item, str):
             if not item:
                 raise IOProcessorInputError(f"input[{i}] is an empty string.", "input")
-            continue
-        if texts or not isinstance(item, list) or not all(_is_token_id(t) for t in item):
+        elif not texts and isinstance(item, list) and all(_is_token_id(t) for t in item):
+            if not item:
+                raise IOProcessorInputError(f"input[{i}] is an empty list of token ids.", "input")
+        elif i == 0:
+            raise IOProcessorInputError(
+                "input[0] must be a string or a list of token ids.", "input"
+            )
+        else:
             what = "a string" if texts else "a list of token ids"
             raise IOProcessorInputError(
                 f"input[{i}] must be {what}, as input[0] is (an input list holds strings or "
                 "token-id lists, not both).",
                 "input",
             )
-        if not item:
-            raise IOProcessorInputError(f"input[{i}] is an empty list of token ids.", "input")
     return raw
 
 
