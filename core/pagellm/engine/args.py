@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
 import types
 import typing
 from dataclasses import dataclass
@@ -35,20 +34,17 @@ from pagellm.config import (
     ModelConfig,
     ObservabilityConfig,
     ParallelConfig,
-    Runner,
     SchedulerConfig,
 )
+from pagellm.engine.runners import pooler_config, resolve_runner
 from pagellm.io_processors.selection import resolve_io_processor_name
 from pagellm.model_loader.formats import get_model_format
-from pagellm.model_loader.sentence_transformers import read_pooler_config
 from pagellm.model_loader.source import load_hf_config, resolve_model_source
 from pagellm.models.registry import model_is_causal, model_runners, resolve_model_cls
 from pagellm.platforms import current_platform, current_platform_name
 from pagellm.quantization.registry import quantization_methods
 from pagellm.quantization.selection import resolve_quantization
 from pagellm.scheduler.policy import scheduling_policies
-
-logger = logging.getLogger(__name__)
 
 _DEFAULT_MAX_NUM_SEQS = 256
 _DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
@@ -193,7 +189,7 @@ class EngineArgs:
         hf_config = load_hf_config(source)
         architectures = list(getattr(hf_config, "architectures", None) or [])
         architecture, model_cls = resolve_model_cls(architectures)
-        runner = self._resolve_runner(architecture, model_runners(model_cls))
+        runner = resolve_runner(self, architecture, model_runners(model_cls))
         try:
             io_processor = resolve_io_processor_name(self.io_processor, hf_config)
         except ValueError as exc:
@@ -212,21 +208,12 @@ class EngineArgs:
             io_processor=io_processor,
             runner=runner,
             is_causal=model_is_causal(model_cls),
-            pooler=read_pooler_config(
-                None if source.gguf_file else source.directory,
-                getattr(model_cls, "default_pooling_type", "LAST"),
-            )
-            if runner == "pooling"
-            else None,
+            pooler=pooler_config(runner, source, model_cls),
         )
         model_cfg.max_model_len = self._resolve_max_model_len(model_cfg)
 
         pooling = runner == "pooling"
-        if pooling:
-            self._check_pooling_knobs()
-        # A pooling request runs once over its whole prompt; an encoder's prompt tokens see the
-        # tokens after them too, so neither a chunk nor a cached prefix can be computed alone.
-        chunked = self.enable_chunked_prefill and not pooling
+        chunked = self.enable_chunked_prefill and not pooling  # pooling: each prompt whole
         max_num_batched_tokens = self.max_num_batched_tokens or (
             _DEFAULT_MAX_NUM_BATCHED_TOKENS
             if chunked
@@ -287,48 +274,6 @@ class EngineArgs:
         )
         platform.check_and_update_config(config)
         return config
-
-    def _resolve_runner(self, architecture: str, supported: tuple[Runner, ...]) -> Runner:
-        """The runner asked for (``runner``, or vLLM's ``task``), else the model's default."""
-        by_task: dict[str, Runner] = {"generate": "generate", "embed": "pooling"}
-        from_task = by_task.get(self.task)
-        if from_task and self.runner not in ("auto", from_task):
-            raise ConfigError(
-                f"task={self.task!r} (--task) asks for runner {from_task!r} but runner="
-                f"{self.runner!r} (--runner); pass only one of them."
-            )
-        asked = from_task or (None if self.runner == "auto" else self.runner)
-        if asked is None:
-            return supported[0]
-        if asked not in supported:
-            what = {"generate": "generate text", "pooling": "pool (embed)"}[asked]
-            raise ConfigError(
-                f"runner={asked!r}: {architecture} cannot {what}; it supports runner "
-                f"{', '.join(repr(r) for r in supported)}."
-            )
-        return asked
-
-    def _check_pooling_knobs(self) -> None:
-        """What the pooling runner turns off (logged), and what it cannot honour (refused)."""
-        if self.long_prefill_token_threshold:
-            raise ConfigError(
-                f"long_prefill_token_threshold={self.long_prefill_token_threshold} "
-                "(--long-prefill-token-threshold): a pooling model computes each prompt in one "
-                "step; leave it at 0."
-            )
-        off = [
-            name
-            for name, on in (
-                ("chunked prefill", self.enable_chunked_prefill),
-                ("prefix caching", self.enable_prefix_caching),
-            )
-            if on
-        ]
-        if off:
-            logger.info(
-                "Pooling runner: %s off (each prompt is computed whole, in one step)",
-                " and ".join(off),
-            )
 
     def _resolve_parallel(self, platform: Any) -> ParallelConfig:
         if self.pipeline_parallel_size != 1:

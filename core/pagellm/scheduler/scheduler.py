@@ -317,11 +317,11 @@ class Scheduler:
         return EngineCoreOutputs(outputs=outputs)
 
     def _update_from_pooled(self, req_ids: list[str], pooled: list[bytes]) -> EngineCoreOutputs:
-        """A pooling model's step: each request ran over its whole prompt and ends with its
-        pooled vector (one preempted after the step was launched ends too: the step computed
-        it whole)."""
+        """A pooling model's step: each request ran over its whole prompt and ends with its vector
+        (one preempted after the step was launched too: the step computed it whole)."""
         outputs: list[EngineCoreOutput] = []
         finished: set[Request] = set()
+        stop = int(FinishReason.STOP)
         for req_id, vector in zip(req_ids, pooled, strict=True):
             request = self.requests.get(req_id)
             if request is None:
@@ -332,20 +332,12 @@ class Scheduler:
             else:
                 self.waiting.remove(request)
             request.status = RequestStatus.FINISHED_STOPPED
-            outputs.append(
-                EngineCoreOutput(
-                    req_id,
-                    [],
-                    finish_reason=int(FinishReason.STOP),
-                    num_cached_tokens=request.num_cached_tokens,
-                    pooled=vector,
-                )
-            )
+            cached = request.num_cached_tokens
+            outputs.append(EngineCoreOutput(req_id, [], None, stop, None, cached, None, vector))
             if request is self.probe:
                 self.probe = None  # it ran alone to its end: it was not the fault
             self._free_request(request)
-        if finished:
-            self.running[:] = [r for r in self.running if r not in finished]
+        self.running[:] = [r for r in self.running if r not in finished]
         return EngineCoreOutputs(outputs=outputs)
 
     def fail_step(self, scheduler_output: SchedulerOutput) -> EngineCoreOutputs:
