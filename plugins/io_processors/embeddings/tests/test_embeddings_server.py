@@ -6,6 +6,8 @@ not get."""
 from __future__ import annotations
 
 import base64
+import re
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -144,3 +146,26 @@ def test_a_pooling_model_gets_no_generation_routes(server: Server):
     models = server.get("/v1/models").json()
     assert [m["id"] for m in models["data"]] == [MODEL_NAME]
     assert "Endpoint plugin 'openai' skipped: required_tasks ['generate']" in server.log()
+
+
+def _metric(server: Server, name: str, labels: str = "") -> float:
+    text = server.get("/metrics").text
+    pattern = rf"^{re.escape(name)}\{{[^}}]*{re.escape(labels)}[^}}]*\}} (\S+)$"
+    match = re.search(pattern, text, re.MULTILINE)
+    assert match, f"{name} {labels} not in /metrics"
+    return float(match.group(1))
+
+
+def test_embeddings_count_in_the_prompt_token_and_request_metrics(server: Server):
+    """Each input is a finished request (reason stop) whose prompt tokens count; no generation
+    tokens."""
+    success = ("pagellm:request_success_total", 'finished_reason="stop"')
+    before = [_metric(server, "pagellm:prompt_tokens_total"), _metric(server, *success)]
+    generated = _metric(server, "pagellm:generation_tokens_total")
+    batch = server.client().embeddings.create(model=MODEL_NAME, input=["one", "two", "three"])
+    deadline = time.monotonic() + 10  # the stats reach the loggers just after the response
+    while _metric(server, *success) < before[1] + 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _metric(server, "pagellm:prompt_tokens_total") - before[0] == batch.usage.prompt_tokens
+    assert _metric(server, *success) - before[1] == 3
+    assert _metric(server, "pagellm:generation_tokens_total") == generated
