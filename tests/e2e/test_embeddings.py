@@ -78,6 +78,8 @@ def test_long_prompts_are_refused_unless_truncation_is_asked(embedder: LLM):
 def test_a_pooling_model_refuses_to_generate_and_dimensions(embedder: LLM):
     with pytest.raises(ValueError, match="pooling runner .*generates no text.*LLM.embed"):
         embedder.generate("Hello")
+    with pytest.raises(ValueError, match="pooling runner"):
+        embedder.chat([{"role": "user", "content": "Hello"}])
     with pytest.raises(ValueError, match="Matryoshka") as refused:
         embedder.embed("Hello", PoolingParams(dimensions=64), use_tqdm=False)
     assert refused.value.param == "dimensions"  # type: ignore[attr-defined]

@@ -147,8 +147,8 @@ class InputProcessor:
                     sequences.append(ids)
         return sequences
 
-    def process(self, prompt: PromptType, params: SamplingParams) -> ProcessedPrompt:
-        """Tokenize and validate (``ValueError`` naming what is wrong)."""
+    def check_generates(self) -> None:
+        """``ValueError`` unless the model generates (a pooling model embeds, and only that)."""
         model = self.config.model
         if model.runner == "pooling":
             raise ValueError(
@@ -156,6 +156,10 @@ class InputProcessor:
                 f"{', '.join(sorted(model.tasks))}): it embeds prompts and generates no text. Use "
                 "LLM.embed (or the /v1/embeddings endpoint), or serve a generative model."
             )
+
+    def process(self, prompt: PromptType, params: SamplingParams) -> ProcessedPrompt:
+        """Tokenize and validate (``ValueError`` naming what is wrong)."""
+        self.check_generates()
         text, ids = self.tokenize(prompt)
         cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         if cache_salt is not None and not isinstance(cache_salt, str):

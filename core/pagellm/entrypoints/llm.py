@@ -127,6 +127,7 @@ class LLM:
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through the tokenizer's chat template."""
+        self.llm_engine.processor.check_generates()  # before the chat template is looked for
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.get_tokenizer()
         prompts: list[PromptType] = []
