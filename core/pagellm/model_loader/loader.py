@@ -62,7 +62,7 @@ def _init_dummy_weights(model: nn.Module, seed: int) -> None:
     fraction of a second, where the host would take half a minute)."""
     generators: dict[torch.device, torch.Generator] = {}
     for name, param in model.named_parameters():
-        if name.endswith("norm.weight"):
+        if name.lower().endswith("norm.weight"):  # RMSNorm's, LayerNorm's
             param.data.fill_(1.0)
             continue
         device = param.device

@@ -15,10 +15,12 @@ from typing import Any
 import pluggy
 
 PROJECT_NAME = "pagellm"
-PLUGIN_API_VERSION = "1.2"
+PLUGIN_API_VERSION = "1.3"
 """Plugins declaring the same major version and a minor version up to this one are accepted.
 1.1: the ``pagellm.scheduler_policies`` group; endpoint plugins' ``attach(app, ctx)``.
-1.2: the ``pagellm.model_formats`` group (GGUF files are read by a plugin)."""
+1.2: the ``pagellm.model_formats`` group (GGUF files are read by a plugin).
+1.3: pooling models: ``EngineClient.encode``, endpoints with ``required_tasks={"embed"}``,
+``AttentionBackend.supports_non_causal``, model classes' ``runners`` and ``is_causal``."""
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
@@ -30,7 +32,8 @@ class EndpointPlugin:
 
     ``attach`` adds the plugin's routes to the API server's app: ``attach(app, engine_client)``
     for a plugin declaring API 1.0, ``attach(app, ctx)`` for 1.1.
-    ``required_tasks``: the model tasks the routes need (e.g. {"generate"}); None means any.
+    ``required_tasks``: the model tasks the routes need ({"generate"}, or {"embed"} for a pooling
+    model's); None means any.
     """
 
     attach: Callable[..., None]
