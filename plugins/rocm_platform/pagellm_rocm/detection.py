@@ -134,7 +134,9 @@ def detect(env: Mapping[str, str] | None = None) -> Detection:
     visible = visible_devices(env, len(gpus.archs))
     if not visible.physical:
         return Detection(
-            [], [], f"no AMD GPU is visible of the {len(gpus.archs)} present ({visible.description})"
+            [],
+            [],
+            f"no AMD GPU is visible of the {len(gpus.archs)} present ({visible.description})",
         )
     archs = [gpus.archs[i] if isinstance(i, int) else "" for i in visible.physical]
     return Detection(visible.physical, archs, None)

@@ -19,11 +19,11 @@ import logging
 import os
 
 import torch
-
 from pagellm_cuda.platform import CudaPlatform
+
 from pagellm_rocm.arch import GfxArch, parse_arch
 from pagellm_rocm.attention import attention_ranking
-from pagellm_rocm.detection import detect
+from pagellm_rocm.detection import detect, physical_gpus
 from pagellm_rocm.visible import physical_device_id, visible_device_id
 
 logger = logging.getLogger(__name__)
@@ -60,8 +60,6 @@ class RocmPlatform(CudaPlatform):
 
     @classmethod
     def _num_physical(cls) -> int:
-        from pagellm_rocm.detection import physical_gpus
-
         gpus = physical_gpus()
         return 0 if isinstance(gpus, str) else len(gpus.archs)
 
