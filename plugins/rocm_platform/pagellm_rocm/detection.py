@@ -76,8 +76,10 @@ def _properties(path: Path) -> dict[str, int]:
     return facts
 
 
-def probe_sysfs(nodes: Path = KFD_NODES) -> PhysicalGpus | str:
-    """The GPU nodes of the driver's topology, or why there are none to read."""
+def probe_sysfs(nodes: Path | None = None) -> PhysicalGpus | str:
+    """The GPU nodes of the driver's topology (`KFD_NODES` by default), or why there are none
+    to read."""
+    nodes = KFD_NODES if nodes is None else nodes
     if not nodes.is_dir():
         return f"{nodes} does not exist (no amdgpu kernel driver, or /dev/kfd not passed through)"
     archs = []
