@@ -21,6 +21,7 @@ import os
 import torch
 from pagellm_cuda.platform import CudaPlatform
 
+from pagellm.config import ConfigError, EngineConfig
 from pagellm_rocm.arch import GfxArch, parse_arch
 from pagellm_rocm.attention import attention_ranking
 from pagellm_rocm.detection import detect, physical_gpus
@@ -119,3 +120,20 @@ class RocmPlatform(CudaPlatform):
         """``TRITON_ATTN``, then FlashAttention's and AITER's backends where their libraries
         import, then ``TORCH_SDPA`` (`pagellm_rocm.attention`); the others' reasons are logged."""
         return list(_ranking())
+
+    @classmethod
+    def check_and_update_config(cls, config: EngineConfig) -> None:
+        """As on CUDA (decode graphs, which torch records as HIP graphs), after refusing an fp8
+        KV cache on GPUs that do not compute in float8_e4m3fn, the cache's format: without
+        hardware for it the attention kernels convert in software, which RDNA3 and CDNA3 take
+        minutes to compile (seen cross-compiling; never run). Needs no GPU."""
+        if config.cache.cache_dtype == "fp8_e4m3":
+            arch = cls.gfx_arch(0)
+            if arch.fp8_dtype != torch.float8_e4m3fn:
+                has = str(arch.fp8_dtype).removeprefix("torch.") if arch.fp8_dtype else "no fp8"
+                raise ConfigError(
+                    f"kv_cache_dtype fp8_e4m3 (a float8_e4m3fn cache) needs an AMD GPU that "
+                    f"computes in float8_e4m3fn (CDNA4 gfx950, RDNA4 gfx12xx); this {arch.name} "
+                    f"has {has}. Pass --kv-cache-dtype auto."
+                )
+        super().check_and_update_config(config)
