@@ -95,7 +95,7 @@ def visible_devices(env: Mapping[str, str], num_physical: int) -> VisibleDevices
     description = ", ".join(shown) or f"none of {HIP_VAR}, {CUDA_VAR}, {ROCR_VAR} set"
 
     rocr = _existing(parse_visible_devices(rocr_value), num_physical)
-    level1 = list(range(num_physical)) if rocr is None else rocr
+    level1: list[DeviceId] = list(range(num_physical)) if rocr is None else rocr
     hip = parse_visible_devices(hip_value)
     if hip is None:
         return VisibleDevices(level1, description)
