@@ -86,6 +86,18 @@ def test_fused_ops_size_their_launches_by_the_wavefront(compiled):
     assert rms == {"gfx942": 8, "gfx950": 8, "gfx1100": 16}  # 4096 bf16 / 8 = 512 threads
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the interpreter")
+def test_interpreted_kernels_are_refused_with_the_fix():
+    from pagellm_cuda.ops import layernorm
+    from pagellm_rocm.cross_compile import CrossCompileError, recorded_launches
+
+    kernel = layernorm._rms_norm_kernel
+    launches = recorded_launches(layernorm, "_rms_norm_kernel")
+    with pytest.raises(CrossCompileError, match="run without TRITON_INTERPRET=1"):
+        launches.__enter__()
+    assert layernorm._rms_norm_kernel is kernel  # left as it was
+
+
 # ---------------------------------------------------------------------- the tile rules
 
 

@@ -8,6 +8,7 @@ No AMD GPU exists where these run: the inputs are the strings and flags a GPU wo
 
 from __future__ import annotations
 
+import importlib.util
 from importlib.machinery import ModuleSpec
 
 import pytest
@@ -121,9 +122,9 @@ def test_ranking_adds_the_rocm_libraries_that_import_after_triton(present, ranki
 
 
 def test_ranking_asks_the_real_import_system():
-    """Neither library is installed here: both are left out, with their reasons."""
-    ranking, left_out = attention_ranking()
-    assert ranking == ["TRITON_ATTN", "TORCH_SDPA"] and len(left_out) == 2
+    """What this machine has installed decides (in CI: neither library, both left out)."""
+    installed = [m for m in ("flash_attn", "aiter") if importlib.util.find_spec(m) is not None]
+    assert attention_ranking() == attention_ranking(spec_of(*installed))
 
 
 # ---------------------------------------------------------------------- fp8 → fnuz
