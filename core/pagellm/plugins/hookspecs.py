@@ -20,7 +20,8 @@ PLUGIN_API_VERSION = "1.3"
 1.1: the ``pagellm.scheduler_policies`` group; endpoint plugins' ``attach(app, ctx)``.
 1.2: the ``pagellm.model_formats`` group (GGUF files are read by a plugin).
 1.3: pooling models: ``EngineClient.encode``, endpoints with ``required_tasks={"embed"}``,
-``AttentionBackend.supports_non_causal``, model classes' ``runners`` and ``is_causal``."""
+``AttentionBackend.supports_non_causal``, model classes' ``runners`` and ``is_causal``; platform
+plugins may say why they are inactive (``pagellm_platform_inactive_reason``)."""
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
@@ -60,6 +61,12 @@ class PlatformPluginSpec:
     def pagellm_platform(self) -> str | None:
         """The class path of a `Platform` subclass when this platform's hardware is present,
         else None."""
+
+    @hookspec
+    def pagellm_platform_inactive_reason(self) -> str:
+        """Optional (API 1.3): why `pagellm_platform` returned None, in a sentence a person can
+        act on (e.g. "torch is not a ROCm build (torch.version.hip is None)"); asked only then,
+        and shown by ``pagellm plugins``."""
 
 
 class AttentionBackendSpec:
