@@ -5,7 +5,7 @@ values and fills every field: no field is left for a later layer to pick."""
 from __future__ import annotations
 
 import os
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -30,6 +30,23 @@ class ConfigError(ValueError):
     """An engine argument (a ``LLM`` keyword, a CLI flag) has a value the engine cannot use."""
 
 
+def resolve_kv_cache_dtype(name: str) -> KVCacheDTypeName:
+    """``--kv-cache-dtype``'s value as stored: auto, or fp8_e4m3 (``fp8`` is its alias)."""
+    if name in ("auto", "fp8_e4m3"):
+        return cast(KVCacheDTypeName, name)
+    if name == "fp8":
+        return "fp8_e4m3"
+    if name == "fp8_e5m2":
+        raise ConfigError(
+            "kv_cache_dtype='fp8_e5m2' (--kv-cache-dtype) is not supported: no attention "
+            "backend here stores e5m2 (one mantissa bit fewer than e4m3, for no gain with "
+            "per-layer scales); use fp8 (e4m3) or auto."
+        )
+    raise ConfigError(
+        f"kv_cache_dtype={name!r} (--kv-cache-dtype) is not one of auto, fp8, fp8_e4m3."
+    )
+
+
 class _Config(BaseModel):
     model_config = ConfigDict(
         arbitrary_types_allowed=True,
@@ -37,6 +54,27 @@ class _Config(BaseModel):
         validate_assignment=True,
         protected_namespaces=(),
     )
+
+
+Runner = Literal["generate", "pooling"]
+"""What the engine does with a model: generate tokens, or pool each prompt into one vector."""
+PoolingType = Literal["MEAN", "CLS", "LAST"]
+
+TASKS: dict[Runner, frozenset[str]] = {
+    "generate": frozenset({"generate"}),
+    "pooling": frozenset({"embed"}),
+}
+"""The tasks a model served by each runner can do (what endpoint plugins' ``required_tasks``
+are matched against)."""
+
+
+class PoolerConfig(_Config):
+    """How a pooling model turns a prompt's last hidden states into one vector."""
+
+    pooling_type: PoolingType
+    """MEAN: the mean over the prompt's tokens; CLS: its first token; LAST: its last token."""
+    normalize: bool
+    """L2-normalize the pooled vector (a request's ``normalize`` may say otherwise)."""
 
 
 class ModelConfig(_Config):
@@ -59,6 +97,15 @@ class ModelConfig(_Config):
     multimodal_specs: list[MultiModalSpec] = Field(default_factory=list)
     """What multimodal items the model takes (its class's ``multimodal_specs``); none for a
     text-only model."""
+    runner: Runner = "generate"
+    is_causal: bool = True
+    """False for an encoder's bidirectional attention (every token sees the whole prompt)."""
+    pooler: PoolerConfig | None = None
+    """Set for the pooling runner."""
+
+    @property
+    def tasks(self) -> frozenset[str]:
+        return TASKS[self.runner]
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -186,11 +233,10 @@ class MultiModalConfig(_Config):
     """The most pixels (width × height) of one decoded image."""
 
     @classmethod
-    def from_args(
-        cls, directory: str | None, max_images: int, max_bytes: int, max_pixels: int
-    ) -> MultiModalConfig:
-        """The limits of the engine arguments (``--allowed-local-media-path`` ...), the media
-        directory checked and made a real path."""
+    def from_args(cls, args: Any) -> MultiModalConfig:
+        """The limits of the engine arguments (`EngineArgs`' fields of the same names), the
+        media directory checked and made a real path."""
+        directory = args.allowed_local_media_path
         if directory is not None:
             if not os.path.isdir(directory):
                 raise ConfigError(
@@ -200,9 +246,9 @@ class MultiModalConfig(_Config):
             directory = os.path.realpath(directory)
         return cls(
             allowed_local_media_path=directory,
-            max_images_per_prompt=max_images,
-            max_image_bytes=max_bytes,
-            max_image_pixels=max_pixels,
+            max_images_per_prompt=args.max_images_per_prompt,
+            max_image_bytes=args.max_image_bytes,
+            max_image_pixels=args.max_image_pixels,
         )
 
 

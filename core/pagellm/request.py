@@ -9,6 +9,7 @@ from collections.abc import Callable
 import msgspec
 
 from pagellm.multimodal.inputs import MultiModalItem
+from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
 
 
@@ -55,6 +56,14 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     cache_salt: str | None = None
     mm_items: list[MultiModalItem] = []
     """The prompt's multimodal items (images), in prompt order, their placeholders expanded."""
+    pooling_params: PoolingParams | None = None
+    """Set for a pooling model's request: it runs once over its prompt and returns the pooled
+    vector; its ``sampling_params`` (`POOLING_SAMPLING_PARAMS`) only bound it to that step."""
+
+
+POOLING_SAMPLING_PARAMS = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+"""What a pooling request carries as sampling parameters: one step (``max_tokens`` 1, which
+asynchronous scheduling reads to schedule it no further), nothing sampled."""
 
 
 class Request:
@@ -73,6 +82,7 @@ class Request:
         priority: int = 0,
         cache_salt: str | None = None,
         mm_items: list[MultiModalItem] | None = None,
+        pooling_params: PoolingParams | None = None,
         block_hasher: Callable[[Request], list[bytes]] | None = None,
     ) -> None:
         self.request_id = request_id
@@ -83,6 +93,7 @@ class Request:
         self.priority = priority
         self.cache_salt = cache_salt
         self.mm_items = list(mm_items or ())
+        self.pooling_params = pooling_params
         self.max_tokens = sampling_params.max_tokens
 
         self.status = RequestStatus.WAITING

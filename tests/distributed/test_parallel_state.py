@@ -74,3 +74,53 @@ def test_layouts_that_cannot_be_built_are_refused_before_joining(world_size, tp,
             init_method="tcp://127.0.0.1:1",
             backend="gloo",
         )
+
+
+def _gathered_sum(group):
+    """A custom all-reduce of the kind a platform may offer: another algorithm (gather, then add)
+    for tensors of at most four elements; larger ones are declined."""
+    calls = []
+
+    def reduce(x: torch.Tensor) -> torch.Tensor | None:
+        if x.numel() > 4:
+            return None
+        calls.append(x.numel())
+        parts = [torch.empty_like(x) for _ in group.ranks]
+        torch.distributed.all_gather(parts, x, group=group.group)
+        return torch.stack(parts).sum(dim=0)
+
+    reduce.calls = calls
+    return reduce
+
+
+def _custom_all_reduce(rank: int, port: int, results: dict) -> None:
+    group = init_distributed(
+        world_size=2,
+        rank=rank,
+        tensor_parallel_size=2,
+        init_method=f"tcp://127.0.0.1:{port}",
+        backend="gloo",
+        custom_all_reduce=_gathered_sum,
+    )
+    small = group.all_reduce(torch.arange(4, dtype=torch.float32) + 10 * rank).tolist()
+    large = group.all_reduce(torch.ones(8) * (rank + 1)).tolist()
+    results[rank] = {"small": small, "large": large, "calls": list(group.custom_all_reduce.calls)}
+    destroy_distributed()
+
+
+def test_a_platforms_custom_all_reduce_takes_the_tensors_it_accepts_and_declines_the_rest():
+    port = _free_port()
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_custom_all_reduce, args=(port, results), nprocs=2, join=True)
+        results = dict(results)
+    for rank in (0, 1):
+        assert results[rank]["small"] == [10.0, 12.0, 14.0, 16.0]
+        assert results[rank]["large"] == [3.0] * 8
+        assert results[rank]["calls"] == [4]  # the large tensor went through torch.distributed
+
+
+def test_the_built_in_platforms_offer_no_custom_all_reduce():
+    from pagellm.platforms.cpu import CpuPlatform
+
+    assert CpuPlatform.custom_all_reduce(get_tp_group()) is None

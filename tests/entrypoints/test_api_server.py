@@ -652,7 +652,8 @@ def test_server_args_are_typed_from_the_command_line():
     expected = ServerArgs(model="m", port=9, endpoints=["openai", "admin"], shutdown_timeout=2.5)
     assert args == dataclasses.replace(expected, disable_fastapi_docs=True)
     assert args.served_model_names == ["m"]
-    assert ServerArgs.from_cli_args(parser.parse_args(["m"])).endpoints == ("openai",)
+    default = ServerArgs.from_cli_args(parser.parse_args(["m"])).endpoints
+    assert default == ("openai", "embeddings")  # each attaches only to a model of its tasks
 
 
 # ---------------------------------------------------------------- failures and shutdown

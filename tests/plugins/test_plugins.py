@@ -162,7 +162,7 @@ def test_plugins_json_reports_each_plugin_with_distribution_status_and_reason(po
     wrong = general["wrong_args"]["reason"]
     assert "registry" in wrong and "pagellm_register()" in wrong
     future = general["future_api"]["reason"]
-    assert "2.0" in future and "1.2" in future
+    assert "2.0" in future and "1.3" in future
     assert report["pagellm.platform_plugins"]["dummy"]["reason"].startswith("inactive")
     assert report["pagellm.attention_backends"]["dummy_attn"]["status"] == "loaded"
     assert report["pagellm.quantization_methods"]["dummy_int8"]["status"] == "loaded"

@@ -12,10 +12,16 @@ needs no set-up and no special cases.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+CustomAllReduce = Callable[[torch.Tensor], "torch.Tensor | None"]
+"""A platform's own all-reduce for one group (`Platform.custom_all_reduce`): the sum of its
+argument over the group's ranks, or None where it declines that tensor (too large, a dtype it does
+not handle), which then goes through ``torch.distributed``. Every rank must decide alike."""
 
 
 @dataclass
@@ -26,6 +32,7 @@ class GroupCoordinator:
     ranks: list[int]
     rank_in_group: int
     group: dist.ProcessGroup | None = None
+    custom_all_reduce: CustomAllReduce | None = None
 
     @property
     def world_size(self) -> int:
@@ -36,9 +43,14 @@ class GroupCoordinator:
         return self.rank_in_group == 0
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum of ``x`` over the group's ranks (in place when the group has several)."""
+        """The sum of ``x`` over the group's ranks: the platform's custom all-reduce where it has
+        one that takes ``x``, else ``torch.distributed``'s (in place)."""
         if self.world_size == 1:
             return x
+        if self.custom_all_reduce is not None:
+            reduced = self.custom_all_reduce(x)
+            if reduced is not None:
+                return reduced
         dist.all_reduce(x, group=self.group)
         return x
 
@@ -73,10 +85,13 @@ def init_distributed(
     tensor_parallel_size: int,
     init_method: str,
     backend: str,
+    custom_all_reduce: Callable[[GroupCoordinator], CustomAllReduce | None] | None = None,
 ) -> GroupCoordinator:
     """Join the engine's ``world_size`` ranks as ``rank`` (``init_method`` as
     ``torch.distributed.init_process_group`` takes it, e.g. ``tcp://127.0.0.1:PORT``) and build
-    the tensor-parallel groups; returns this rank's. Called once per worker process."""
+    the tensor-parallel groups; returns this rank's. ``custom_all_reduce`` (the platform's hook of
+    that name) is asked once for this rank's group when it has several ranks. Called once per
+    worker process."""
     global _TP
     if world_size % tensor_parallel_size:
         raise DistributedInitError(
@@ -104,6 +119,8 @@ def init_distributed(
             mine = GroupCoordinator(ranks=ranks, rank_in_group=ranks.index(rank), group=group)
     if mine is None:  # unreachable: the groups cover every rank
         raise DistributedInitError(f"rank {rank} is in no tensor-parallel group")
+    if custom_all_reduce is not None and mine.world_size > 1:
+        mine.custom_all_reduce = custom_all_reduce(mine)
     _TP = mine
     return mine
 

@@ -28,7 +28,6 @@ from pagellm.config import (
     DTypeName,
     EngineConfig,
     ExecutorBackend,
-    KVCacheDTypeName,
     LoadConfig,
     LoadFormat,
     ModelConfig,
@@ -36,11 +35,13 @@ from pagellm.config import (
     ObservabilityConfig,
     ParallelConfig,
     SchedulerConfig,
+    resolve_kv_cache_dtype,
 )
+from pagellm.engine.runners import pooler_config, resolve_runner
 from pagellm.io_processors.selection import resolve_io_processor_name
 from pagellm.model_loader.formats import get_model_format
 from pagellm.model_loader.source import load_hf_config, resolve_model_source
-from pagellm.models.registry import resolve_model_cls
+from pagellm.models.registry import model_is_causal, model_runners, resolve_model_cls
 from pagellm.multimodal.inputs import multimodal_specs
 from pagellm.platforms import current_platform, current_platform_name
 from pagellm.quantization.registry import quantization_methods
@@ -70,6 +71,11 @@ class EngineArgs:
     """A Hugging Face model directory or a GGUF file (a local path)."""
     tokenizer: str | None = None
     """The tokenizer's directory or GGUF file (default: the model's)."""
+    runner: Literal["auto", "generate", "pooling"] = "auto"
+    """generate (text), or pooling (one vector per prompt: embeddings; no chunked prefill, no
+    prefix caching); auto: the model's own (BertModel pools, decoders generate)."""
+    task: Literal["auto", "generate", "embed"] = "auto"
+    """vLLM's older name for the runner: embed is runner pooling, generate runner generate."""
     dtype: DTypeArg = "auto"
     """Weights and activations dtype; auto: the platform's choice for the checkpoint's dtype."""
     seed: int = 0
@@ -192,6 +198,7 @@ class EngineArgs:
         hf_config = load_hf_config(source)
         architectures = list(getattr(hf_config, "architectures", None) or [])
         architecture, model_cls = resolve_model_cls(architectures)
+        runner = resolve_runner(self, architecture, model_runners(model_cls))
         io_processor = resolve_io_processor_name(self.io_processor, hf_config, model_cls)
 
         model_cfg = ModelConfig(
@@ -206,10 +213,14 @@ class EngineArgs:
             hf_config=hf_config,
             io_processor=io_processor,
             multimodal_specs=multimodal_specs(model_cls, hf_config),
+            runner=runner,
+            is_causal=model_is_causal(model_cls),
+            pooler=pooler_config(runner, source, model_cls),
         )
         model_cfg.max_model_len = self._resolve_max_model_len(model_cfg)
 
-        chunked = self.enable_chunked_prefill
+        pooling = runner == "pooling"
+        chunked = self.enable_chunked_prefill and not pooling  # pooling: each prompt whole
         max_num_batched_tokens = self.max_num_batched_tokens or (
             _DEFAULT_MAX_NUM_BATCHED_TOKENS
             if chunked
@@ -219,11 +230,12 @@ class EngineArgs:
             raise ConfigError(
                 f"max_num_batched_tokens={max_num_batched_tokens} is smaller than max_model_len="
                 f"{model_cfg.max_model_len} with chunked prefill off, so a long prompt could never be "
-                "scheduled; raise max_num_batched_tokens, lower max_model_len or enable chunked prefill."
+                "scheduled; raise max_num_batched_tokens, lower max_model_len"
+                + ("." if pooling else " or enable chunked prefill.")
             )
         quantization = self._resolve_quantization(model_cfg, platform.device_type)
         scheduling_policies.get(self.scheduling_policy)  # an unknown name lists the installed ones
-        kv_cache_dtype = self._resolve_kv_cache_dtype()
+        kv_cache_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype)
         backend = select_attention_backend(
             requested=self.attention_backend,
             ranking=platform.attention_backend_ranking(),
@@ -233,12 +245,13 @@ class EngineArgs:
             block_size=self.block_size,
             sliding_window=model_cfg.sliding_window,
             kv_cache_dtype=kv_cache_dtype,
+            causal=model_cfg.is_causal,
         )
         config = EngineConfig(
             model=model_cfg,
             cache=CacheConfig(
                 block_size=self.block_size or backend.default_block_size,
-                enable_prefix_caching=self.enable_prefix_caching,
+                enable_prefix_caching=self.enable_prefix_caching and not pooling,
                 kv_cache_memory=self.kv_cache_memory,
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 cache_dtype=kv_cache_dtype,
@@ -257,19 +270,15 @@ class EngineArgs:
             parallel=parallel,
             device=DeviceConfig(device=platform.device_type),
             load=LoadConfig(load_format=self.load_format),
-            compilation=CompilationConfig(enforce_eager=self.enforce_eager),
+            # Decode graphs replay one-token steps, which a pooling model never runs.
+            compilation=CompilationConfig(enforce_eager=self.enforce_eager or pooling),
             attention_backend=backend.name,
             quantization=quantization,
             observability=ObservabilityConfig(
                 kv_cache_metrics=self.kv_cache_metrics,
                 kv_cache_metrics_sample=self.kv_cache_metrics_sample,
             ),
-            multimodal=MultiModalConfig.from_args(
-                self.allowed_local_media_path,
-                self.max_images_per_prompt,
-                self.max_image_bytes,
-                self.max_image_pixels,
-            ),
+            multimodal=MultiModalConfig.from_args(self),
         )
         platform.check_and_update_config(config)
         return config
@@ -362,22 +371,6 @@ class EngineArgs:
                 f"{supported}."
             )
         return requested
-
-    def _resolve_kv_cache_dtype(self) -> KVCacheDTypeName:
-        name = self.kv_cache_dtype
-        if name in ("auto", "fp8_e4m3"):
-            return typing.cast(KVCacheDTypeName, name)
-        if name == "fp8":
-            return "fp8_e4m3"
-        if name == "fp8_e5m2":
-            raise ConfigError(
-                "kv_cache_dtype='fp8_e5m2' (--kv-cache-dtype) is not supported: no attention "
-                "backend here stores e5m2 (one mantissa bit fewer than e4m3, for no gain with "
-                "per-layer scales); use fp8 (e4m3) or auto."
-            )
-        raise ConfigError(
-            f"kv_cache_dtype={name!r} (--kv-cache-dtype) is not one of auto, fp8, fp8_e4m3."
-        )
 
     def _resolve_max_model_len(self, model_cfg: ModelConfig) -> int:
         limit = getattr(model_cfg.text_config, "max_position_embeddings", None)

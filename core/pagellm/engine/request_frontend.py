@@ -14,7 +14,7 @@ from pagellm.engine.errors import EngineOverloadedError
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.processor import InputProcessor, ProcessedPrompt, fan_out
 from pagellm.io_processors import IOProcessor, build_io_processor
-from pagellm.outputs import RequestOutput
+from pagellm.outputs import AnyRequestOutput
 from pagellm.plugins import load_frontend_plugins, load_general_plugins
 from pagellm.scheduler.output import EngineCoreOutputs
 from pagellm.tokenizer import get_tokenizer
@@ -75,7 +75,7 @@ class RequestFrontend:
                 f"(--max-waiting-requests {limit}); retry later."
             )
 
-    def _abort_requests(self, request_ids: list[str]) -> list[RequestOutput]:
+    def _abort_requests(self, request_ids: list[str]) -> list[AnyRequestOutput]:
         """Free the requests in the engine and stop following them; their final outputs (none
         for a request that is not running)."""
         output_processor = self.output_processor
@@ -83,7 +83,7 @@ class RequestFrontend:
         self.core_client.abort_requests(engine_ids)
         return output_processor.abort_requests(request_ids)
 
-    def _process_outputs(self, engine_outputs: EngineCoreOutputs) -> list[RequestOutput]:
+    def _process_outputs(self, engine_outputs: EngineCoreOutputs) -> list[AnyRequestOutput]:
         results, to_abort = self.output_processor.process_outputs(engine_outputs)
         if to_abort:  # ended by a stop string, which only the front end sees
             self.core_client.abort_requests(to_abort)

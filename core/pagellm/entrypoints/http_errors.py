@@ -146,7 +146,13 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
-        error = APIError(exc.status_code, str(exc.detail))
+        message = str(exc.detail)
+        not_served = getattr(request.app.state, "endpoints_not_served", None)
+        if exc.status_code == 404 and message == "Not Found" and not_served:  # no such route:
+            # it may be one of a plugin left out for the model's tasks; say which and why
+            reasons = "; ".join(f"{name!r}: {why}" for name, why in sorted(not_served.items()))
+            message += f" (endpoint plugins not served for this model: {reasons})"
+        error = APIError(exc.status_code, message)
         return error.response(headers=dict(exc.headers or {}))
 
     async def io_input_error(request: Request, exc: Exception) -> Response:

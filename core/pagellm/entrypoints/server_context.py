@@ -13,7 +13,8 @@ if TYPE_CHECKING:
     from pagellm.entrypoints.server_args import ServerArgs
     from pagellm.io_processors import IOProcessor
     from pagellm.metrics.stats import StatLoggerBase
-    from pagellm.outputs import RequestOutput
+    from pagellm.outputs import EmbeddingRequestOutput, RequestOutput
+    from pagellm.pooling_params import PoolingParams
     from pagellm.sampling_params import SamplingParams
 
 
@@ -37,6 +38,12 @@ class EngineClient(Protocol):
     ) -> AsyncGenerator[RequestOutput, None]:
         """The request's outputs; ``ValueError`` for bad input before the first. Closing the
         generator aborts the request."""
+
+    def encode(
+        self, prompt: PromptType, params: PoolingParams, request_id: str, priority: int = 0
+    ) -> AsyncGenerator[EmbeddingRequestOutput, None]:
+        """A pooling request's output (its pooled vector), for a model served by the pooling
+        runner; ``ValueError`` for bad input (or a generative model) before it."""
 
     async def abort(self, request_id: str) -> None: ...
 

@@ -28,6 +28,7 @@ class WorkerHost:
             tensor_parallel_size=parallel.tensor_parallel_size,
             init_method=init_method,
             backend=current_platform.dist_backend,
+            custom_all_reduce=current_platform.custom_all_reduce,
         )
         self.rank = rank
         self.worker = Worker(config, local_rank=local_rank)

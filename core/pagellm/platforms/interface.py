@@ -10,6 +10,7 @@ import torch
 
 if TYPE_CHECKING:
     from pagellm.config import EngineConfig
+    from pagellm.distributed.parallel_state import CustomAllReduce, GroupCoordinator
 
 
 class HostCopy:
@@ -63,6 +64,13 @@ class Platform:
         if model_dtype in cls.supported_dtypes:
             return model_dtype
         return cls.supported_dtypes[0]
+
+    @classmethod
+    def fp8_dtype(cls) -> torch.dtype | None:
+        """The float8 e4m3 format this platform's fp8 kernels compute in, None where it has none.
+        float8_e4m3fn (the format checkpoints are written in) here and on NVIDIA GPUs; AMD CDNA3
+        GPUs compute in float8_e4m3fnuz. Quantization plugins consult it before they run fp8."""
+        return torch.float8_e4m3fn
 
     @classmethod
     def attention_backend_ranking(cls) -> list[str]:
@@ -119,6 +127,16 @@ class Platform:
         work()
         cls.synchronize()
         return time.perf_counter() - start
+
+    @classmethod
+    def custom_all_reduce(cls, group: GroupCoordinator) -> CustomAllReduce | None:
+        """A faster all-reduce for ``group`` than ``torch.distributed``'s, or None (the default:
+        every platform of the project uses ``dist_backend``'s). Asked once per worker, after the
+        process groups exist; the function it returns gets each all-reduce of the parallel
+        layers and may decline a tensor by returning None (e.g. one-shot reductions over peer
+        memory for small decode activations, NCCL beyond a size). On a platform that captures
+        graphs, it must be capturable like the collectives it replaces."""
+        return None
 
     @classmethod
     def graph_pool(cls) -> object:
