@@ -215,6 +215,8 @@ def make_tiny_llava(directory: str, tokenizer_dir: str) -> str:
 @pytest.fixture(scope="session")
 def tiny_llava(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer_dir: str) -> str:
     return make_tiny_llava(str(tmp_path_factory.mktemp("tiny_llava")), smollm2_tokenizer_dir)
+
+
 # Sentences of different lengths, cases, punctuation and scripts for the embedding tests.
 EMBEDDING_SENTENCES = (
     "A man is eating food.",
