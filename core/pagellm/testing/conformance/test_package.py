@@ -81,7 +81,9 @@ def test_platform_declares_a_plugin_api_this_pagellm_accepts(platform: PlatformT
 
 
 def test_platform_class_fits_the_platform_interface(platform: PlatformTarget) -> None:
-    cls = platform.require_class()
+    if platform.cls is None:  # the other platform cases skip for this reason
+        raise ConformanceFailure(str(platform.problem))
+    cls = platform.cls
     problems = _mismatches(Platform, cls)
     if getattr(cls, "name", None) != platform.name:
         problems.append(
