@@ -116,8 +116,10 @@ class PlatformTarget:
         return target
 
     def require_class(self) -> type[Platform]:
-        """The class; a case needing it fails with the reason it is missing, or is skipped when
-        the platform is inactive and names no class to check (one case fails for that)."""
+        """The class. A case needing it fails with the reason it is missing when the plugin did
+        not load; when it loaded (inactive and naming no class, or naming one that does not
+        import) the case skips with that reason, and `test_platform_class_fits_the_platform_
+        interface` fails with it."""
         if self.cls is None:
             if self.package is not None and self.package.record.status == "loaded":
                 pytest.skip(str(self.problem))
