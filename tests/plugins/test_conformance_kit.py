@@ -39,6 +39,7 @@ RUNS = {  # name: (pytest arguments, environment)
         + ["--pagellm-backend", "FLASH_ATTN"],
         {},
     ),
+    "rocm": (["--pagellm-platform", "rocm"], {}),
     "dummy": (
         ["--pagellm-platform", "dummy", "--pagellm-backend", "DUMMY_ATTN"],
         {"PAGELLM_DUMMY_PLATFORM": "1"},
@@ -148,6 +149,17 @@ def test_cuda_platform_flashinfer_and_flash_attn_pass_what_runs_without_a_gpu(ki
     assert "FLASHINFER is not available here: flashinfer is not installed" in decode
     graphs = skipped["test_cudagraphs.py::test_platform_records_and_replays_a_graph"]
     assert "inactive" in graphs
+
+
+def test_rocm_platform_passes_what_runs_without_an_amd_gpu(kit):
+    """No AMD GPU here: the ROCm platform is inactive (torch is not a ROCm build), so its class,
+    package and plugin API are checked and the cases needing it active skip, saying why. Its
+    decisions with faked hardware facts are pagellm-rocm's own tests."""
+    run = green(kit, "rocm")
+    passed, skipped = run.named("passed"), run.named("skipped")
+    assert "test_package.py::test_platform_class_fits_the_platform_interface" in passed
+    graphs = skipped["test_cudagraphs.py::test_platform_records_and_replays_a_graph"]
+    assert "platform 'rocm' is inactive" in graphs
 
 
 @pytest.mark.parametrize("name", ["dummy", "doc_example"])
