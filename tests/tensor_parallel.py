@@ -1,0 +1,78 @@
+"""Helpers of the tensor-parallel loading tests (tests/distributed and the quantization plugins'):
+
+- `as_rank`: build layers or a whole model in this process as one rank of a tensor-parallel
+  group, to compare what each rank loads with the slice of the one-rank model's tensors. The
+  group is a real `GroupCoordinator` without a process group: building and loading use no
+  collective, so none is faked; a forward's all-reduce would fail, so such tests run each
+  layer's ``linear_method.apply`` and add the ranks' partial outputs themselves.
+- `load_model_as_rank`: the engine's own loader (`pagellm.model_loader.load_model`) as one rank.
+- `run_ranks`: spawn real gloo ranks (TCP on 127.0.0.1) that each run a function.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagellm.distributed import GroupCoordinator, destroy_distributed, init_distributed
+from pagellm.distributed import parallel_state
+
+
+@contextlib.contextmanager
+def as_rank(rank: int, tp: int) -> Iterator[None]:
+    """Within the block, `get_tp_group` is rank ``rank`` of ``tp`` (no process group)."""
+    previous = parallel_state._TP
+    parallel_state._TP = GroupCoordinator(ranks=list(range(tp)), rank_in_group=rank)
+    try:
+        yield
+    finally:
+        parallel_state._TP = previous
+
+
+def load_model_as_rank(path: str, rank: int, tp: int, **engine: Any) -> nn.Module:
+    """The model at ``path`` loaded (weights processed) as rank ``rank`` of ``tp`` on the CPU;
+    ``engine``: `EngineArgs` keywords."""
+    from pagellm.attention.registry import attention_backends
+    from pagellm.engine.args import EngineArgs
+    from pagellm.model_loader import load_model
+
+    config = EngineArgs(path, **engine).create_engine_config()
+    backend = attention_backends.get(config.attention_backend)
+    with as_rank(rank, tp):
+        return load_model(config, backend, torch.device("cpu"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, fn: Callable[..., Any], args: tuple, tp: int, port: int, results: Any):
+    init_distributed(
+        world_size=tp,
+        rank=rank,
+        tensor_parallel_size=tp,
+        init_method=f"tcp://127.0.0.1:{port}",
+        backend="gloo",
+    )
+    try:
+        results[rank] = fn(rank, *args)
+    finally:
+        destroy_distributed()
+
+
+def run_ranks(fn: Callable[..., Any], *args: Any, tp: int = 2) -> dict[int, Any]:
+    """``fn(rank, *args)`` on each of ``tp`` spawned gloo ranks (``fn`` importable by name from
+    a test module; its result picklable): {rank: result}."""
+    import torch.multiprocessing as mp
+
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_rank_main, args=(fn, args, tp, _free_port(), results), nprocs=tp, join=True)
+        return dict(results)
