@@ -6,6 +6,7 @@
   collective, so none is faked; a forward's all-reduce would fail, so such tests run each
   layer's ``linear_method.apply`` and add the ranks' partial outputs themselves.
 - `load_model_as_rank`: the engine's own loader (`pagellm.model_loader.load_model`) as one rank.
+- `rank_slice`: the part of the one-rank layer's [N, K] weight that a rank's layer holds.
 - `run_ranks`: spawn real gloo ranks (TCP on 127.0.0.1) that each run a function.
 """
 
@@ -19,8 +20,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagellm.distributed import GroupCoordinator, destroy_distributed, init_distributed
-from pagellm.distributed import parallel_state
+from pagellm.distributed import (
+    GroupCoordinator,
+    destroy_distributed,
+    init_distributed,
+    parallel_state,
+)
 
 
 @contextlib.contextmanager
@@ -45,6 +50,28 @@ def load_model_as_rank(path: str, rank: int, tp: int, **engine: Any) -> nn.Modul
     backend = attention_backends.get(config.attention_backend)
     with as_rank(rank, tp):
         return load_model(config, backend, torch.device("cpu"))
+
+
+def rank_slice(whole: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+    """The rows (column-parallel: the rank's rows of each fused part) or columns (row-parallel)
+    of ``whole``, the one-rank layer's [N, K] weight, that the rank's ``layer`` holds."""
+    split = layer.tp_split
+    if split is None:
+        return whole
+    if split.parallel == "row":
+        return whole[:, layer.input_start : layer.input_start + layer.local_in_features]
+    offsets = [sum(split.full_output_sizes[:i]) for i in range(len(split.full_output_sizes))]
+    rows = [
+        whole[offset + start : offset + start + size]
+        for offset, start, size in zip(offsets, layer.part_starts, layer.output_sizes, strict=True)
+    ]
+    return torch.cat(rows)
+
+
+def linears(model: nn.Module) -> dict[str, nn.Module]:
+    from pagellm.layers.linear import Linear
+
+    return {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
 
 
 def _free_port() -> int:
