@@ -29,8 +29,9 @@ def checkpoint_shape(tensor: CheckpointTensor) -> tuple[int, ...]:
 
 
 def materialize(tensor: CheckpointTensor) -> torch.Tensor:
-    """The whole tensor (read from the file when it is a lazy slice)."""
-    return tensor if isinstance(tensor, torch.Tensor) else tensor[:]
+    """The whole tensor (read from the file when it is a lazy slice; ``[...]``, not ``[:]``,
+    which a 0-dim slice refuses)."""
+    return tensor if isinstance(tensor, torch.Tensor) else tensor[...]
 
 
 class Linear(nn.Module):

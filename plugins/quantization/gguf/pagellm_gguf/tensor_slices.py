@@ -32,8 +32,9 @@ Range = tuple[int, int]
 
 
 def _ranges(index: object, shape: list[int]) -> tuple[Range, Range | None] | None:
-    """(rows, columns) of an index of contiguous ranges (``[a:b]``, ``[:, a:b]``), else None."""
-    parts = index if isinstance(index, tuple) else (index,)
+    """(rows, columns) of an index of contiguous ranges (``[a:b]``, ``[:, a:b]``, ``[...]``: all),
+    else None."""
+    parts = () if index is Ellipsis else index if isinstance(index, tuple) else (index,)
     if len(parts) > len(shape) or not all(isinstance(p, slice) for p in parts):
         return None
     ranges = []

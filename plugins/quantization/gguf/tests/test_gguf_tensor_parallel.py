@@ -61,24 +61,25 @@ def qwen3_gguf(tmp_path_factory) -> str:
     return str(path)
 
 
-def test_a_slice_of_a_file_tensor_reads_as_that_slice_of_the_whole(smollm2_path):
-    """SmolLM2 (Llama: q/k rows permuted per head of 64 rows, Q4_1 blocks of 32 inputs)."""
-    tensors = dict(gguf_tensors(smollm2_path, torch.float32))
-    q = tensors["model.layers.0.self_attn.q_proj.weight"]
+def test_a_slice_of_a_file_tensor_reads_as_that_slice_of_the_whole(tmp_path):
+    """A Llama file (q/k rows permuted within each head of 16 rows), Q4_1 q (blocks of 32)."""
+    path = str(tmp_path / "llama.gguf")
+    write_tiny_gguf("llama", path, {"attn_q": T.Q4_1}, **{**TINY, "head_dim": 16})
+    q = dict(gguf_tensors(path, torch.float32))["model.layers.0.self_attn.q_proj.weight"]
     whole = q[:]
-    for rows in (slice(64, 192), slice(10, 100)):  # whole heads; rows cutting heads
+    assert whole.shape == (64, 64)
+    for rows in (slice(16, 48), slice(5, 40)):  # whole heads; rows cutting heads
         assert torch.equal(q[rows], whole[rows])
-    assert torch.equal(q[:, 16:48], whole[:, 16:48])  # inside two 32-weight blocks
-    assert torch.equal(q[64:128, 32:96], whole[64:128, 32:96])
-    norm = tensors["model.layers.0.input_layernorm.weight"]
-    assert torch.equal(norm[3:9], norm[:][3:9])
-    raw = dict(gguf_tensors(smollm2_path, torch.float32, keep_quantized=True))
+    assert torch.equal(q[:, 8:40], whole[:, 8:40])  # inside two 32-weight blocks
+    assert torch.equal(q[16:32, 32:64], whole[16:32, 32:64])
+    assert torch.equal(q[...], whole)
+    raw = dict(gguf_tensors(path, torch.float32, keep_quantized=True))
     blocks = raw["model.layers.0.self_attn.q_proj.weight"]
-    assert blocks.gguf_type == int(T.Q4_1) and blocks.get_shape() == [576, 18 * 20]
-    part = blocks[64:192, 20:60]  # output rows 64..191, input blocks 1..2 (20 bytes each)
-    assert part.gguf_type == int(T.Q4_1)
+    assert blocks.gguf_type == int(T.Q4_1) and blocks.get_shape() == [64, 2 * 20]
+    part = blocks[16:48, 20:40]  # output rows 16..47, input block 1 (20 bytes)
+    assert part.gguf_type == int(T.Q4_1) and blocks[...].gguf_type == int(T.Q4_1)
     dense = gguf.quants.dequantize(part.numpy(), T.Q4_1)
-    np.testing.assert_array_equal(dense, whole[64:192, 32:96].numpy())
+    np.testing.assert_array_equal(dense, whole[16:48, 32:64].numpy())
 
 
 def test_each_rank_of_a_dequantized_model_holds_its_slice_of_every_weight(qwen3_gguf):

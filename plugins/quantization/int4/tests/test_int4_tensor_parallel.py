@@ -37,7 +37,7 @@ SCHEMES = {
     "ct_asym_g128": Int4Scheme("compressed-tensors", 128, sym=False),
     "ct_sym_channel": Int4Scheme("compressed-tensors", -1),
 }
-DECODED = ("gptq_asym_g32_v2", "awq_asym_g64", "ct_asym_g128")
+DECODED = ("gptq_asym_g32_v2", "awq_asym_g64")
 
 
 def _with_config(path: Path, change: dict) -> Path:
