@@ -7,6 +7,8 @@
   layer's ``linear_method.apply`` and add the ranks' partial outputs themselves.
 - `load_model_as_rank`: the engine's own loader (`pagellm.model_loader.load_model`) as one rank.
 - `rank_slice`: the part of the one-rank layer's [N, K] weight that a rank's layer holds.
+- `rank_product_errors`: how far the ranks' products, put together, are from the one-rank
+  layer's, layer by layer (through each linear method's ``apply``: its GEMM on the device).
 - `run_ranks`: spawn real gloo ranks (TCP on 127.0.0.1) that each run a function.
 """
 
@@ -39,9 +41,11 @@ def as_rank(rank: int, tp: int) -> Iterator[None]:
         parallel_state._TP = previous
 
 
-def load_model_as_rank(path: str, rank: int, tp: int, **engine: Any) -> nn.Module:
-    """The model at ``path`` loaded (weights processed) as rank ``rank`` of ``tp`` on the CPU;
-    ``engine``: `EngineArgs` keywords."""
+def load_model_as_rank(
+    path: str, rank: int, tp: int, device: str = "cpu", **engine: Any
+) -> nn.Module:
+    """The model at ``path`` loaded (weights processed) as rank ``rank`` of ``tp`` on
+    ``device``; ``engine``: `EngineArgs` keywords."""
     from pagellm.attention.registry import attention_backends
     from pagellm.engine.args import EngineArgs
     from pagellm.model_loader import load_model
@@ -49,7 +53,7 @@ def load_model_as_rank(path: str, rank: int, tp: int, **engine: Any) -> nn.Modul
     config = EngineArgs(path, **engine).create_engine_config()
     backend = attention_backends.get(config.attention_backend)
     with as_rank(rank, tp):
-        return load_model(config, backend, torch.device("cpu"))
+        return load_model(config, backend, torch.device(device))
 
 
 def rank_slice(whole: torch.Tensor, layer: nn.Module) -> torch.Tensor:
@@ -66,6 +70,29 @@ def rank_slice(whole: torch.Tensor, layer: nn.Module) -> torch.Tensor:
         for offset, start, size in zip(offsets, layer.part_starts, layer.output_sizes, strict=True)
     ]
     return torch.cat(rows)
+
+
+def rank_product_errors(
+    whole: dict[str, nn.Module], ranks: list[dict[str, nn.Module]], dtype: torch.dtype
+) -> dict[str, float]:
+    """{layer: relative error} of the ranks' outputs for random inputs of ``dtype`` against the
+    one-rank layer's: each column-parallel rank's output against its columns of the whole
+    output, the row-parallel ranks' partial outputs (on their slices of the input) summed."""
+    errors = {}
+    generator = torch.Generator().manual_seed(0)
+    for name, full in whole.items():
+        split = ranks[0][name].tp_split
+        x = torch.randn(3, split.full_in_features, generator=generator).to(dtype)
+        x = x.to(next(full.parameters()).device)
+        want = full.linear_method.apply(full, x).float()
+        if split.parallel == "column":
+            got = torch.cat([m[name].linear_method.apply(m[name], x).float() for m in ranks], 1)
+            want = torch.cat([rank_slice(want.t(), m[name]).t() for m in ranks], 1)
+        else:
+            parts = [m[name].linear_method.apply(m[name], rank_slice(x, m[name])) for m in ranks]
+            got = torch.stack([p.float() for p in parts]).sum(0)
+        errors[name] = float((got - want).norm() / want.norm())
+    return errors
 
 
 def linears(model: nn.Module) -> dict[str, nn.Module]:

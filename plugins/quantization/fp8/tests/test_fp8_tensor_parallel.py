@@ -19,7 +19,14 @@ from pagellm import LLM, SamplingParams
 from pagellm.engine.args import EngineArgs
 from pagellm.layers.parallel_linear import QKVParallelLinear, TensorParallelError
 from pagellm.quantization.registry import quantization_methods
-from tensor_parallel import as_rank, linears, load_model_as_rank, rank_slice, run_ranks
+from tensor_parallel import (
+    as_rank,
+    linears,
+    load_model_as_rank,
+    rank_product_errors,
+    rank_slice,
+    run_ranks,
+)
 
 ENGINE = dict(dtype="float32", max_model_len=64, kv_cache_memory=8 << 20, seed=0)
 PROMPTS = [[5, 6, 7, 8, 9], [700, 3, 18, 19, 20, 21]]
@@ -114,3 +121,17 @@ def test_a_rank_part_that_is_not_whole_blocks_is_refused_with_the_layer():
         "tensor_parallel_size that leaves every rank multiples of 128, or fp8_per_channel / "
         "fp8_per_tensor."
     )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("case", ["ct_fp8", "fp8_config_block"])
+def test_rank_products_through_the_gpu_gemms_add_up_to_the_whole_layers(case, checkpoints):
+    """The ranks built one after the other on one GPU (one GPU cannot run an NCCL group of two:
+    the collectives are not covered), each layer's product through its fp8 GEMM in bfloat16."""
+    engine = {**ENGINE, "dtype": "bfloat16"}
+    whole = linears(load_model_as_rank(checkpoints[case], 0, 1, "cuda", **engine))
+    ranks = [linears(load_model_as_rank(checkpoints[case], r, 2, "cuda", **engine)) for r in (0, 1)]
+    assert {m.linear_method.gemm_path for m in ranks[0].values()} != {"reference"}
+    errors = rank_product_errors(whole, ranks, torch.bfloat16)
+    assert max(errors.values()) < 2e-2, errors

@@ -24,7 +24,14 @@ from pagellm.config import ConfigError
 from pagellm.engine.args import EngineArgs
 from pagellm.layers.parallel_linear import RowParallelLinear, TensorParallelError
 from pagellm.quantization.registry import quantization_methods
-from tensor_parallel import as_rank, linears, load_model_as_rank, rank_slice, run_ranks
+from tensor_parallel import (
+    as_rank,
+    linears,
+    load_model_as_rank,
+    rank_product_errors,
+    rank_slice,
+    run_ranks,
+)
 
 ENGINE = dict(dtype="float32", max_model_len=64, kv_cache_memory=8 << 20, seed=0)
 PROMPTS = [[5, 6, 7, 8, 9], [700, 3, 18, 19, 20, 21]]
@@ -154,3 +161,19 @@ def test_a_group_cut_by_a_ranks_inputs_is_refused_with_the_layer():
         "words or groups: gptq group_size 256 does not divide the layer's 128 input features; "
         "choose a tensor_parallel_size that leaves every rank whole groups and words."
     )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize(
+    "case", ["gptq_asym_g32_v2", "awq_asym_g64", "gptq_desc_act_static_groups"]
+)
+def test_rank_products_through_the_triton_gemm_add_up_to_the_whole_layers(case, checkpoints):
+    """The ranks built one after the other on one GPU (one GPU cannot run an NCCL group of two:
+    the collectives are not covered), each layer's product through the W4A16 Triton GEMM."""
+    engine = {**ENGINE, "dtype": "bfloat16"}
+    whole = linears(load_model_as_rank(checkpoints[case], 0, 1, "cuda", **engine))
+    ranks = [linears(load_model_as_rank(checkpoints[case], r, 2, "cuda", **engine)) for r in (0, 1)]
+    assert {m.linear_method.gemm_path for m in ranks[0].values()} == {"triton_w4a16"}
+    errors = rank_product_errors(whole, ranks, torch.bfloat16)
+    assert max(errors.values()) < 2e-2, errors
