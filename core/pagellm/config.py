@@ -36,6 +36,27 @@ class _Config(BaseModel):
     )
 
 
+Runner = Literal["generate", "pooling"]
+"""What the engine does with a model: generate tokens, or pool each prompt into one vector."""
+PoolingType = Literal["MEAN", "CLS", "LAST"]
+
+TASKS: dict[Runner, frozenset[str]] = {
+    "generate": frozenset({"generate"}),
+    "pooling": frozenset({"embed"}),
+}
+"""The tasks a model served by each runner can do (what endpoint plugins' ``required_tasks``
+are matched against)."""
+
+
+class PoolerConfig(_Config):
+    """How a pooling model turns a prompt's last hidden states into one vector."""
+
+    pooling_type: PoolingType
+    """MEAN: the mean over the prompt's tokens; CLS: its first token; LAST: its last token."""
+    normalize: bool
+    """L2-normalize the pooled vector (a request's ``normalize`` may say otherwise)."""
+
+
 class ModelConfig(_Config):
     model: str
     """Local path: a Hugging Face model directory or a GGUF file."""
@@ -50,6 +71,18 @@ class ModelConfig(_Config):
     architecture: str
     hf_config: Any = Field(repr=False)
     """The `transformers.PretrainedConfig` of the model."""
+    io_processor: str | None = None
+    """The registered name of the IO processor the front end builds for this model
+    (`pagellm.io_processors`), or None: prompts and outputs as they are."""
+    runner: Runner = "generate"
+    is_causal: bool = True
+    """False for an encoder's bidirectional attention (every token sees the whole prompt)."""
+    pooler: PoolerConfig | None = None
+    """Set for the pooling runner."""
+
+    @property
+    def tasks(self) -> frozenset[str]:
+        return TASKS[self.runner]
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -41,3 +41,29 @@ class RequestOutput(msgspec.Struct):
     """Per prompt token: None for the first, then its logprob given the tokens before it (and the top-k)."""
     num_cached_tokens: int = 0
     """Prompt tokens found in the prefix cache."""
+
+
+class EmbeddingOutput(msgspec.Struct):
+    embedding: list[float]
+    """The pooled vector (L2-normalized when the request's ``normalize`` resolved so); empty for
+    a request that was aborted or failed."""
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+class EmbeddingRequestOutput(msgspec.Struct):
+    """What `LLM.embed` returns per prompt (vLLM's ``EmbeddingRequestOutput``)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+    prompt: str | None = None
+    finish_reason: str | None = None
+    """"stop" once pooled; "abort" or "error" when it ended without a vector."""
+
+
+AnyRequestOutput = RequestOutput | EmbeddingRequestOutput
+"""What the front end hands out: a generation's output, or a pooling request's."""

@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import msgspec
 
+from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
 
 
@@ -52,6 +53,14 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     arrival_time: float
     priority: int = 0
     cache_salt: str | None = None
+    pooling_params: PoolingParams | None = None
+    """Set for a pooling model's request: it runs once over its prompt and returns the pooled
+    vector; its ``sampling_params`` (`POOLING_SAMPLING_PARAMS`) only bound it to that step."""
+
+
+POOLING_SAMPLING_PARAMS = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+"""What a pooling request carries as sampling parameters: one step (``max_tokens`` 1, which
+asynchronous scheduling reads to schedule it no further), nothing sampled."""
 
 
 class Request:
@@ -69,6 +78,7 @@ class Request:
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        pooling_params: PoolingParams | None = None,
         block_hasher: Callable[[Request], list[bytes]] | None = None,
     ) -> None:
         self.request_id = request_id
@@ -78,6 +88,7 @@ class Request:
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.priority = priority
         self.cache_salt = cache_salt
+        self.pooling_params = pooling_params
         self.max_tokens = sampling_params.max_tokens
 
         self.status = RequestStatus.WAITING

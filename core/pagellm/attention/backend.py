@@ -95,6 +95,10 @@ class AttentionImpl(ABC):
         self.v_scale = 1.0
         """Per-layer scales of a quantized KV cache (stored = value / scale), set by the layer
         once the weights are loaded; a cache in the model dtype ignores them."""
+        self.causal = True
+        """False for an encoder's bidirectional attention: each token attends to every token of
+        its prompt, which the step holds whole (pooling models run without chunked prefill or
+        prefix caching). Set by the layer; only backends with ``supports_non_causal`` see it."""
 
     @abstractmethod
     def forward(
@@ -126,6 +130,11 @@ class AttentionBackend(ABC):
     """Block sizes must be a multiple of this."""
     default_block_size: ClassVar[int] = 16
     supports_sliding_window: ClassVar[bool] = True
+    supports_non_causal: ClassVar[bool] = False
+    """True when the impl honours ``AttentionImpl.causal = False`` (bidirectional attention
+    over each prompt, for encoder models such as BERT); the selector refuses a backend without
+    it for such a model (outside `unsupported_reasons`, so that overrides of it written before
+    this declaration keep their signature)."""
     supported_device_types: ClassVar[tuple[str, ...]] = ("cpu",)
     supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto",)
     """The KV cache dtypes (``--kv-cache-dtype`` names) the backend writes and reads: ``auto``

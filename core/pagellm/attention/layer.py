@@ -18,12 +18,21 @@ class Attention(nn.Module):
         scale: float,
         num_kv_heads: int,
         sliding_window: int | None = None,
+        causal: bool = True,
     ) -> None:
+        """``causal`` False: bidirectional attention over each prompt (an encoder's), for
+        backends that declare ``supports_non_causal`` (the selector chose one)."""
         super().__init__()
+        if not causal and not backend.supports_non_causal:
+            raise ValueError(
+                f"Attention backend {backend.name} does not support non-causal attention; "
+                "choose one that does (TORCH_SDPA) with --attention-backend."
+            )
         self.sliding_window = sliding_window
         self.impl = backend.get_impl_cls()(
             num_heads, head_size, scale, num_kv_heads, sliding_window
         )
+        self.impl.causal = causal
         # Given by the worker once the KV cache exists (`Worker.initialize_cache`).
         self.kv_cache = torch.empty(0)
 

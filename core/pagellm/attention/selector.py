@@ -29,9 +29,11 @@ def select_attention_backend(
     block_size: int | None,
     sliding_window: int | None,
     kv_cache_dtype: str = "auto",
+    causal: bool = True,
 ) -> type[AttentionBackend]:
     """``ranking`` is the platform's preference order; installed backends it does not name come
-    last. Logs the choice, with every backend passed over and why, at INFO."""
+    last. ``causal`` False: an encoder's bidirectional attention (`supports_non_causal`). Logs
+    the choice, with every backend passed over and why, at INFO."""
     installed = attention_backends.names()
     candidates = [requested] if requested else [n for n in ranking if n in installed]
     if not requested:
@@ -51,6 +53,8 @@ def select_attention_backend(
             sliding_window=sliding_window,
             kv_cache_dtype=kv_cache_dtype,
         )
+        if not causal and not cls.supports_non_causal:
+            reasons.append("non-causal (bidirectional, encoder) attention not supported")
         if not reasons:  # one start-up line: what was chosen, and what was passed over and why
             passed_over = "".join(f"; {n} rejected: {', '.join(r)}" for n, r in rejected.items())
             size = block_size or cls.default_block_size
@@ -69,7 +73,8 @@ def select_attention_backend(
     )
     raise NoAttentionBackendError(
         f"{what} serve this model (head size {head_size}, dtype {dtype}, block size "
-        f"{block_size}, sliding window {sliding_window}, kv cache dtype {kv_cache_dtype}, device "
-        f"{device_type}): {details}. Pass --block-size / --dtype / --kv-cache-dtype to fit a "
-        "backend, or choose one with --attention-backend."
+        f"{block_size}, sliding window {sliding_window}, kv cache dtype {kv_cache_dtype}, "
+        f"{'causal' if causal else 'non-causal'} attention, device {device_type}): {details}. "
+        "Pass --block-size / --dtype / --kv-cache-dtype to fit a backend, or choose one with "
+        "--attention-backend."
     )

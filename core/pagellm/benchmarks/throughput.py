@@ -82,6 +82,7 @@ def run_pagellm(
     what the peer run needs (config, pad id), after shutting the engine down."""
     from pagellm import LLM, SamplingParams
     from pagellm.engine.args import EngineArgs
+    from pagellm.outputs import RequestOutput
     from pagellm.sampling_params import RequestOutputKind
 
     started = time.perf_counter()
@@ -138,7 +139,7 @@ def run_pagellm(
                 ttfts.append(now)
         num_steps += 1
         for o in outputs:
-            if o.finished:
+            if o.finished and isinstance(o, RequestOutput):  # a generative model's: all are
                 produced += len(o.outputs[0].token_ids)
                 finished_ids[o.request_id] = o.outputs[0].token_ids
         stats = core.make_scheduler_stats()

@@ -36,9 +36,11 @@ from pagellm.config import (
     ParallelConfig,
     SchedulerConfig,
 )
+from pagellm.engine.runners import pooler_config, resolve_runner
+from pagellm.io_processors.selection import resolve_io_processor_name
 from pagellm.model_loader.formats import get_model_format
 from pagellm.model_loader.source import load_hf_config, resolve_model_source
-from pagellm.models.registry import resolve_model_cls
+from pagellm.models.registry import model_is_causal, model_runners, resolve_model_cls
 from pagellm.platforms import current_platform, current_platform_name
 from pagellm.quantization.registry import quantization_methods
 from pagellm.quantization.selection import resolve_quantization
@@ -67,6 +69,11 @@ class EngineArgs:
     """A Hugging Face model directory or a GGUF file (a local path)."""
     tokenizer: str | None = None
     """The tokenizer's directory or GGUF file (default: the model's)."""
+    runner: Literal["auto", "generate", "pooling"] = "auto"
+    """generate (text), or pooling (one vector per prompt: embeddings; no chunked prefill, no
+    prefix caching); auto: the model's own (BertModel pools, decoders generate)."""
+    task: Literal["auto", "generate", "embed"] = "auto"
+    """vLLM's older name for the runner: embed is runner pooling, generate runner generate."""
     dtype: DTypeArg = "auto"
     """Weights and activations dtype; auto: the platform's choice for the checkpoint's dtype."""
     seed: int = 0
@@ -115,6 +122,10 @@ class EngineArgs:
     async_scheduling: bool | None = None
     """Schedule the next step while the device runs the current one (same tokens, less idle
     device time); default: the platform's choice (off everywhere for now)."""
+    io_processor: str | None = None
+    """An IO processor by registered name (pagellm.io_processor_plugins): it turns requests into
+    engine prompts and outputs into responses, in the front end (default: the model
+    config.json's io_processor_plugin, else none)."""
     skip_tokenizer_init: bool = False
     """No tokenizer: prompts must be token ids and outputs carry no text."""
     multiprocess_engine: bool = False
@@ -177,7 +188,12 @@ class EngineArgs:
             resolve_model_source(tokenizer, field="tokenizer")
         hf_config = load_hf_config(source)
         architectures = list(getattr(hf_config, "architectures", None) or [])
-        architecture, _ = resolve_model_cls(architectures)
+        architecture, model_cls = resolve_model_cls(architectures)
+        runner = resolve_runner(self, architecture, model_runners(model_cls))
+        try:
+            io_processor = resolve_io_processor_name(self.io_processor, hf_config)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
 
         model_cfg = ModelConfig(
             model=self.model,
@@ -189,10 +205,15 @@ class EngineArgs:
             skip_tokenizer_init=self.skip_tokenizer_init,
             architecture=architecture,
             hf_config=hf_config,
+            io_processor=io_processor,
+            runner=runner,
+            is_causal=model_is_causal(model_cls),
+            pooler=pooler_config(runner, source, model_cls),
         )
         model_cfg.max_model_len = self._resolve_max_model_len(model_cfg)
 
-        chunked = self.enable_chunked_prefill
+        pooling = runner == "pooling"
+        chunked = self.enable_chunked_prefill and not pooling  # pooling: each prompt whole
         max_num_batched_tokens = self.max_num_batched_tokens or (
             _DEFAULT_MAX_NUM_BATCHED_TOKENS
             if chunked
@@ -202,7 +223,8 @@ class EngineArgs:
             raise ConfigError(
                 f"max_num_batched_tokens={max_num_batched_tokens} is smaller than max_model_len="
                 f"{model_cfg.max_model_len} with chunked prefill off, so a long prompt could never be "
-                "scheduled; raise max_num_batched_tokens, lower max_model_len or enable chunked prefill."
+                "scheduled; raise max_num_batched_tokens, lower max_model_len"
+                + ("." if pooling else " or enable chunked prefill.")
             )
         quantization = self._resolve_quantization(model_cfg, platform.device_type)
         scheduling_policies.get(self.scheduling_policy)  # an unknown name lists the installed ones
@@ -216,12 +238,13 @@ class EngineArgs:
             block_size=self.block_size,
             sliding_window=model_cfg.sliding_window,
             kv_cache_dtype=kv_cache_dtype,
+            causal=model_cfg.is_causal,
         )
         config = EngineConfig(
             model=model_cfg,
             cache=CacheConfig(
                 block_size=self.block_size or backend.default_block_size,
-                enable_prefix_caching=self.enable_prefix_caching,
+                enable_prefix_caching=self.enable_prefix_caching and not pooling,
                 kv_cache_memory=self.kv_cache_memory,
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 cache_dtype=kv_cache_dtype,
@@ -240,7 +263,8 @@ class EngineArgs:
             parallel=parallel,
             device=DeviceConfig(device=platform.device_type),
             load=LoadConfig(load_format=self.load_format),
-            compilation=CompilationConfig(enforce_eager=self.enforce_eager),
+            # Decode graphs replay one-token steps, which a pooling model never runs.
+            compilation=CompilationConfig(enforce_eager=self.enforce_eager or pooling),
             attention_backend=backend.name,
             quantization=quantization,
             observability=ObservabilityConfig(

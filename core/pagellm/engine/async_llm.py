@@ -12,7 +12,8 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable
-from typing import Any
+from contextlib import aclosing
+from typing import Any, cast
 
 from pagellm.config import EngineConfig
 from pagellm.engine.args import EngineArgs
@@ -20,12 +21,13 @@ from pagellm.engine.async_core_client import AsyncMPClient
 from pagellm.engine.errors import EngineDeadError, RequestFailedError
 from pagellm.engine.messages import EngineStepOutputs
 from pagellm.engine.output_collector import RequestOutputCollector
-from pagellm.engine.processor import PromptType
+from pagellm.engine.processor import ProcessedPrompt, PromptType
 from pagellm.engine.request_frontend import RequestFrontend
 from pagellm.engine.request_timing import RequestTimings
 from pagellm.metrics.stats import IterationStats, SchedulerStats, StatLoggerBase
-from pagellm.outputs import RequestOutput
+from pagellm.outputs import AnyRequestOutput, EmbeddingRequestOutput, RequestOutput
 from pagellm.plugins import load_general_plugins
+from pagellm.pooling_params import PoolingParams
 from pagellm.request import FinishReason
 from pagellm.sampling_params import SamplingParams
 
@@ -78,6 +80,27 @@ class AsyncLLM(RequestFrontend):
         arrival = time.monotonic()  # the metrics' latencies include the tokenization
         self.core_client.raise_if_dead()
         processed = self.processor.process(prompt, params)
+        async with aclosing(self._run(processed, request_id, priority, arrival)) as outputs:
+            async for output in outputs:
+                yield cast(RequestOutput, output)
+
+    async def encode(
+        self, prompt: PromptType, params: PoolingParams, request_id: str, priority: int = 0
+    ) -> AsyncGenerator[EmbeddingRequestOutput, None]:
+        """A pooling request's one output (its pooled vector): as `generate`, for a model
+        served by the pooling runner."""
+        arrival = time.monotonic()
+        self.core_client.raise_if_dead()
+        processed = self.processor.process_pooling(prompt, params)
+        async with aclosing(self._run(processed, request_id, priority, arrival)) as outputs:
+            async for output in outputs:
+                yield cast(EmbeddingRequestOutput, output)
+
+    async def _run(
+        self, processed: ProcessedPrompt, request_id: str, priority: int, arrival: float
+    ) -> AsyncGenerator[AnyRequestOutput, None]:
+        """Send a processed request and stream its outputs; aborted if the consumer stops
+        (`aclosing` in the callers: their own close reaches this ``finally`` at once)."""
         self._start_background_tasks()
         engine_ids = self._add_request(request_id, processed, priority)
         queue = self._streams[request_id] = RequestOutputCollector(processed.params.output_kind)
@@ -115,7 +138,7 @@ class AsyncLLM(RequestFrontend):
         if queue is not None and output is not None:
             queue.put(output)
 
-    def _abort(self, request_id: str) -> RequestOutput | None:
+    def _abort(self, request_id: str) -> AnyRequestOutput | None:
         """Forget the request here and free it in the engine (no await: callable from any finally)."""
         self._streams.pop(request_id, None)
         outputs = self._abort_requests([request_id])
@@ -149,7 +172,7 @@ class AsyncLLM(RequestFrontend):
                 queue.put(output)
                 continue
             del streams[output.request_id]
-            if any(c.finish_reason == _ERROR for c in output.outputs):
+            if _failed(output):
                 logger.error("Request %s failed in the engine", output.request_id)
                 queue.put_error(
                     RequestFailedError(
@@ -215,3 +238,10 @@ class AsyncLLM(RequestFrontend):
         before it is killed."""
         await self.core_client.shutdown_async(timeout)
         self.shutdown()  # the engine is stopped: what is left is ending the streams
+
+
+def _failed(output: AnyRequestOutput) -> bool:
+    """Whether the engine failed the request (its step raised)."""
+    if isinstance(output, EmbeddingRequestOutput):
+        return output.finish_reason == _ERROR
+    return any(c.finish_reason == _ERROR for c in output.outputs)

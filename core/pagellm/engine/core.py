@@ -46,10 +46,22 @@ class EngineCore:
     def __init__(self, config: EngineConfig, executor_cls: type[Executor] | None = None) -> None:
         """``executor_cls``: default, the one ``config.parallel`` names (`executor_class`)."""
         self.config = config
+        start = time.perf_counter()
         self.executor = (executor_cls or executor_class(config.parallel))(config)
+        workers_ready = time.perf_counter()
         num_blocks = self._initialize_kv_cache()
+        cache_ready = time.perf_counter()
         if current_platform.needs_warm_up:
             warm_up(config, self.executor, num_blocks)
+        ready = time.perf_counter()
+        logger.info(
+            "Engine core ready in %.1f s: workers and weights %.1f s, memory profiling, KV cache "
+            "and graph capture %.1f s, warm-up %.1f s",
+            ready - start,
+            workers_ready - start,
+            cache_ready - workers_ready,
+            ready - cache_ready,
+        )
         self.num_steps = 0
         self._last_step = SchedulerStats()
         """What the last step scheduled (the rest of the stats are read when they are sent)."""

@@ -15,7 +15,7 @@ from pagellm.engine.core import EngineCore
 from pagellm.engine.core_client import EngineCoreClient, SyncMPClient
 from pagellm.engine.processor import ProcessedPrompt, PromptType
 from pagellm.engine.request_frontend import RequestFrontend
-from pagellm.outputs import RequestOutput
+from pagellm.outputs import AnyRequestOutput
 from pagellm.plugins import load_general_plugins
 from pagellm.sampling_params import SamplingParams
 
@@ -62,14 +62,14 @@ class LLMEngine(RequestFrontend):
             prompt = self.processor.process(prompt, SamplingParams() if params is None else params)
         self._add_request(request_id, prompt, priority)
 
-    def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
+    def abort_request(self, request_ids: str | Iterable[str]) -> list[AnyRequestOutput]:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         return self._abort_requests(ids)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.output_processor.requests)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[AnyRequestOutput]:
         if not self.has_unfinished_requests():
             return []  # a separate engine process would have no step to send: do not wait for one
         return self._process_outputs(self.core_client.step())

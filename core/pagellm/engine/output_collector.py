@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 
-from pagellm.outputs import RequestOutput
+from pagellm.outputs import AnyRequestOutput, RequestOutput
 from pagellm.sampling_params import RequestOutputKind
 
 
@@ -45,14 +45,14 @@ class RequestOutputCollector:
 
     def __init__(self, output_kind: RequestOutputKind) -> None:
         self.delta = output_kind == RequestOutputKind.DELTA
-        self.output: RequestOutput | None = None
+        self.output: AnyRequestOutput | None = None
         self.error: Exception | None = None
         self.ready = asyncio.Event()
 
-    def put(self, output: RequestOutput) -> None:
+    def put(self, output: AnyRequestOutput) -> None:
         if self.output is None or not self.delta:
             self.output = output
-        else:
+        elif isinstance(self.output, RequestOutput) and isinstance(output, RequestOutput):
             merge_delta(self.output, output)
         self.ready.set()
 
@@ -60,7 +60,7 @@ class RequestOutputCollector:
         self.error = error
         self.ready.set()
 
-    async def get(self) -> RequestOutput | Exception:
+    async def get(self) -> AnyRequestOutput | Exception:
         """The pending output, else the error (it stays: every later call returns it)."""
         while self.output is None:
             if self.error is not None:

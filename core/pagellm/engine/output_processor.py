@@ -4,7 +4,8 @@ Per engine request (one per completion: a request with ``n > 1`` is fanned out i
 incremental detokenizer, stop strings (found even across tokens; the earliest-ending one wins;
 suppressed until ``min_tokens``), logprobs, and the text held back while streaming so no delta
 ever holds the start of a stop string that later matches. Per user request: the n completions
-gathered into one `RequestOutput` in the requested output kind.
+gathered into one `RequestOutput` in the requested output kind. A pooling request ends with one
+`EmbeddingRequestOutput`, its pooled vector normalized here when it asks for it.
 
 A ``FINAL_ONLY`` completion without stop strings only gathers its tokens (and sampled logprobs)
 while it runs: its text is decoded and its logprob entries built once, when it ends (`_settle`),
@@ -16,9 +17,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from pagellm.engine.detokenizer import Detokenizer, make_detokenizer
 from pagellm.engine.processor import ProcessedPrompt
-from pagellm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from pagellm.outputs import (
+    AnyRequestOutput,
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    Logprob,
+    PositionLogprobs,
+    RequestOutput,
+)
+from pagellm.pooling_params import PoolingParams
 from pagellm.request import FinishReason
 from pagellm.sampling_params import RequestOutputKind, SamplingParams
 from pagellm.scheduler.output import EngineCoreOutputs, SampleLogprobs
@@ -85,6 +97,9 @@ class RequestState:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     prompt_logprobs_sent: bool = False
     num_cached_tokens: int = 0
+    pooling: PoolingParams | None = None
+    """A pooling request: it ends with one pooled vector, ``pooled`` (float32 bytes)."""
+    pooled: bytes = b""
 
     @property
     def finished(self) -> bool:
@@ -124,7 +139,14 @@ class OutputProcessor:
             if cparams.logprobs is not None:
                 completion.logprobs, completion.cumulative_logprob = [], 0.0
             completions.append(completion)
-        state = RequestState(request_id, prompt.text, prompt.token_ids, params, completions)
+        state = RequestState(
+            request_id,
+            prompt.text,
+            prompt.token_ids,
+            params,
+            completions,
+            pooling=prompt.pooling_params,
+        )
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = [None]
         self.requests[request_id] = state
@@ -135,7 +157,7 @@ class OutputProcessor:
         state = self.requests.get(request_id)
         return [c.engine_id for c in state.completions] if state else []
 
-    def abort_requests(self, request_ids: list[str]) -> list[RequestOutput]:
+    def abort_requests(self, request_ids: list[str]) -> list[AnyRequestOutput]:
         outputs = []
         for req_id in request_ids:
             state = self.requests.get(req_id)
@@ -149,12 +171,12 @@ class OutputProcessor:
 
     def process_outputs(
         self, engine_outputs: EngineCoreOutputs
-    ) -> tuple[list[RequestOutput], list[str]]:
+    ) -> tuple[list[AnyRequestOutput], list[str]]:
         """The user-visible outputs of this step, and the engine requests to abort (stopped by a
         stop string, which only the front end can see)."""
         touched: dict[str, RequestState] = {}
         to_abort: list[str] = []
-        results: list[RequestOutput] = []
+        results: list[AnyRequestOutput] = []
         final_only = RequestOutputKind.FINAL_ONLY
         lookup = self.engine_to_request.get
         for out in engine_outputs.outputs:
@@ -183,6 +205,11 @@ class OutputProcessor:
                 state.prompt_logprobs.extend(
                     self._position_logprobs(s) for s in out.new_prompt_logprobs
                 )
+            if out.pooled is not None:  # a pooling request: one output, its end
+                state.pooled = out.pooled
+                completion.finish_reason = str(FinishReason.STOP)
+                results.append(self._finish(state))
+                continue
             if not out.new_token_ids:
                 continue  # a prefill chunk: its prompt logprobs wait for the first token
             if completion.deferred:  # no stop strings to look for: text and logprobs wait
@@ -269,13 +296,31 @@ class OutputProcessor:
             completion.cumulative_logprob = cumulative
             completion.samples = []
 
-    def _finish(self, state: RequestState) -> RequestOutput:
+    def _finish(self, state: RequestState) -> AnyRequestOutput:
         del self.requests[state.request_id]
         for completion in state.completions:
             self.engine_to_request.pop(completion.engine_id, None)
             if completion.deferred:
                 self._settle(completion)
+        if state.pooling is not None:
+            return self._embedding_output(state, state.pooling)
         return self._make_output(state)
+
+    @staticmethod
+    def _embedding_output(state: RequestState, params: PoolingParams) -> EmbeddingRequestOutput:
+        """The pooled vector, L2-normalized when the request's ``normalize`` says so (float32,
+        as ``torch.nn.functional.normalize`` does it)."""
+        vector = np.frombuffer(state.pooled, dtype=np.float32)
+        if params.normalize and len(vector):
+            vector = vector / max(float(np.linalg.norm(vector)), 1e-12)
+        return EmbeddingRequestOutput(
+            request_id=state.request_id,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=EmbeddingOutput(vector.tolist()),
+            finished=True,
+            prompt=state.prompt,
+            finish_reason=state.completions[0].finish_reason,
+        )
 
     def _make_output(self, state: RequestState) -> RequestOutput:
         delta = state.params.output_kind == RequestOutputKind.DELTA

@@ -11,8 +11,15 @@ from typing import Any
 import msgspec
 
 from pagellm.config import EngineConfig
-from pagellm.request import EngineCoreRequest
-from pagellm.sampling_params import INT64_MAX, INT64_MIN, SamplingParams, SamplingParamsError
+from pagellm.pooling_params import PoolingParams
+from pagellm.request import POOLING_SAMPLING_PARAMS, EngineCoreRequest
+from pagellm.sampling_params import (
+    INT64_MAX,
+    INT64_MIN,
+    RequestOutputKind,
+    SamplingParams,
+    SamplingParamsError,
+)
 from pagellm.scheduler.policy import scheduling_policies
 
 PromptType = str | list[int] | dict[str, Any]
@@ -29,6 +36,9 @@ class ProcessedPrompt:
     params: SamplingParams
     cache_salt: str | None = None
     """Prompts of different salts share no prefix-cache blocks (vLLM's ``cache_salt``)."""
+    pooling_params: PoolingParams | None = None
+    """Set for a pooling request (``normalize`` resolved); ``params`` are then
+    `POOLING_SAMPLING_PARAMS`."""
 
 
 def fan_out(request_id: str, params: SamplingParams) -> list[tuple[str, SamplingParams]]:
@@ -137,8 +147,19 @@ class InputProcessor:
                     sequences.append(ids)
         return sequences
 
+    def check_generates(self) -> None:
+        """``ValueError`` unless the model generates (a pooling model embeds, and only that)."""
+        model = self.config.model
+        if model.runner == "pooling":
+            raise ValueError(
+                f"{model.architecture} is served by the pooling runner (tasks: "
+                f"{', '.join(sorted(model.tasks))}): it embeds prompts and generates no text. Use "
+                "LLM.embed (or the /v1/embeddings endpoint), or serve a generative model."
+            )
+
     def process(self, prompt: PromptType, params: SamplingParams) -> ProcessedPrompt:
         """Tokenize and validate (``ValueError`` naming what is wrong)."""
+        self.check_generates()
         text, ids = self.tokenize(prompt)
         cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         if cache_salt is not None and not isinstance(cache_salt, str):
@@ -170,6 +191,56 @@ class InputProcessor:
             params.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
         return ProcessedPrompt(text, ids, params, cache_salt)
 
+    def process_pooling(self, prompt: PromptType, params: PoolingParams) -> ProcessedPrompt:
+        """Tokenize (cut to ``truncate_prompt_tokens`` when asked) and validate a pooling
+        request (``ValueError`` naming what is wrong)."""
+        model = self.config.model
+        if model.pooler is None:
+            raise ValueError(
+                f"{model.architecture} is served by the generate runner: it cannot embed. Serve "
+                "an embedding model (runner pooling)."
+            )
+        if params.dimensions is not None:
+            raise SamplingParamsError(
+                "dimensions",
+                f"dimensions={params.dimensions}: {model.architecture} has no Matryoshka "
+                "dimensions; leave dimensions unset to get its full vectors.",
+            )
+        max_len = model.max_model_len
+        keep = params.truncate_prompt_tokens
+        if keep is not None:
+            keep = max_len if keep == -1 else keep
+            if keep > max_len:
+                raise SamplingParamsError(
+                    "truncate_prompt_tokens",
+                    f"truncate_prompt_tokens={keep} is more than max_model_len={max_len}.",
+                )
+        text, ids = self._tokenize_truncated(prompt, keep)
+        if len(ids) > max_len:
+            raise ValueError(
+                f"prompt is {len(ids)} tokens long, more than max_model_len={max_len}; shorten "
+                "it, or ask for truncate_prompt_tokens."
+            )
+        normalize = model.pooler.normalize if params.normalize is None else params.normalize
+        pooling = msgspec.structs.replace(params, normalize=normalize)
+        bookkeeping = msgspec.structs.replace(
+            POOLING_SAMPLING_PARAMS, output_kind=RequestOutputKind.FINAL_ONLY
+        )
+        return ProcessedPrompt(text, ids, bookkeeping, None, pooling)
+
+    def _tokenize_truncated(
+        self, prompt: PromptType, keep: int | None
+    ) -> tuple[str | None, list[int]]:
+        """`tokenize`, then at most ``keep`` tokens: a text through its tokenizer's truncation
+        (on its own side, special tokens kept), token ids their last ``keep``."""
+        has_ids = isinstance(prompt, dict) and "prompt_token_ids" in prompt
+        text = prompt.get("prompt") if isinstance(prompt, dict) and not has_ids else prompt
+        if keep is not None and isinstance(text, str) and text and self.tokenizer is not None:
+            ids = self.tokenizer(text, truncation=True, max_length=keep)["input_ids"]
+            return text, self._check_ids(list(ids))
+        text, ids = self.tokenize(prompt)
+        return text, ids if keep is None else ids[-keep:]
+
     def make_requests(
         self,
         prompt: ProcessedPrompt,
@@ -198,6 +269,7 @@ class InputProcessor:
                 arrival_time=arrival_time,
                 priority=priority,
                 cache_salt=prompt.cache_salt,
+                pooling_params=prompt.pooling_params,
             )
             for engine_id, params in engine_requests
         ]

@@ -1,15 +1,20 @@
 """`RequestFrontend`: the request path `LLMEngine` and `AsyncLLM` share. A request is tokenized
 and validated once (`InputProcessor`), fanned out into one engine request per completion, sent to
-the engine core, and followed by the `OutputProcessor` until it ends or is aborted."""
+the engine core, and followed by the `OutputProcessor` until it ends or is aborted. The model's IO
+processor, if it has one (`pagellm.io_processors`), is built here: the front end is the only
+place one runs."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from pagellm.config import EngineConfig
 from pagellm.engine.core_client import RequestSink
 from pagellm.engine.errors import EngineOverloadedError
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.processor import InputProcessor, ProcessedPrompt, fan_out
-from pagellm.outputs import RequestOutput
+from pagellm.io_processors import IOProcessor, build_io_processor
+from pagellm.outputs import AnyRequestOutput
 from pagellm.plugins import load_frontend_plugins, load_general_plugins
 from pagellm.scheduler.output import EngineCoreOutputs
 from pagellm.tokenizer import get_tokenizer
@@ -28,6 +33,8 @@ class RequestFrontend:
         self.tokenizer = (
             None if config.model.skip_tokenizer_init else get_tokenizer(config.model.tokenizer)
         )
+        self.io_processor: IOProcessor[Any, Any] | None = build_io_processor(config, self.tokenizer)
+        """The model's IO processor (``config.model.io_processor``), or None."""
         self.processor = InputProcessor(config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.max_waiting_requests = max_waiting_requests
@@ -68,7 +75,7 @@ class RequestFrontend:
                 f"(--max-waiting-requests {limit}); retry later."
             )
 
-    def _abort_requests(self, request_ids: list[str]) -> list[RequestOutput]:
+    def _abort_requests(self, request_ids: list[str]) -> list[AnyRequestOutput]:
         """Free the requests in the engine and stop following them; their final outputs (none
         for a request that is not running)."""
         output_processor = self.output_processor
@@ -76,7 +83,7 @@ class RequestFrontend:
         self.core_client.abort_requests(engine_ids)
         return output_processor.abort_requests(request_ids)
 
-    def _process_outputs(self, engine_outputs: EngineCoreOutputs) -> list[RequestOutput]:
+    def _process_outputs(self, engine_outputs: EngineCoreOutputs) -> list[AnyRequestOutput]:
         results, to_abort = self.output_processor.process_outputs(engine_outputs)
         if to_abort:  # ended by a stop string, which only the front end sees
             self.core_client.abort_requests(to_abort)

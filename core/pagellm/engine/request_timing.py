@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 
 from pagellm.metrics.stats import FinishedRequestStats, FinishedUserRequestStats, IterationStats
-from pagellm.outputs import RequestOutput
+from pagellm.outputs import AnyRequestOutput, RequestOutput
 from pagellm.scheduler.output import EngineCoreOutputs, RequestEventType
 
 
@@ -93,9 +93,11 @@ class RequestTimings:
             self._completions[engine_id] = CompletionTiming(arrival, num_prompt_tokens, max_tokens)
 
     def step(
-        self, engine_outputs: EngineCoreOutputs, results: list[RequestOutput]
+        self, engine_outputs: EngineCoreOutputs, results: list[AnyRequestOutput]
     ) -> IterationStats:
-        """One engine step's stats: its new tokens, and the completions its ``results`` end."""
+        """One engine step's stats: its new tokens, and the completions its ``results`` end. A
+        pooling request's vector counts as its first token (its prompt tokens, its time to the
+        result as time to first token) with no generation tokens."""
         now = time.monotonic()
         engine_now = engine_outputs.timestamp
         stats = IterationStats()
@@ -111,7 +113,7 @@ class RequestTimings:
         for out in engine_outputs.outputs:
             timing = completions.get(out.request_id)
             num_new = len(out.new_token_ids)
-            if timing is None or not num_new:
+            if timing is None or not (num_new or out.pooled is not None):
                 continue
             stats.num_generation_tokens += num_new
             if timing.first_token is None:
@@ -130,13 +132,18 @@ class RequestTimings:
             if request is None:
                 continue
             engine_ids = request.engine_ids
-            for completion in output.outputs:
+            ends = (
+                [(c.index, c.finish_reason) for c in output.outputs]
+                if isinstance(output, RequestOutput)
+                else [(0, output.finish_reason)]
+            )
+            for index, finish_reason in ends:
                 # A completion that ended before its siblings is reported then (delta outputs
                 # name its finish once; cumulative ones again, but its timing is gone by then).
-                if completion.finish_reason is not None and completion.index < len(engine_ids):
-                    timing = completions.pop(engine_ids[completion.index], None)
+                if finish_reason is not None and index < len(engine_ids):
+                    timing = completions.pop(engine_ids[index], None)
                     if timing is not None:
-                        stats.finished.append(timing.finished(completion.finish_reason, now))
+                        stats.finished.append(timing.finished(finish_reason, now))
                         request.max_num_generation_tokens = max(
                             request.max_num_generation_tokens, timing.num_generation_tokens
                         )

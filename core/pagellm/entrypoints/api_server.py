@@ -3,7 +3,8 @@
 The core serves only ``/health`` (also as ``/health/`` and ``/ping``), ``/version`` and
 ``/metrics``; every other route comes from the endpoint plugins the server is allowed to load (deny
 by default: VLLM_PLUGINS when it is set, else ``--endpoints``), whose ``required_tasks`` the
-served model must meet; each plugin's ``attach`` gets the app and a `ServerContext`. In front of
+served model must meet (its runner's tasks: ``generate``, or ``embed`` for a pooling model); each
+plugin's ``attach`` gets the app and a `ServerContext`. In front of
 every route: `request_guard`; error bodies: `http_errors`; uvicorn's side (header timeout,
 shutdown deadline): `http_server`.
 """
@@ -23,7 +24,7 @@ from fastapi.responses import JSONResponse, Response
 
 from pagellm.entrypoints.http_errors import SERVER_ERROR, APIError, install_error_handlers
 from pagellm.entrypoints.request_guard import RequestGuard
-from pagellm.entrypoints.server_args import ServerArgs
+from pagellm.entrypoints.server_args import DEFAULT_ENDPOINTS, ServerArgs
 from pagellm.entrypoints.server_context import ServerContext
 from pagellm.plugins import EndpointPlugin, allowlist, groups, load_endpoint_plugins
 from pagellm.plugins.loader import PluginError, discover, strict_mode
@@ -35,9 +36,6 @@ if TYPE_CHECKING:
     from pagellm.metrics.stats import StatLoggerBase
 
 logger = logging.getLogger(__name__)
-
-# What every model pagellm serves can do. Models of other tasks (embeddings, ...) do not exist yet.
-SERVED_TASKS = frozenset({"generate"})
 
 
 def _endpoint_names(args: ServerArgs) -> list[str]:
@@ -52,6 +50,8 @@ def _endpoint_names(args: ServerArgs) -> list[str]:
         return names
     installed = {ep.name for ep in discover(groups.ENDPOINT)}
     missing = sorted(set(names) - installed)
+    if tuple(names) == DEFAULT_ENDPOINTS:  # one per kind of model: not all need be installed
+        missing = [name for name in missing if name == DEFAULT_ENDPOINTS[0]]
     if missing:
         logger.warning(
             "--endpoints names endpoint plugins that are not installed: %s (installed: %s)",
@@ -75,7 +75,12 @@ def attach_endpoint_plugin(app: FastAPI, plugin: EndpointPlugin, ctx: ServerCont
 
 
 def _attach_endpoint_plugins(app: FastAPI, ctx: ServerContext) -> None:
-    enabled = load_endpoint_plugins(_endpoint_names(ctx.args), served_tasks=set(SERVED_TASKS))
+    """The allowed plugins whose required tasks the model has (`ModelConfig.tasks`); those left
+    out for their tasks are named by the 404 of a route nobody serves."""
+    tasks = set(ctx.engine_client.config.model.tasks)
+    skipped: dict[str, str] = {}
+    enabled = load_endpoint_plugins(_endpoint_names(ctx.args), tasks, skipped)
+    app.state.endpoints_not_served = skipped
     for name, plugin in enabled:
         try:
             attach_endpoint_plugin(app, plugin, ctx)

@@ -1,8 +1,8 @@
 """OpenAI-style HTTP errors: ``{"error": {"message", "type", "param", "code"}}``.
 
 Route handlers (the server's and the endpoint plugins') raise `APIError`; `install_error_handlers`
-turns it, and every other error the server knows (validation, unknown route, dead engine,
-overload, shutdown), into this body. A failure inside the server is `internal_error`: the client
+turns it, and every other error the server knows (validation, an IO processor's
+`IOProcessorInputError`, unknown route, dead engine, overload, shutdown), into this body. A failure inside the server is `internal_error`: the client
 learns the request id, the log gets the details.
 """
 
@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from pagellm.engine.errors import EngineDeadError, EngineOverloadedError, EngineShuttingDownError
+from pagellm.io_processors import IOProcessorInputError
 
 INVALID_REQUEST = "invalid_request_error"
 SERVER_ERROR = "server_error"
@@ -145,8 +146,18 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
-        error = APIError(exc.status_code, str(exc.detail))
+        message = str(exc.detail)
+        not_served = getattr(request.app.state, "endpoints_not_served", None)
+        if exc.status_code == 404 and message == "Not Found" and not_served:  # no such route:
+            # it may be one of a plugin left out for the model's tasks; say which and why
+            reasons = "; ".join(f"{name!r}: {why}" for name, why in sorted(not_served.items()))
+            message += f" (endpoint plugins not served for this model: {reasons})"
+        error = APIError(exc.status_code, message)
         return error.response(headers=dict(exc.headers or {}))
+
+    async def io_input_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, IOProcessorInputError)
+        return bad_request(str(exc), param=exc.param).response()
 
     async def engine_error(request: Request, exc: Exception) -> Response:
         error = error_for(exc, _request_id(request))
@@ -156,5 +167,6 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(HTTPException, http_error)
+    app.add_exception_handler(IOProcessorInputError, io_input_error)
     for engine_exc in (EngineDeadError, EngineOverloadedError, EngineShuttingDownError):
         app.add_exception_handler(engine_exc, engine_error)

@@ -1,19 +1,21 @@
-"""`LLM`: the offline API (vLLM-compatible): build an engine once, then `generate` / `chat`."""
+"""`LLM`: the offline API (vLLM-compatible): build an engine once, then `generate` / `chat`, or
+`embed` for a model served by the pooling runner."""
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
 from collections.abc import Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import msgspec
 from tqdm.auto import tqdm
 
 from pagellm.engine.args import EngineArgs
 from pagellm.engine.llm_engine import LLMEngine
-from pagellm.engine.processor import PromptType
-from pagellm.outputs import RequestOutput
+from pagellm.engine.processor import ProcessedPrompt, PromptType
+from pagellm.outputs import AnyRequestOutput, EmbeddingRequestOutput, RequestOutput
+from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import RequestOutputKind, SamplingParams
 
 ChatMessage = dict[str, Any]
@@ -72,7 +74,46 @@ class LLM:
             )
             for prompt, p in zip(prompt_list, params_list, strict=True)
         ]
-        request_ids = [str(next(self._request_counter)) for _ in prompt_list]
+        return cast(list[RequestOutput], self._run(processed, priorities, use_tqdm))
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        priority: list[int] | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (``output.outputs.embedding``), in the order of the prompts,
+        from a model served by the pooling runner (``runner="pooling"``, the default for an
+        embedding model such as BertModel). Every prompt is validated before any is queued.
+        ``truncate_prompt_tokens`` (-1: ``max_model_len``) applies to prompts whose params do
+        not set it."""
+        prompt_list = self._as_prompt_list(prompts)
+        count = len(prompt_list)
+        default = PoolingParams() if pooling_params is None else pooling_params
+        params_list = _one_each("pooling_params", default, count)
+        if truncate_prompt_tokens is not None:
+            params_list = [
+                p
+                if p.truncate_prompt_tokens is not None
+                else msgspec.structs.replace(p, truncate_prompt_tokens=truncate_prompt_tokens)
+                for p in params_list
+            ]
+        priorities = _one_each("priority", 0 if priority is None else priority, count)
+        processor = self.llm_engine.processor
+        processed = [
+            processor.process_pooling(prompt, p)
+            for prompt, p in zip(prompt_list, params_list, strict=True)
+        ]
+        return cast(list[EmbeddingRequestOutput], self._run(processed, priorities, use_tqdm))
+
+    def _run(
+        self, processed: list[ProcessedPrompt], priorities: list[int], use_tqdm: bool
+    ) -> list[AnyRequestOutput]:
+        engine = self.llm_engine
+        request_ids = [str(next(self._request_counter)) for _ in processed]
         for req_id, prompt, prio in zip(request_ids, processed, priorities, strict=True):
             engine.add_request(req_id, prompt, priority=prio)
         return self._run_engine(request_ids, use_tqdm)
@@ -86,6 +127,7 @@ class LLM:
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through the tokenizer's chat template."""
+        self.llm_engine.processor.check_generates()  # before the chat template is looked for
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.get_tokenizer()
         prompts: list[PromptType] = []
@@ -111,9 +153,9 @@ class LLM:
             raise ValueError("prompts is empty.")
         return prompt_list  # type: ignore[return-value]
 
-    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[AnyRequestOutput]:
         engine = self.llm_engine
-        finished: dict[str, RequestOutput] = {}
+        finished: dict[str, AnyRequestOutput] = {}
         pending = set(request_ids)
         bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm)
         try:

@@ -11,6 +11,9 @@ from dataclasses import dataclass
 from typing import Any
 
 API_KEY_ENV = "PAGELLM_API_KEY"
+DEFAULT_ENDPOINTS = ("openai", "embeddings")
+"""One endpoint plugin per kind of model: each attaches only to a model with its tasks (the OpenAI
+API to a generative model, /v1/embeddings to a pooling one)."""
 
 
 def _option(default: Any, help: str, **argparse_kwargs: Any) -> Any:
@@ -45,9 +48,9 @@ class ServerArgs:
         f"(default: ${API_KEY_ENV}).",
     )
     endpoints: Sequence[str] = _option(
-        ("openai",),
+        DEFAULT_ENDPOINTS,
         "Comma-separated endpoint plugins to serve when VLLM_PLUGINS is unset (when it is set, "
-        "it alone decides).",
+        "it alone decides); each attaches only if the model has the tasks it requires.",
         type=_names,
     )
     served_model_name: list[str] | None = _option(

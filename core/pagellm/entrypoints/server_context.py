@@ -11,8 +11,10 @@ if TYPE_CHECKING:
     from pagellm.config import EngineConfig
     from pagellm.engine.processor import PromptType
     from pagellm.entrypoints.server_args import ServerArgs
+    from pagellm.io_processors import IOProcessor
     from pagellm.metrics.stats import StatLoggerBase
-    from pagellm.outputs import RequestOutput
+    from pagellm.outputs import EmbeddingRequestOutput, RequestOutput
+    from pagellm.pooling_params import PoolingParams
     from pagellm.sampling_params import SamplingParams
 
 
@@ -26,11 +28,22 @@ class EngineClient(Protocol):
     def tokenizer(self) -> Any:
         """The Hugging Face tokenizer; None when the engine runs without one."""
 
+    @property
+    def io_processor(self) -> IOProcessor[Any, Any] | None:
+        """The model's IO processor (``--io-processor``, else its config.json's
+        ``io_processor_plugin``), or None; routes call its ``*_async`` stages."""
+
     def generate(
         self, prompt: PromptType, params: SamplingParams, request_id: str, priority: int = 0
     ) -> AsyncGenerator[RequestOutput, None]:
         """The request's outputs; ``ValueError`` for bad input before the first. Closing the
         generator aborts the request."""
+
+    def encode(
+        self, prompt: PromptType, params: PoolingParams, request_id: str, priority: int = 0
+    ) -> AsyncGenerator[EmbeddingRequestOutput, None]:
+        """A pooling request's output (its pooled vector), for a model served by the pooling
+        runner; ``ValueError`` for bad input (or a generative model) before it."""
 
     async def abort(self, request_id: str) -> None: ...
 

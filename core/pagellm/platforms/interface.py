@@ -66,6 +66,13 @@ class Platform:
         return cls.supported_dtypes[0]
 
     @classmethod
+    def fp8_dtype(cls) -> torch.dtype | None:
+        """The float8 e4m3 format this platform's fp8 kernels compute in, None where it has none.
+        float8_e4m3fn (the format checkpoints are written in) here and on NVIDIA GPUs; AMD CDNA3
+        GPUs compute in float8_e4m3fnuz. Quantization plugins consult it before they run fp8."""
+        return torch.float8_e4m3fn
+
+    @classmethod
     def attention_backend_ranking(cls) -> list[str]:
         """Preferred attention backends, best first (only installed ones are considered)."""
         return []

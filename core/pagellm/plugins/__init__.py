@@ -26,12 +26,15 @@ def load_frontend_plugins() -> None:
 
 
 def load_endpoint_plugins(
-    endpoints: list[str] | None, served_tasks: set[str] | None
+    endpoints: list[str] | None,
+    served_tasks: set[str] | None,
+    skipped: dict[str, str] | None = None,
 ) -> list[tuple[str, EndpointPlugin]]:
     """The endpoint plugins to serve: named by VLLM_PLUGINS, or (when it is unset) by the serve
     command's ``endpoints``; then only those whose required tasks the served model has.
     Pass ``served_tasks=None`` to skip the task check (listing only). Each plugin's
-    ``api_version`` says which ``attach`` signature it was written for."""
+    ``api_version`` says which ``attach`` signature it was written for. ``skipped``, when
+    given, gets each plugin left out for its tasks, with the reason."""
     enabled = []
     # Not cached like the other groups: the answer depends on the endpoint list and the tasks.
     for record in load_group(groups.ENDPOINT, allowed=set(endpoints or ()), force=True):
@@ -39,6 +42,8 @@ def load_endpoint_plugins(
         if served_tasks is not None and needed is not None and not (needed & served_tasks):
             record.status = "skipped"
             record.reason = f"required_tasks {sorted(needed)} do not meet the served model's tasks {sorted(served_tasks)}"
+            if skipped is not None:
+                skipped[record.name] = record.reason
         if record.status == "skipped":
             logger.info("Endpoint plugin %r skipped: %s", record.name, record.reason)
         elif record.status == "loaded":

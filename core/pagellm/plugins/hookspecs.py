@@ -15,10 +15,13 @@ from typing import Any
 import pluggy
 
 PROJECT_NAME = "pagellm"
-PLUGIN_API_VERSION = "1.2"
+PLUGIN_API_VERSION = "1.3"
 """Plugins declaring the same major version and a minor version up to this one are accepted.
 1.1: the ``pagellm.scheduler_policies`` group; endpoint plugins' ``attach(app, ctx)``.
-1.2: the ``pagellm.model_formats`` group (GGUF files are read by a plugin)."""
+1.2: the ``pagellm.model_formats`` group (GGUF files are read by a plugin).
+1.3: pooling models: ``EngineClient.encode``, endpoints with ``required_tasks={"embed"}``,
+``AttentionBackend.supports_non_causal``, model classes' ``runners`` and ``is_causal``; platform
+plugins may say why they are inactive (``pagellm_platform_inactive_reason``)."""
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
@@ -30,7 +33,8 @@ class EndpointPlugin:
 
     ``attach`` adds the plugin's routes to the API server's app: ``attach(app, engine_client)``
     for a plugin declaring API 1.0, ``attach(app, ctx)`` for 1.1.
-    ``required_tasks``: the model tasks the routes need (e.g. {"generate"}); None means any.
+    ``required_tasks``: the model tasks the routes need ({"generate"}, or {"embed"} for a pooling
+    model's); None means any.
     """
 
     attach: Callable[..., None]
@@ -56,7 +60,17 @@ class PlatformPluginSpec:
     @hookspec
     def pagellm_platform(self) -> str | None:
         """The class path of a `Platform` subclass when this platform's hardware is present,
-        else None."""
+        else None.
+
+        The plugin module may also declare ``pagellm_platform_class = "pkg.module:Class"``, the
+        path this hook answers when the hardware is present: the loader does not read it; tools
+        that check an inactive platform's declarations (the conformance kit) do."""
+
+    @hookspec
+    def pagellm_platform_inactive_reason(self) -> str:
+        """Optional (API 1.3): why `pagellm_platform` returned None, in a sentence a person can
+        act on (e.g. "torch is not a ROCm build (torch.version.hip is None)"); asked only then,
+        and shown by ``pagellm plugins``."""
 
 
 class AttentionBackendSpec:

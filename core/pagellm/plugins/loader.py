@@ -120,6 +120,20 @@ def _show_info_logs(module: ModuleType) -> None:
         plugin_logger.setLevel(level)
 
 
+def _inactive_reason(pm: pluggy.PluginManager, name: str, who: str) -> str:
+    """What an inactive platform plugin says of itself (API 1.3), or the generic reason."""
+    module = pm.get_plugin(name)
+    others = [p for p in pm.get_plugins() if p is not module]
+    try:
+        said = pm.subset_hook_caller("pagellm_platform_inactive_reason", remove_plugins=others)()
+    except Exception as exc:
+        logger.warning("%s could not say why it is inactive: %s", who, exc, exc_info=True)
+        said = []
+    if said and isinstance(said[0], str) and said[0].strip():
+        return said[0].strip()
+    return "its hardware is not present"
+
+
 def _load_one(
     ep: importlib.metadata.EntryPoint,
     group: PluginGroup,
@@ -161,7 +175,7 @@ def _load_one(
         return
     record.status = "loaded"
     if record.result is None and group.name == PLATFORM:
-        record.reason = "inactive: its hardware is not present"
+        record.reason = f"inactive: {_inactive_reason(pm, ep.name, who)}"
     level = logging.INFO if group.name in (PLATFORM, ENDPOINT) else logging.DEBUG
     logger.log(level, "%s loaded%s", who, f" ({record.reason})" if record.reason else "")
 

@@ -62,6 +62,9 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True):
     logprobs: list[SampleLogprobs | None] | None = None
     prompt_logprobs: dict[str, list[SampleLogprobs]] | None = None
     """Per request asking for them: the prompt positions computed this step (next-token logprobs)."""
+    pooled: list[bytes] | None = None
+    """A pooling model's step: per request (in ``req_ids`` order), its pooled vector as float32
+    bytes (native byte order: the engine and its front end share a host); nothing sampled."""
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -73,6 +76,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     new_prompt_logprobs: list[SampleLogprobs] | None = None
+    pooled: bytes | None = None
+    """A pooling request's result (float32 bytes, `ModelRunnerOutput.pooled`), with its finish."""
 
 
 class RequestEventType(enum.IntEnum):

@@ -263,6 +263,8 @@ class Scheduler:
     # ---------------------------------------------------------------- after the forward pass
 
     def update_from_output(self, runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
+        if runner_output.pooled is not None:
+            return self._update_from_pooled(runner_output.req_ids, runner_output.pooled)
         outputs: list[EngineCoreOutput] = []
         requests, running = self.requests, RequestStatus.RUNNING
         all_prompt_logprobs = runner_output.prompt_logprobs
@@ -312,6 +314,30 @@ class Scheduler:
         if finished:  # one pass over the running list, however many requests ended
             gone = set(finished)
             self.running[:] = [r for r in self.running if r not in gone]
+        return EngineCoreOutputs(outputs=outputs)
+
+    def _update_from_pooled(self, req_ids: list[str], pooled: list[bytes]) -> EngineCoreOutputs:
+        """A pooling model's step: each request ran over its whole prompt and ends with its vector
+        (one preempted after the step was launched too: the step computed it whole)."""
+        outputs: list[EngineCoreOutput] = []
+        finished: set[Request] = set()
+        stop = int(FinishReason.STOP)
+        for req_id, vector in zip(req_ids, pooled, strict=True):
+            request = self.requests.get(req_id)
+            if request is None:
+                continue  # aborted while the step ran
+            request.num_output_placeholders = 0
+            if request.status == RequestStatus.RUNNING:
+                finished.add(request)
+            else:
+                self.waiting.remove(request)
+            request.status = RequestStatus.FINISHED_STOPPED
+            cached = request.num_cached_tokens
+            outputs.append(EngineCoreOutput(req_id, [], None, stop, None, cached, None, vector))
+            if request is self.probe:
+                self.probe = None  # it ran alone to its end: it was not the fault
+            self._free_request(request)
+        self.running[:] = [r for r in self.running if r not in finished]
         return EngineCoreOutputs(outputs=outputs)
 
     def fail_step(self, scheduler_output: SchedulerOutput) -> EngineCoreOutputs:

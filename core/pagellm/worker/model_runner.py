@@ -1,7 +1,7 @@
 """The model runner: keeps the persistent batch in step with the scheduler, and runs each step as
 named stages: update the batch, plan the step, prepare its inputs, run the forward pass (or replay
-a captured graph), sample one token for each request whose scheduled tokens reach its end, and
-report what was sampled.
+a captured graph), sample one token for each request whose scheduled tokens reach its end (or,
+for a pooling model, pool each prompt into one vector: `_pool`), and report what was sampled.
 
 A step is launched (`launch`: everything up to sampling queued on the device, the sampled ids'
 copy to the host started) and collected (`collect`: those ids and logprobs on the host). Under
@@ -83,6 +83,8 @@ class ModelRunner:
         self.sampler = Sampler()
         self.model: Any = None
         """Loaded by the worker (`Worker.load_model`)."""
+        self.pooling = model_cfg.runner == "pooling"
+        """Every step pools each of its (whole) prompts with the model's `Pooler`; none samples."""
         self.attn_builder = self.attn_backend.get_builder_cls()(self.kv_cache_spec, device)
         self.buffers = StepBuffers(
             config.scheduler.max_num_batched_tokens,
@@ -198,6 +200,9 @@ class ModelRunner:
         graph = self.graphs.for_step(len(plan.rows), plan.num_tokens)
         common = self._prepare_inputs(plan, graph.size if graph is not None else plan.num_tokens)
         self._feed_pending_tokens(plan)
+        if self.pooling:
+            self.in_flight.append(self._pool(plan, self._forward(plan, common, graph)))
+            return
         # Staged before the forward pass is queued, so that no copy waits for it.
         sampling = self.sampling.build(plan.sample_rows) if len(plan.sample_pos) else None
         sample_idx = None
@@ -264,6 +269,26 @@ class ModelRunner:
         inputs, n = self.buffers.device_tensors, plan.num_tokens
         with set_forward_context(self.attn_builder.build(common)):
             return self.model(inputs.input_ids[:n], inputs.positions[:n])
+
+    def _pool(self, plan: StepPlan, hidden: torch.Tensor) -> StepInFlight:
+        """A pooling model's step: each row's prompt is whole in it (the engine runs pooling
+        models without chunked prefill or prefix caching), so each is pooled now, and the pooled
+        vectors start their way to the host."""
+        batch, rows = self.input_batch, plan.rows
+        if batch.num_computed_tokens[rows].any() or (plan.seq_lens != batch.num_tokens[rows]).any():
+            raise RuntimeError(
+                "A pooling step got a part of a prompt; pooling needs each prompt whole in one "
+                "step (chunked prefill and prefix caching are off for pooling models)."
+            )
+        to_device = self.buffers.to_device
+        pooled = self.model.pooler(
+            hidden[: plan.num_tokens], to_device(plan.query_start), to_device(plan.query_lens)
+        )
+        empty = np.zeros(0, dtype=np.int64)
+        step = StepInFlight(self.num_launched, plan.req_ids, empty, empty, empty, batch.version)
+        step.pooled = True
+        step.host_copy = current_platform.copy_to_host([pooled])
+        return step
 
     def _sample(
         self, plan: StepPlan, hidden: torch.Tensor, sampling: SamplingMetadata

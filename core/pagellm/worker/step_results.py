@@ -39,6 +39,9 @@ class StepInFlight:
     num_logprobs: np.ndarray | None = None
     """Per sampling request: how many top logprobs it asked for (-1: none); None: nobody did."""
     prompt_logprob_ids: list[str] = field(default_factory=list)
+    pooled: bool = False
+    """A pooling step: ``host_copy`` holds one [len(req_ids), hidden] float32 tensor of pooled
+    vectors, and nothing was sampled."""
 
     def finish(
         self,
@@ -47,6 +50,13 @@ class StepInFlight:
         max_model_len: int,
     ) -> ModelRunnerOutput:
         """Wait for the host copy, store the tokens, and report them per request."""
+        if self.pooled:
+            vectors = self.host_copy.wait()[0].numpy() if self.host_copy is not None else None
+            return ModelRunnerOutput(
+                req_ids=self.req_ids,
+                sampled_token_ids=[[] for _ in self.req_ids],
+                pooled=[] if vectors is None else [vector.tobytes() for vector in vectors],
+            )
         tokens: list[int] = []
         logprobs: list[SampleLogprobs] | None = None
         host = self.host_copy.wait() if self.host_copy is not None else []

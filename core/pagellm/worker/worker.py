@@ -4,6 +4,7 @@ each step through its model runner."""
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -35,9 +36,13 @@ class Worker:
         self.model_runner = ModelRunner(config, self.device)
 
     def load_model(self) -> None:
-        runner = self.model_runner
+        runner, start = self.model_runner, time.perf_counter()
         runner.model = load_model(self.config, runner.attn_backend, self.device)
-        logger.info("%s", describe_weight_bytes(runner.model, self.config.quantization))
+        logger.info(
+            "Model loaded in %.2f s. %s",
+            time.perf_counter() - start,
+            describe_weight_bytes(runner.model, self.config.quantization),
+        )
 
     def parallel_rank(self) -> int:
         """This worker's rank in its tensor-parallel group (0 when it works alone)."""
@@ -69,7 +74,7 @@ class Worker:
     @torch.inference_mode()
     def profile_run(self) -> None:
         """One forward pass over ``max_num_batched_tokens`` tokens and a sampling step over
-        ``max_num_seqs`` rows, before the KV cache exists, so the platform can measure peak
+        ``max_num_seqs`` rows (a pooling model's: pooling), before the KV cache exists, so the platform can measure peak
         activation memory (attention itself is skipped)."""
         sched, model = self.config.scheduler, self.model_runner.model
         n = sched.max_num_batched_tokens
@@ -77,6 +82,10 @@ class Worker:
         positions = torch.arange(n, device=self.device) % self.config.model.max_model_len
         with set_forward_context(None):
             hidden = model(ids, positions)
+        if self.model_runner.pooling:  # the step's prompts pooled (here as one), no sampling
+            whole = torch.tensor([n], device=self.device)
+            model.pooler(hidden, torch.zeros_like(whole), whole)
+            return
         logits = model.compute_logits(hidden[: min(sched.max_num_seqs, n)])
         logits.float().log_softmax(dim=-1).argmax(dim=-1)
 

@@ -41,6 +41,24 @@ def cuda_device_count() -> int:
     return torch.cuda.device_count()
 
 
+def inactive_reason(env: Mapping[str, str]) -> str | None:
+    """Why the CUDA platform is inactive in this process, or None when it has a GPU. A ROCm build
+    of torch also answers through ``torch.cuda``; its GPUs are the ``rocm`` platform's
+    (pagellm-rocm), so the two are never active together."""
+    if torch.version.hip is not None:
+        return (
+            f"torch is a ROCm build (torch.version.hip {torch.version.hip}): AMD GPUs are the "
+            "rocm platform's (pip install pagellm-rocm)"
+        )
+    if torch.version.cuda is None:
+        return "torch is not a CUDA build (torch.version.cuda is None)"
+    if cuda_device_count() == 0:
+        value = env.get(VISIBLE_DEVICES_VAR)
+        shown = "unset" if value is None else repr(value)
+        return f"no CUDA device is visible ({VISIBLE_DEVICES_VAR} {shown})"
+    return None
+
+
 def parse_visible_devices(value: str | None) -> list[int | str] | None:
     """The ids a ``CUDA_VISIBLE_DEVICES`` value lists, or None when it hides nothing.
 

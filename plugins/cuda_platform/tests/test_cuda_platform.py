@@ -105,7 +105,7 @@ def test_plugin_is_discovered_and_reports_itself_inactive_without_a_gpu(installe
     records = {r["name"]: r for r in json.loads(proc.stdout)["pagellm.platform_plugins"]}
     cuda = records["cuda"]
     assert (cuda["distribution"], cuda["status"]) == ("pagellm-cuda", "loaded")
-    assert cuda["reason"].startswith("inactive")
+    assert cuda["reason"] == "inactive: torch is not a CUDA build (torch.version.cuda is None)"
 
 
 def test_current_platform_with_the_plugin_installed_is_the_machines(installed, device):
@@ -125,6 +125,43 @@ def test_hook_answers_none_on_a_cpu_build_of_torch():
     assert torch.version.cuda is None  # this machine's torch: the case under test
     assert cuda_device_count() == 0
     assert pagellm_platform() is None
+
+
+def test_cpu_build_says_why_it_is_inactive():
+    from pagellm_cuda.plugin import pagellm_platform_inactive_reason
+
+    assert pagellm_platform_inactive_reason() == (
+        "torch is not a CUDA build (torch.version.cuda is None)"
+    )
+
+
+@pytest.mark.parametrize("cuda_version", [None, "12.8"])
+def test_rocm_build_is_left_to_the_rocm_platform(monkeypatch, cuda_version):
+    """A ROCm build of torch (faked: none is installed here) answers through torch.cuda and may
+    count AMD GPUs there; the CUDA platform still counts none and names the rocm platform."""
+    from pagellm_cuda.devices import inactive_reason
+    from pagellm_cuda.plugin import pagellm_platform_inactive_reason
+
+    monkeypatch.setattr(torch.version, "hip", "6.4.43482")
+    monkeypatch.setattr(torch.version, "cuda", cuda_version)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    assert cuda_device_count() == 0
+    assert pagellm_platform() is None
+    reason = pagellm_platform_inactive_reason()
+    assert reason == inactive_reason({})
+    assert reason.startswith("torch is a ROCm build (torch.version.hip 6.4.43482)")
+    assert "rocm platform" in reason
+
+
+def test_cuda_build_without_a_visible_gpu_names_the_variable(monkeypatch):
+    """A CUDA build of torch (faked) that counts no GPU."""
+    from pagellm_cuda.devices import inactive_reason
+
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert inactive_reason({VAR: "-1"}) == "no CUDA device is visible (CUDA_VISIBLE_DEVICES '-1')"
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert inactive_reason({}) is None
 
 
 def test_device_without_a_visible_gpu_is_a_clear_error():

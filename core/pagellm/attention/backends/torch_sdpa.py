@@ -2,8 +2,10 @@
 
 Works wherever torch does. Decode rows (one new token) are batched into one padded SDPA call;
 each prefill or prefill chunk gets its own call. Gather indices and masks are built once per
-step by the metadata builder and shared by all layers. An FP8 cache (``fp8_e4m3``) is quantized
-on write and the gathered context dequantized on read (`pagellm.kv_cache.fp8`).
+step by the metadata builder and shared by all layers. A non-causal layer (an encoder's) runs the
+same prefill call without the causal mask, over a prompt the step holds whole. An FP8 cache
+(``fp8_e4m3``) is quantized on write and the gathered context dequantized on read
+(`pagellm.kv_cache.fp8`).
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ class DecodeRows:
 class TorchSDPAMetadata:
     num_actual_tokens: int
     slot_mapping: torch.Tensor
+    has_context: bool = False
+    """Some row attends to tokens of earlier steps (a chunk, a prefix-cache hit, a decode)."""
     decodes: DecodeRows | None = None
     prefills: list[PrefillRow] = field(default_factory=list)
 
@@ -60,7 +64,11 @@ class TorchSDPAMetadataBuilder(AttentionMetadataBuilder):
         seq_lens = common.seq_lens_cpu.numpy()
         query_lens = np.diff(qsl)
         block_table = common.block_table
-        meta = TorchSDPAMetadata(common.num_actual_tokens, common.slot_mapping)
+        meta = TorchSDPAMetadata(
+            common.num_actual_tokens,
+            common.slot_mapping,
+            has_context=bool((seq_lens > query_lens).any()),
+        )
 
         decode_rows = np.flatnonzero(query_lens == 1)
         if len(decode_rows):
@@ -156,6 +164,13 @@ class TorchSDPAImpl(AttentionImpl):
         attn_metadata: TorchSDPAMetadata,
     ) -> torch.Tensor:
         num_tokens = attn_metadata.num_actual_tokens
+        if not self.causal and attn_metadata.has_context:
+            # Earlier steps' K/V were computed without the tokens after them: not bidirectional.
+            raise RuntimeError(
+                "A non-causal (encoder) attention layer got a step whose prompts are not whole "
+                "(chunked prefill or prefix caching is on): the engine turns both off for "
+                "pooling models."
+            )
         q = query[:num_tokens].view(num_tokens, self.num_heads, self.head_size)
         k = key[:num_tokens].view(num_tokens, self.num_kv_heads, self.head_size).transpose(0, 1)
         v = value[:num_tokens].view(num_tokens, self.num_kv_heads, self.head_size).transpose(0, 1)
@@ -186,7 +201,7 @@ class TorchSDPAImpl(AttentionImpl):
                 pk.unsqueeze(0),
                 pv.unsqueeze(0),
                 attn_mask=row.mask,
-                is_causal=row.mask is None,
+                is_causal=row.mask is None and self.causal,
                 scale=self.scale,
                 enable_gqa=gqa,
             )[0]
@@ -196,6 +211,7 @@ class TorchSDPAImpl(AttentionImpl):
 
 class TorchSDPABackend(AttentionBackend):
     name = "TORCH_SDPA"
+    supports_non_causal = True
     supported_device_types = ("cpu", "cuda")
     supported_kv_cache_dtypes = ("auto", "fp8_e4m3")
 

@@ -10,8 +10,11 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.backends.compiler import GPUTarget
 
-# Columns per program: one 16-byte access per thread for bf16 with four warps.
+from .target import warp_size
+
+# Columns per program: one 16-byte access per thread for bf16 with four warps of 32 threads.
 _BLOCK = 1024
 
 
@@ -35,10 +38,13 @@ def _silu_and_mul_kernel(
     tl.store(out_ptr + token * out_row_stride + cols, (silu * up).to(dtype), mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def silu_and_mul(
+    x: torch.Tensor, out: torch.Tensor | None = None, *, target: GPUTarget | None = None
+) -> torch.Tensor:
     """``silu(x[..., :d]) * x[..., d:]`` for ``x`` [..., 2 * d] (rows may be strided).
 
-    ``out`` (contiguous, [..., d], ``x``'s dtype) is written when given, else allocated."""
+    ``out`` (contiguous, [..., d], ``x``'s dtype) is written when given, else allocated.
+    ``target``: the GPU to size the launch for, when not ``x``'s own (`warp_size`)."""
     if x.shape[-1] % 2:
         raise ValueError(f"silu_and_mul needs an even last dimension, got {tuple(x.shape)}.")
     d = x.shape[-1] // 2
@@ -63,6 +69,6 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
         d,  # out is contiguous: its rows are d apart
         d,
         BLOCK=block,
-        num_warps=max(1, block // 256),
+        num_warps=max(1, block // (8 * warp_size(x.device, target))),
     )
     return out

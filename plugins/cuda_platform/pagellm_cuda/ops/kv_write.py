@@ -11,6 +11,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.backends.compiler import GPUTarget
+
+from .target import warp_size
 
 
 @triton.jit
@@ -58,8 +61,11 @@ def write_paged_kv(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    target: GPUTarget | None = None,
 ) -> None:
-    """The contract of `pagellm.layers.custom_ops` (``write_paged_kv``)."""
+    """The contract of `pagellm.layers.custom_ops` (``write_paged_kv``); ``target``: the GPU to
+    size the launch for, when not ``key``'s own (`warp_size`)."""
     num_tokens, heads, head_size = key.shape
     if num_tokens == 0:
         return
@@ -90,5 +96,5 @@ def write_paged_kv(
         HEAD_SIZE=head_size,
         HEAD_SIZE_POW2=size_pow2,
         BLOCK_SIZE=key_cache.shape[1],
-        num_warps=max(1, min(8, heads_pow2 * size_pow2 // 256)),
+        num_warps=max(1, min(8, heads_pow2 * size_pow2 // (8 * warp_size(key.device, target)))),
     )

@@ -11,6 +11,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.backends.compiler import GPUTarget
+
+from .target import warp_size
 
 # A row is held in registers whole; past this a row would need a second pass over memory.
 MAX_HIDDEN_SIZE = 65536
@@ -69,6 +72,7 @@ def _launch(
     out: torch.Tensor,
     weight: torch.Tensor,
     eps: float,
+    target: GPUTarget | None,
 ) -> None:
     """``x`` [rows, hidden], or [tokens, heads, head_size] normalised per head; either with any
     strides but the last; ``residual`` and ``out`` [rows, hidden]."""
@@ -90,7 +94,8 @@ def _launch(
     block = triton.next_power_of_2(n_cols)
     rows_per_program = max(1, _ELEMENTS_PER_PROGRAM // block)
     # About eight elements per thread: one 16-byte access per thread for bf16 rows.
-    num_warps = min(16, max(1, rows_per_program * block // 256))
+    threads = warp_size(x.device, target)
+    num_warps = min(16, max(1, rows_per_program * block // (8 * threads)))
     res = x if residual is None else residual
     _rms_norm_kernel[(triton.cdiv(n_rows, rows_per_program),)](
         x,
@@ -113,13 +118,19 @@ def _launch(
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    out: torch.Tensor | None = None,
+    *,
+    target: GPUTarget | None = None,
 ) -> torch.Tensor:
     """``weight * rms_norm(x)`` over the last dimension; rows of ``x`` may be strided, and so
     may the heads of a [tokens, heads, head_size] ``x`` (per-head norms of a fused QKV's views,
     read in place rather than copied).
 
-    ``out`` (contiguous, ``x``'s shape and dtype) is written when given, else allocated."""
+    ``out`` (contiguous, ``x``'s shape and dtype) is written when given, else allocated.
+    ``target``: the GPU to size the launch for, when not ``x``'s own (`warp_size`)."""
     rows = x if x.dim() == 3 and x.stride(-1) == 1 else _as_rows(x)
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -128,20 +139,26 @@ def rms_norm(
             f"rms_norm out must be contiguous {x.dtype} of shape {tuple(x.shape)}, got "
             f"{out.dtype} of shape {tuple(out.shape)} (contiguous={out.is_contiguous()})."
         )
-    _launch(rows, None, out.view(-1, x.shape[-1]), weight, eps)
+    _launch(rows, None, out.view(-1, x.shape[-1]), weight, eps, target)
     return out
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    target: GPUTarget | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(x + residual), x + residual)``, written into ``x`` and ``residual`` in place
-    (into copies of them when they cannot be viewed as rows with unit column stride)."""
+    (into copies of them when they cannot be viewed as rows with unit column stride); ``target``
+    as in `rms_norm`."""
     if x.shape != residual.shape or x.dtype != residual.dtype:
         raise ValueError(
             f"fused_add_rms_norm needs x and residual of one shape and dtype, got "
             f"{x.dtype} {tuple(x.shape)} and {residual.dtype} {tuple(residual.shape)}."
         )
     x_rows, residual_rows = _as_rows(x), _as_rows(residual)
-    _launch(x_rows, residual_rows, x_rows, weight, eps)
+    _launch(x_rows, residual_rows, x_rows, weight, eps, target)
     return x_rows.view(x.shape), residual_rows.view(residual.shape)

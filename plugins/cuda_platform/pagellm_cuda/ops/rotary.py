@@ -10,6 +10,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.backends.compiler import GPUTarget
+
+from .target import warp_size
 
 
 @triton.jit
@@ -82,10 +85,13 @@ def rotary_embedding(
     k: torch.Tensor,
     head_size: int,
     cos_sin_cache: torch.Tensor,
+    *,
+    target: GPUTarget | None = None,
 ) -> None:
     """Rotate ``q`` [tokens, heads * head_size] and ``k`` [tokens, kv_heads * head_size] in
     place by ``cos_sin_cache[positions]`` ([max_position, head_size] float32: cos half, sin
-    half). Rows of ``q`` and ``k`` may be strided (views into a fused qkv tensor)."""
+    half). Rows of ``q`` and ``k`` may be strided (views into a fused qkv tensor). ``target``: the
+    GPU to size the launch for, when not ``q``'s own (`warp_size`)."""
     positions = positions.reshape(-1)
     tokens = positions.shape[0]
     _check_rows("q", q, tokens, head_size)
@@ -102,7 +108,8 @@ def rotary_embedding(
     n_q_heads, n_k_heads = q.shape[1] // head_size, k.shape[1] // head_size
     block_half = triton.next_power_of_2(head_size // 2)
     block_q_heads = triton.next_power_of_2(n_q_heads)
-    num_warps = min(8, max(1, block_q_heads * block_half // 256))
+    threads = warp_size(q.device, target)
+    num_warps = min(8, max(1, block_q_heads * block_half // (8 * threads)))
     _rotary_kernel[(tokens,)](
         positions,
         positions.stride(0),

@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from pagellm.platforms import current_platform
 from pagellm.quantization import LinearMethodBase, QuantizationConfig, UnquantizedLinearMethod
 from pagellm.quantization.layers import checkpoint_layer_names, is_ignored_layer
 from pagellm_fp8.checkpoint_formats import (
@@ -65,7 +66,8 @@ class _Fp8ConfigBase(QuantizationConfig):
 
     @classmethod
     def platform_refusal(cls, device_type: str, dtype: torch.dtype) -> str | None:
-        return gemm_refusal(cls.weights, device_type, dtype)
+        fp8 = current_platform.fp8_dtype() if device_type != "cpu" else None
+        return gemm_refusal(cls.weights, device_type, dtype, platform_fp8=fp8)
 
     def get_linear_method(self, prefix: str) -> LinearMethodBase:
         names = checkpoint_layer_names(prefix)

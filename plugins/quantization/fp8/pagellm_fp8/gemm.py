@@ -21,6 +21,7 @@ from types import ModuleType
 import torch
 
 from pagellm_fp8.quant_ops import (
+    FP8_DTYPE,
     dequantize_activation,
     dequantize_weight,
     quantize_activation,
@@ -47,15 +48,28 @@ def gemm_refusal(
     device_type: str,
     dtype: torch.dtype,
     capability: tuple[int, int] | None = None,
+    platform_fp8: torch.dtype | None = FP8_DTYPE,
 ) -> str | None:
     """Why a scheme with ``weights`` scales cannot run on ``device_type`` (``capability``: the
-    GPU's, asked of the current GPU when None), or None."""
+    GPU's, asked of the current GPU when None; ``platform_fp8``: the fp8 format the platform
+    computes in, `Platform.fp8_dtype`), or None."""
     if device_type == "cpu":
         return None  # the reference path runs every scheme
     if device_type != "cuda":
         return (
             f"pagellm-fp8 has no fp8 GEMM for device type {device_type!r} "
             "(it runs on CUDA GPUs of compute capability 8.9 or newer, and on the CPU)"
+        )
+    if platform_fp8 is None:
+        return "this GPU has no fp8 matrix instructions; serve the unquantized model instead"
+    if platform_fp8 != FP8_DTYPE:
+        # AMD CDNA3 (gfx94x): pagellm_rocm.fp8 converts the weights and scales exactly, but the
+        # activation quantization and the GEMMs here are written for float8_e4m3fn.
+        return (
+            f"this GPU computes fp8 in {str(platform_fp8).removeprefix('torch.')}, and "
+            "pagellm-fp8's activation quantization and GEMMs are written for float8_e4m3fn only "
+            "(converting the checkpoint is implemented: pagellm_rocm.fp8.e4m3fn_to_e4m3fnuz); "
+            "serve the unquantized model instead"
         )
     capability = capability or torch.cuda.get_device_capability()
     if capability < SCALED_MM_MIN_CAPABILITY:

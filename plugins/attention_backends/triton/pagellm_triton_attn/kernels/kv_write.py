@@ -8,8 +8,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.backends.compiler import GPUTarget
 
-from .launch import FP8_E4M3_MAX, check_inner_contiguous, is_fp8_cache
+from .launch import FP8_E4M3_MAX, check_inner_contiguous, gpu_target, is_fp8_cache
 
 
 @triton.jit
@@ -67,16 +68,21 @@ def write_kv_cache(
     slot_mapping: torch.Tensor,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    target: GPUTarget | None = None,
 ) -> None:
     """Store ``key``/``value`` ``[T, num_kv_heads, head_size]`` (last dim contiguous) at
     ``slot_mapping[:T]`` in caches shaped ``[num_blocks, num_kv_heads, block_size, head_size]``;
-    an FP8 cache gets them divided by ``k_scale``/``v_scale``."""
+    an FP8 cache gets them divided by ``k_scale``/``v_scale``. ``target``: the GPU to size the
+    launch for, when not the tensors' own (`gpu_target`; cross-compiling passes it)."""
     num_tokens, num_kv_heads, head_size = key.shape
     if num_tokens == 0:
         return
     check_inner_contiguous(key, value, key_cache, value_cache)
     heads_p = triton.next_power_of_2(num_kv_heads)
     block_d = triton.next_power_of_2(head_size)
+    if target is None:
+        target = gpu_target(key.device)
+    warp_size = 32 if target is None else target.warp_size
     _write_kv_kernel[(num_tokens,)](
         key,
         value,
@@ -98,6 +104,7 @@ def write_kv_cache(
         BLOCK_D=block_d,
         PAGE=key_cache.shape[2],
         QUANTIZE=is_fp8_cache(key_cache),
-        # One 16-byte vector per thread for a 8 x 128 bf16 tile at 4 warps.
-        num_warps=max(1, min(8, heads_p * block_d // 256)),
+        # About eight elements per thread: one 16-byte vector for bf16 (4 warps of 32 threads
+        # for an 8 x 128 tile).
+        num_warps=max(1, min(8, heads_p * block_d // (8 * warp_size))),
     )

@@ -1,13 +1,22 @@
-"""Launch parameters of the attention kernels: tile shapes per dtype and head size, dot precision,
-and the stride every kernel assumes of its tensors."""
+"""Launch parameters of the attention kernels: tile shapes per GPU target, dtype and head size,
+dot precision, and the stride every kernel assumes of its tensors.
+
+The target is the one Triton compiles for on the tensors' device (`gpu_target`): NVIDIA GPUs get
+the tiles tuned on an H200; AMD GPUs (``hip`` targets) get tiles sized by their wavefront and LDS
+(`_hip_tiles`), untuned for lack of an AMD GPU but checked by compiling for gfx942, gfx950 and
+gfx1100 (pagellm-rocm's tests). On the CPU (Triton's interpreter) there is no target: the NVIDIA
+tiles are interpreted.
+"""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
+from triton.backends.compiler import GPUTarget
 
 # float8_e4m3fn's largest finite value: FP8 cache writes saturate there (e4m3fn has no infinity).
 FP8_E4M3_MAX: tl.constexpr = tl.constexpr(448.0)
@@ -34,15 +43,33 @@ def check_inner_contiguous(*tensors: torch.Tensor) -> None:
             )
 
 
-def dot_precision(dtype: torch.dtype) -> str:
-    # float32 models expect float32 attention, not TF32's 10-bit mantissa.
-    return "ieee" if dtype == torch.float32 else "tf32"
+@functools.cache
+def _device_target(index: int) -> GPUTarget:
+    props = torch.cuda.get_device_properties(index)
+    if torch.version.hip is not None:
+        return GPUTarget("hip", props.gcnArchName.split(":")[0], props.warp_size)
+    return GPUTarget("cuda", props.major * 10 + props.minor, 32)
+
+
+def gpu_target(device: torch.device) -> GPUTarget | None:
+    """The target Triton compiles for on ``device`` (asked once per device); None off the GPU."""
+    if device.type != "cuda":
+        return None
+    return _device_target(torch.cuda.current_device() if device.index is None else device.index)
+
+
+def dot_precision(dtype: torch.dtype, target: GPUTarget | None = None) -> str:
+    # float32 models expect float32 attention, not TF32's 10-bit mantissa. For half-precision
+    # operands the choice does not matter; AMD targets other than gfx942 offer no "tf32".
+    hip = target is not None and target.backend == "hip"
+    return "ieee" if dtype == torch.float32 or hip else "tf32"
 
 
 @dataclass(frozen=True)
 class Tiles:
-    """Launch shape of an attention kernel. Untuned defaults for Hopper (H100/H200), checked
-    by compiling for sm_90: no register spills, shared memory well under the 227 KiB limit."""
+    """Launch shape of an attention kernel. On NVIDIA GPUs, untuned defaults for Hopper
+    (H100/H200), checked by compiling for sm_90: no register spills, shared memory well under
+    the 227 KiB limit; on AMD GPUs, `_hip_tiles`."""
 
     block_n: int
     """Keys per tile."""
@@ -59,10 +86,41 @@ class Tiles:
 _FP32_TILES = Tiles(block_n=32, num_warps=8, num_stages=2)
 
 
-def mixed_tiles(dtype: torch.dtype, head_size: int, gqa: int, max_query_len: int) -> Tiles:
-    """`paged_attention`'s tiles: about 64 rows (128 for long prompts: fewer K/V re-reads)."""
+_HIP_THREADS = 256
+"""Threads per program on AMD GPUs: 4 wavefronts of 64 on CDNA, 8 of 32 on RDNA (with 4, RDNA3
+spills the accumulators to scratch)."""
+_HIP_KV_LDS = 32 * 1024
+"""LDS for one stage of K and V tiles: two programs per CU (or WGP) within the 64 KiB that
+CDNA3 and RDNA give a workgroup."""
+
+
+def _hip_tiles(target: GPUTarget, head_size: int, kv_bytes: int, max_block_n: int) -> Tiles:
+    """Tiles for an AMD GPU: ``block_n`` keys so that one K and one V tile fit `_HIP_KV_LDS`,
+    two stages (Triton's AMD pipeliner then loads the next tiles into LDS while the current ones
+    are used: one stage buffered), `_HIP_THREADS` threads per program."""
+    block_d = triton.next_power_of_2(head_size)
+    block_n = min(max_block_n, max(16, _HIP_KV_LDS // (2 * block_d * kv_bytes)))
+    num_warps = max(1, _HIP_THREADS // target.warp_size)
+    return Tiles(block_n=block_n, num_warps=num_warps, num_stages=2)
+
+
+def mixed_tiles(
+    dtype: torch.dtype,
+    head_size: int,
+    gqa: int,
+    max_query_len: int,
+    target: GPUTarget | None = None,
+) -> Tiles:
+    """`paged_attention`'s tiles: about 64 rows (128 for long prompts: fewer K/V re-reads).
+    On AMD GPUs: on CDNA 64 rows (16 in float32) over at most 64 keys; on RDNA 16 rows over at
+    most 32 keys (16 in float32), the largest tiles RDNA3 compiles without spilling registers."""
     gqa_p = triton.next_power_of_2(gqa)
-    if dtype == torch.float32:
+    if target is not None and target.backend == "hip":
+        cdna = target.warp_size == 64
+        max_block_n = 64 if cdna else (16 if dtype == torch.float32 else 32)
+        tiles = _hip_tiles(target, head_size, dtype.itemsize, max_block_n)
+        target_m = 64 if cdna and dtype != torch.float32 else 16
+    elif dtype == torch.float32:
         target_m, tiles = 16, _FP32_TILES
     elif head_size > 128:
         target_m, tiles = 64, Tiles(block_n=32, num_warps=8, num_stages=2)
@@ -75,13 +133,19 @@ def mixed_tiles(dtype: torch.dtype, head_size: int, gqa: int, max_query_len: int
 
 
 def decode_tiles(
-    dtype: torch.dtype, head_size: int, cache_dtype: torch.dtype | None = None
+    dtype: torch.dtype,
+    head_size: int,
+    cache_dtype: torch.dtype | None = None,
+    target: GPUTarget | None = None,
 ) -> Tiles:
     """`paged_decode`'s tiles: a 64 x 128 half-precision K tile is 16 KiB; with three stages K and
     V are double-buffered (the pages are loaded a tile ahead), 70 KiB of shared memory a program,
     so three programs (12 warps) share an SM and keep enough loads in flight to saturate HBM. An
     FP8 cache's tiles are twice as long for the same bytes in flight. Chosen by
-    `benchmarks/triton_decode_tiles.py` on an H200."""
+    `benchmarks/triton_decode_tiles.py` on an H200. On AMD GPUs: `_hip_tiles`, up to 128 keys."""
+    if target is not None and target.backend == "hip":
+        kv_bytes = (cache_dtype or dtype).itemsize
+        return _hip_tiles(target, head_size, kv_bytes, 128)
     if dtype == torch.float32:
         return _FP32_TILES
     fp8 = cache_dtype == torch.float8_e4m3fn

@@ -10,8 +10,16 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.backends.compiler import GPUTarget
 
-from .launch import check_inner_contiguous, dot_precision, fp8_as_f16, is_fp8_cache, mixed_tiles
+from .launch import (
+    check_inner_contiguous,
+    dot_precision,
+    fp8_as_f16,
+    gpu_target,
+    is_fp8_cache,
+    mixed_tiles,
+)
 from .online_softmax import LOG2E, NO_MAX, attend_paged_tile, attend_tile, tile_pages
 
 
@@ -169,6 +177,7 @@ def paged_attention(
     skip_decodes: bool = False,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    target: GPUTarget | None = None,
 ) -> None:
     """Causal attention of every query token of a mixed batch over its request's paged context.
 
@@ -176,14 +185,17 @@ def paged_attention(
     block_size, head_size]``; request i's tokens are ``query_start_loc[i]:query_start_loc[i+1]``
     and its context (cached and new tokens, already in the cache) is ``seq_lens[i]`` long.
     ``skip_decodes`` leaves rows of one query token to `paged_decode`. Float8 caches hold K/V
-    divided by ``k_scale``/``v_scale``."""
+    divided by ``k_scale``/``v_scale``. ``target``: the GPU to choose tiles for, when not the
+    tensors' own (`gpu_target`; cross-compiling passes it)."""
     if num_reqs == 0 or num_tokens == 0:
         return
+    if target is None:
+        target = gpu_target(query.device)
     num_heads, head_size = query.shape[1], query.shape[2]
     num_kv_heads = key_cache.shape[1]
     check_inner_contiguous(query, out, key_cache, value_cache)
     gqa = num_heads // num_kv_heads
-    tiles = mixed_tiles(query.dtype, head_size, gqa, max_query_len)
+    tiles = mixed_tiles(query.dtype, head_size, gqa, max_query_len, target)
     num_virtual_tiles = num_tokens // tiles.block_q + num_reqs
     _paged_attention_kernel[(num_kv_heads * num_virtual_tiles,)](
         query,
@@ -219,7 +231,7 @@ def paged_attention(
         KV_FP8=is_fp8_cache(key_cache),
         FP8_AS_F16=fp8_as_f16(query, key_cache),
         SKIP_DECODES=skip_decodes,
-        DOT_PRECISION=dot_precision(query.dtype),
+        DOT_PRECISION=dot_precision(query.dtype, target),
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )

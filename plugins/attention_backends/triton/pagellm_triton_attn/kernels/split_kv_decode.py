@@ -13,6 +13,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.backends.compiler import GPUTarget
 
 from .launch import (
     Tiles,
@@ -20,6 +21,7 @@ from .launch import (
     decode_tiles,
     dot_precision,
     fp8_as_f16,
+    gpu_target,
     is_fp8_cache,
 )
 from .online_softmax import LOG2E, NO_MAX, attend_paged_tile, tile_pages
@@ -199,6 +201,7 @@ def paged_decode(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     tiles: Tiles | None = None,
+    target: GPUTarget | None = None,
 ) -> None:
     """Attention for the rows of exactly one query token (token ``query_start_loc[row]``);
     other rows are skipped, so this can share a mixed batch with `paged_attention`.
@@ -207,15 +210,18 @@ def paged_decode(
     into ``scratch`` (from `split_scratch`), then merged. Rows with ``seq_len`` 0 produce zeros
     and read no cache. The launch reads no host-side per-step value besides its shapes. Float8
     caches hold K/V divided by ``k_scale``/``v_scale``. ``tiles``: other tiles than
-    `decode_tiles`' (for tile sweeps, `benchmarks/triton_decode_tiles.py`)."""
+    `decode_tiles`' (for tile sweeps, `benchmarks/triton_decode_tiles.py`). ``target``: the GPU
+    to choose tiles for, when not the tensors' own (`gpu_target`; cross-compiling passes it)."""
     if num_rows == 0:
         return
+    if target is None:
+        target = gpu_target(query.device)
     num_heads, head_size = query.shape[1], query.shape[2]
     num_kv_heads = key_cache.shape[1]
     check_inner_contiguous(query, out, key_cache, value_cache)
     gqa = num_heads // num_kv_heads
     block_d = triton.next_power_of_2(head_size)
-    tiles = tiles or decode_tiles(query.dtype, head_size, key_cache.dtype)
+    tiles = tiles or decode_tiles(query.dtype, head_size, key_cache.dtype, target)
     split = num_splits > 1
     if split:
         if scratch is None:
@@ -261,7 +267,7 @@ def paged_decode(
         KV_FP8=is_fp8_cache(key_cache),
         FP8_AS_F16=fp8_as_f16(query, key_cache),
         SPLIT=split,
-        DOT_PRECISION=dot_precision(query.dtype),
+        DOT_PRECISION=dot_precision(query.dtype, target),
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )

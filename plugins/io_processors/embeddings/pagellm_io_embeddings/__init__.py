@@ -1,0 +1,1 @@
+"""pagellm-io-embeddings: sentence embeddings from a pooling model, served at /v1/embeddings."""

@@ -1,0 +1,194 @@
+"""Every Triton kernel the ROCm platform runs, launched by its own host function for each AMD
+target and compiled for it (`pagellm_rocm.cross_compile`); prints one JSON object.
+
+    python plugins/rocm_platform/tests/amd_kernel_cases.py [gfx942 gfx950 gfx1100]
+
+Runs in a process where Triton compiles (``TRITON_INTERPRET`` unset or 0); test_amd_kernels.py
+starts it. The kernels are TRITON_ATTN's (`pagellm_triton_attn.kernels`) and the fused ops of
+`pagellm_cuda.ops` that the ROCm platform's ``custom_ops()`` returns. The tensors are CPU tensors
+of a Llama-like layer (8 KV heads, GQA 4, head size 128, a 4096-wide hidden state): the host
+functions read only their shapes, strides, dtypes and alignment.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from types import ModuleType
+
+import torch
+from pagellm_rocm.cross_compile import (
+    AMD_TARGETS,
+    CrossCompileError,
+    compile_launch,
+    recorded_launches,
+)
+
+BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
+KV_HEADS, GQA, HEAD, PAGE, BLOCKS = 8, 4, 128, 16, 32
+HIDDEN = 4096
+
+Case = Callable[..., None]
+
+
+def attention_tensors(dtype: torch.dtype, cache_dtype: torch.dtype, head: int = HEAD) -> dict:
+    """Two requests: a 24-token prompt chunk after 40 cached tokens, and one decode row."""
+    tokens = 25
+    return dict(
+        query=torch.empty(tokens, KV_HEADS * GQA, head, dtype=dtype),
+        key_cache=torch.empty(BLOCKS, KV_HEADS, PAGE, head, dtype=cache_dtype),
+        value_cache=torch.empty(BLOCKS, KV_HEADS, PAGE, head, dtype=cache_dtype),
+        out=torch.empty(tokens, KV_HEADS * GQA, head, dtype=dtype),
+        query_start_loc=torch.tensor([0, 24, 25], dtype=torch.int32),
+        seq_lens=torch.tensor([64, 90], dtype=torch.int32),
+        block_table=torch.zeros(2, 8, dtype=torch.int32),
+    )
+
+
+def kv_write(dtype: torch.dtype, cache_dtype: torch.dtype) -> Case:
+    def run(kernels: ModuleType, target) -> None:
+        t = attention_tensors(dtype, cache_dtype)
+        new = torch.empty(25, KV_HEADS, HEAD, dtype=dtype)
+        slots = torch.zeros(25, dtype=torch.int64)
+        kernels.write_kv_cache(
+            new, new, t["key_cache"], t["value_cache"], slots, 0.5, 0.5, target=target
+        )
+
+    return run
+
+
+def mixed(dtype: torch.dtype, cache_dtype: torch.dtype) -> Case:
+    def run(kernels: ModuleType, target) -> None:
+        kernels.paged_attention(
+            **attention_tensors(dtype, cache_dtype), num_reqs=2, num_tokens=25,
+            max_query_len=24, scale=HEAD**-0.5, sliding_window=None, skip_decodes=True,
+            target=target,
+        )  # fmt: skip
+
+    return run
+
+
+def decode(dtype: torch.dtype, cache_dtype: torch.dtype, head: int = HEAD) -> Case:
+    """Split-KV decode over two splits: the split kernel and the merge kernel."""
+
+    def run(kernels: ModuleType, target) -> None:
+        t = attention_tensors(dtype, cache_dtype, head)
+        scratch = kernels.split_scratch(2, KV_HEADS * GQA, head, 2, torch.device("cpu"))
+        kernels.paged_decode(
+            **t, num_rows=2, scale=head**-0.5, sliding_window=None, num_splits=2,
+            scratch=scratch, target=target,
+        )  # fmt: skip
+
+    return run
+
+
+def op(name: str) -> Case:
+    def run(ops: ModuleType, target) -> None:
+        x = torch.empty(16, HIDDEN, dtype=BF16)
+        weight = torch.empty(HIDDEN, dtype=BF16)
+        if name == "rms_norm":
+            ops.rms_norm(x, weight, 1e-6, target=target)
+        elif name == "fused_add_rms_norm":
+            ops.fused_add_rms_norm(x, torch.empty_like(x), weight, 1e-6, target=target)
+        elif name == "per_head_rms_norm":  # q/k norms of Qwen3, read in place from a fused qkv
+            qkv = torch.empty(16, (KV_HEADS * GQA + 2 * KV_HEADS) * HEAD, dtype=BF16)
+            q = qkv[:, : KV_HEADS * GQA * HEAD].view(16, KV_HEADS * GQA, HEAD)
+            ops.rms_norm(q, torch.empty(HEAD, dtype=BF16), 1e-6, target=target)
+        elif name == "rotary_embedding":
+            q = torch.empty(16, KV_HEADS * GQA * HEAD, dtype=BF16)
+            k = torch.empty(16, KV_HEADS * HEAD, dtype=BF16)
+            cache = torch.empty(4096, HEAD, dtype=torch.float32)
+            positions = torch.zeros(16, dtype=torch.int64)
+            ops.rotary_embedding(positions, q, k, HEAD, cache, target=target)
+        elif name == "silu_and_mul":
+            ops.silu_and_mul(torch.empty(16, 2 * 14336, dtype=BF16), target=target)
+        elif name == "write_paged_kv":
+            new = torch.empty(16, KV_HEADS, HEAD, dtype=BF16)
+            cache = torch.empty(BLOCKS, PAGE, KV_HEADS, HEAD, dtype=BF16)
+            slots = torch.zeros(16, dtype=torch.int64)
+            ops.write_paged_kv(new, new, cache, cache, slots, target=target)
+
+    return run
+
+
+# case name → (package, the modules whose kernels it launches, the case, the targets it runs on)
+ALL = tuple(AMD_TARGETS)
+ATTENTION = "pagellm_triton_attn.kernels"
+OPS = "pagellm_cuda.ops"
+CASES: dict[str, tuple[str, Case, tuple[str, ...]]] = {
+    "attn.write_kv_cache.bf16": (ATTENTION, kv_write(BF16, BF16), ALL),
+    "attn.paged_attention.bf16": (ATTENTION, mixed(BF16, BF16), ALL),
+    "attn.paged_attention.fp32": (ATTENTION, mixed(torch.float32, torch.float32), ALL),
+    "attn.paged_decode.bf16": (ATTENTION, decode(BF16, BF16), ALL),
+    "attn.paged_decode.bf16.head256": (ATTENTION, decode(BF16, BF16, head=256), ALL),
+    # An fp8 KV cache only where the GPU computes in float8_e4m3fn (see pagellm_rocm.platform).
+    "attn.write_kv_cache.fp8": (ATTENTION, kv_write(BF16, FP8), ("gfx950",)),
+    "attn.paged_attention.fp8": (ATTENTION, mixed(BF16, FP8), ("gfx950",)),
+    "attn.paged_decode.fp8": (ATTENTION, decode(BF16, FP8), ("gfx950",)),
+    **{
+        f"ops.{name}": (OPS, op(name), ALL)
+        for name in (
+            "rms_norm",
+            "fused_add_rms_norm",
+            "per_head_rms_norm",
+            "rotary_embedding",
+            "silu_and_mul",
+            "write_paged_kv",
+        )
+    },
+}
+
+# The modules whose module-level kernels the host functions launch.
+KERNEL_MODULES = {
+    ATTENTION: {
+        "kv_write": ["_write_kv_kernel"],
+        "mixed_batch": ["_paged_attention_kernel"],
+        "split_kv_decode": ["_paged_decode_kernel", "_merge_splits_kernel"],
+    },
+    OPS: {
+        "layernorm": ["_rms_norm_kernel"],
+        "rotary": ["_rotary_kernel"],
+        "activation": ["_silu_and_mul_kernel"],
+        "kv_write": ["_write_paged_kv_kernel"],
+    },
+}
+
+
+def record(package: str, case: Case, target) -> list:
+    """The launches ``case`` makes for ``target``, recorded from every kernel module."""
+    import contextlib
+    import importlib
+
+    root = importlib.import_module(package)
+    with contextlib.ExitStack() as stack:
+        launches: list = []
+        for module_name, kernels in KERNEL_MODULES[package].items():
+            module = importlib.import_module(f"{package}.{module_name}")
+            launches.append(stack.enter_context(recorded_launches(module, *kernels)))
+        case(root, target)
+    return [launch for per_module in launches for launch in per_module]
+
+
+def main(archs: list[str]) -> dict:
+    results = []
+    for arch in archs:
+        target = AMD_TARGETS[arch]
+        for name, (package, case, where) in CASES.items():
+            if arch not in where:
+                continue
+            launches = record(package, case, target)
+            if not launches:
+                results.append({"case": name, "arch": arch, "error": "launched no kernel"})
+            for launch in launches:
+                try:
+                    compiled = compile_launch(launch, target)
+                    results.append({"case": name, **compiled.__dict__})
+                except CrossCompileError as exc:
+                    results.append({"case": name, "arch": arch, "kernel": launch.name,
+                                    "error": str(exc)})  # fmt: skip
+    return {"results": results}
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(sys.argv[1:] or list(AMD_TARGETS))))
