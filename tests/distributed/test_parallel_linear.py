@@ -20,6 +20,7 @@ from pagellm.layers.parallel_linear import (
     TensorParallelError,
     kv_heads_per_rank,
 )
+from pagellm.quantization import LinearMethodBase, QuantizationConfig
 from pagellm.quantization.registry import quantization_methods
 
 HIDDEN, HEAD, HEADS = 16, 4, 4
@@ -156,19 +157,34 @@ def test_kv_heads_are_shared_or_replicated_and_uneven_layouts_are_refused():
         kv_heads_per_rank(6, 4)
 
 
-@pytest.mark.parametrize("method", ["gguf", "gptq", "awq"])
-def test_packed_quantization_methods_refuse_tensor_parallelism(method):
+@pytest.mark.parametrize(
+    ("method", "checkpoint"),
+    [
+        ("gguf", {}),
+        ("gptq", {"quant_method": "gptq", "bits": 4, "group_size": 128}),
+        ("awq", {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm"}),
+        ("fp8", {}),
+        ("fp8", {"quant_method": "fp8", "activation_scheme": "static"}),
+    ],
+)
+def test_first_party_quantization_methods_accept_tensor_parallelism(method, checkpoint):
     if method not in quantization_methods.names():
         pytest.skip(f"{method} is not installed")
-    refusal = quantization_methods.get(method).tensor_parallel_refusal(2, {})
-    assert refusal == (
-        f"quantization {method} does not support tensor_parallel_size 2 yet; use "
+    assert quantization_methods.get(method).tensor_parallel_refusal(2, checkpoint) is None
+
+
+def test_a_quantization_method_refuses_tensor_parallelism_unless_it_says_it_splits():
+    class Packed(QuantizationConfig):
+        name = "packed"
+
+        @classmethod
+        def from_config(cls, config: dict) -> QuantizationConfig:
+            return cls()
+
+        def get_linear_method(self, prefix: str) -> LinearMethodBase:
+            raise NotImplementedError
+
+    assert Packed.tensor_parallel_refusal(2, {}) == (
+        "quantization packed does not support tensor_parallel_size 2 yet; use "
         "tensor_parallel_size 1 or a float checkpoint."
     )
-
-
-def test_fp8_quantizes_rank_slices_online_but_refuses_fp8_checkpoints():
-    fp8 = quantization_methods.get("fp8")
-    assert fp8.tensor_parallel_refusal(2, {}) is None
-    refusal = fp8.tensor_parallel_refusal(2, {"quant_method": "fp8"})
-    assert refusal is not None and "fp8 checkpoint" in refusal

@@ -755,8 +755,8 @@ def test_sigterm_lets_requests_finish_aborts_the_rest_after_the_timeout_and_stop
     servers: dict[str, Server],
 ):
     """``default`` runs with the default --shutdown-timeout of 5 s. The short request finishes
-    within it; the long one cannot (its client reads nothing, and its ~5 MB of events outgrow the
-    socket buffers), so it is cut when the timeout ends; then the engine process is stopped."""
+    within it; the long one cannot (its client reads nothing), so it is aborted when the timeout
+    ends; then the engine process is stopped."""
     server = servers["default"]
     engine_pid = server.engine_pid()
     long_body = {
@@ -783,7 +783,12 @@ def test_sigterm_lets_requests_finish_aborts_the_rest_after_the_timeout_and_stop
     while data := long_stream.recv(1 << 16):
         received += data
     long_stream.close()
-    assert received.count(b"data: {") > 0 and b"data: [DONE]" not in received
+    # Aborted, not finished: either cut off mid-stream (its events outgrew the socket buffers),
+    # or, when fewer events were made before the timeout (a loaded machine), told so in an error
+    # event; never its 8 x 480 tokens to their end.
+    assert received.count(b"data: {") > 0
+    assert b"data: [DONE]" not in received or b'"code":"server_shutting_down"' in received
+    assert received.count(b'"finish_reason":"length"') < 8
     assert "Shutting the engine down" in server.log()
     with pytest.raises(ProcessLookupError):
         for _ in range(100):

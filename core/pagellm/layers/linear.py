@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagellm.quantization.base import LinearMethodBase, QuantizationConfig
+from pagellm.quantization.base import LayerSplit, LinearMethodBase, QuantizationConfig
 from pagellm.quantization.unquantized import UnquantizedLinearMethod
 
 
@@ -29,13 +29,15 @@ def checkpoint_shape(tensor: CheckpointTensor) -> tuple[int, ...]:
 
 
 def materialize(tensor: CheckpointTensor) -> torch.Tensor:
-    """The whole tensor (read from the file when it is a lazy slice)."""
-    return tensor if isinstance(tensor, torch.Tensor) else tensor[:]
+    """The whole tensor (read from the file when it is a lazy slice; ``[...]``, not ``[:]``,
+    which a 0-dim slice refuses)."""
+    return tensor if isinstance(tensor, torch.Tensor) else tensor[...]
 
 
 class Linear(nn.Module):
     """A linear layer held whole by every rank; the parallel layers (`parallel_linear`) subclass
-    it and override `rank_part` to keep only their rank's slice of each checkpoint tensor."""
+    it, describe their rank's part in ``tp_split`` and override `rank_part` to keep only their
+    rank's slice of each checkpoint tensor."""
 
     def __init__(
         self,
@@ -45,6 +47,7 @@ class Linear(nn.Module):
         quant_config: QuantizationConfig | None = None,
         prefix: str = "",
         output_sizes: list[int] | None = None,
+        tp_split: LayerSplit | None = None,
     ) -> None:
         super().__init__()
         # The output rows of each fused part (q, k, v of qkv_proj), for methods whose scales
@@ -52,6 +55,8 @@ class Linear(nn.Module):
         self.output_sizes = output_sizes or [out_features]
         if sum(self.output_sizes) != out_features:
             raise ValueError(f"output_sizes {output_sizes} do not add up to {out_features}.")
+        # Set before create_weights: this rank's part of the whole layer (None: it is whole).
+        self.tp_split = tp_split
         self.linear_method: LinearMethodBase = (
             quant_config.get_linear_method(prefix) if quant_config else UnquantizedLinearMethod()
         )
@@ -62,8 +67,11 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_method.apply(self, x)
 
-    def rank_part(self, tensor: CheckpointTensor, shard: int | None) -> torch.Tensor:
-        """This rank's part of checkpoint tensor ``tensor`` (of fused part ``shard``): all of it."""
+    def rank_part(
+        self, param_name: str, tensor: CheckpointTensor, name: str, shard: int | None
+    ) -> torch.Tensor:
+        """This rank's part of checkpoint tensor ``name`` (for parameter ``param_name``, of fused
+        part ``shard``): all of it."""
         return materialize(tensor)
 
     def load_checkpoint_tensor(
@@ -75,7 +83,7 @@ class Linear(nn.Module):
         if shard is not None:
             rows = (sum(self.output_sizes[:shard]), self.output_sizes[shard])
         param = self.get_parameter(param_name)
-        load_parameter(param, self.rank_part(tensor, shard), name, shard, rows)
+        load_parameter(param, self.rank_part(param_name, tensor, name, shard), name, shard, rows)
 
 
 class VocabEmbedding(nn.Module):

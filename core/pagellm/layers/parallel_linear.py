@@ -7,10 +7,12 @@ weight, and loads only that slice of the full checkpoint tensor (`rank_part`).
 - `RowParallelLinear` splits the input features (the column-parallel layer's output slice feeds
   it as is) and sums the partial outputs over the group with one all-reduce.
 
-A checkpoint tensor is split along the layer's split dimension when that dimension has the
-layer's full size (weights, biases, per-channel scales); others (a per-tensor scale) go whole to
-every rank. With one rank every layer is the plain `Linear`: nothing is split and nothing is
-reduced.
+Where each checkpoint tensor is cut is the linear method's to say (its shard hook,
+`LinearMethodBase.checkpoint_split`: float weights along their rows or columns, a packed or
+grouped tensor by whole words, groups or blocks, a per-tensor scale whole); the layer knows the
+rank's range of features and reads only the matching entries (`_cut`), refusing a range that
+would cut a packing word, a quantization group or a block. With one rank every layer is the
+plain `Linear`: nothing is split and nothing is reduced.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 
 from pagellm.distributed import get_tp_group
 from pagellm.layers.linear import CheckpointTensor, Linear, checkpoint_shape, materialize
-from pagellm.quantization.base import QuantizationConfig
+from pagellm.quantization.base import LayerSplit, ParallelKind, QuantizationConfig
 
 
 class TensorParallelError(ValueError):
@@ -49,6 +51,52 @@ def kv_heads_per_rank(num_kv_heads: int, tp: int) -> int:
     return 1
 
 
+def _layer_split(
+    parallel: ParallelKind, in_features: int, output_sizes: list[int]
+) -> LayerSplit | None:
+    tp = get_tp_group()
+    if tp.world_size == 1:
+        return None
+    return LayerSplit(parallel, tp.world_size, tp.rank_in_group, in_features, tuple(output_sizes))
+
+
+def _cut(
+    layer: Linear,
+    param_name: str,
+    tensor: CheckpointTensor,
+    name: str,
+    features: tuple[int, int, int],
+    what: str,
+) -> torch.Tensor:
+    """This rank's entries of checkpoint tensor ``name``, where the layer's linear method says
+    they lie for the rank's ``features`` = (first, count, of the whole's) of ``what``."""
+    split = layer.tp_split
+    hook = layer.linear_method.checkpoint_split(param_name, tensor, split) if split else None
+    if split is None or hook is None:
+        return materialize(tensor)
+    start, count, full = features
+    if start % hook.features or count % hook.features:
+        raise TensorParallelError(
+            f"Checkpoint tensor {name!r} cannot be split over tensor_parallel_size "
+            f"{split.tp_size}: rank {split.rank} holds {what} [{start}, {start + count}) of "
+            f"{full}, which do not start and end on whole {hook.unit}s ({hook.features} "
+            "features each); choose a tensor_parallel_size that splits them on those "
+            "boundaries, or 1."
+        )
+    shape = checkpoint_shape(tensor)
+    expected = full // hook.features * hook.entries
+    if hook.dim >= len(shape) or shape[hook.dim] != expected:
+        raise ValueError(
+            f"Checkpoint tensor {name!r} has shape {shape}; split along dimension {hook.dim} "
+            f"it should have {expected} entries there for {full} {what}."
+        )
+    first = start // hook.features * hook.entries
+    index = (slice(None),) * hook.dim + (
+        slice(first, first + count // hook.features * hook.entries),
+    )
+    return tensor[index]
+
+
 class ColumnParallelLinear(Linear):
     """``out_features`` split over the ranks, each fused part (``output_sizes``) on its own; with
     ``gather_output`` every rank gets the whole output (an all-gather), else its slice."""
@@ -69,7 +117,13 @@ class ColumnParallelLinear(Linear):
         local_sizes, self.part_starts = self._rank_rows(prefix)
         self.gather_output = gather_output
         super().__init__(
-            in_features, sum(local_sizes), bias, quant_config, prefix, output_sizes=local_sizes
+            in_features,
+            sum(local_sizes),
+            bias,
+            quant_config,
+            prefix,
+            output_sizes=local_sizes,
+            tp_split=_layer_split("column", in_features, self.full_output_sizes),
         )
 
     def _rank_rows(self, prefix: str) -> tuple[list[int], list[int]]:
@@ -88,15 +142,13 @@ class ColumnParallelLinear(Linear):
         pieces = [r.split(self.output_sizes, dim=-1) for r in ranks]
         return torch.cat([p[i] for i in range(len(self.output_sizes)) for p in pieces], dim=-1)
 
-    def rank_part(self, tensor: CheckpointTensor, shard: int | None) -> torch.Tensor:
-        if self.tp.world_size == 1:
-            return materialize(tensor)
+    def rank_part(
+        self, param_name: str, tensor: CheckpointTensor, name: str, shard: int | None
+    ) -> torch.Tensor:
         part = shard or 0
-        shape = checkpoint_shape(tensor)
-        if not shape or shape[0] != self.full_output_sizes[part]:
-            return materialize(tensor)
-        start = self.part_starts[part]
-        return tensor[start : start + self.output_sizes[part]]
+        rows = (self.part_starts[part], self.output_sizes[part], self.full_output_sizes[part])
+        what = "output features" if shard is None else f"output features of part {shard}"
+        return _cut(self, param_name, tensor, name, rows, what)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -178,18 +230,23 @@ class RowParallelLinear(Linear):
         local_in = _split(in_features, self.tp.world_size, f"{prefix} input size")
         self.input_start = self.tp.rank_in_group * local_in
         self.local_in_features = local_in
-        super().__init__(local_in, out_features, bias, quant_config, prefix)
+        super().__init__(
+            local_in,
+            out_features,
+            bias,
+            quant_config,
+            prefix,
+            tp_split=_layer_split("row", in_features, [out_features]),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(self.linear_method.apply(self, x))
 
-    def rank_part(self, tensor: CheckpointTensor, shard: int | None) -> torch.Tensor:
-        if self.tp.world_size == 1:
-            return materialize(tensor)
-        shape = checkpoint_shape(tensor)
-        if len(shape) >= 2 and shape[1] == self.full_in_features:
-            return tensor[:, self.input_start : self.input_start + self.local_in_features]
-        return materialize(tensor)
+    def rank_part(
+        self, param_name: str, tensor: CheckpointTensor, name: str, shard: int | None
+    ) -> torch.Tensor:
+        columns = (self.input_start, self.local_in_features, self.full_in_features)
+        return _cut(self, param_name, tensor, name, columns, "input features")
 
     def load_checkpoint_tensor(
         self, param_name: str, tensor: CheckpointTensor, name: str, shard: int | None

@@ -18,6 +18,7 @@ from pagellm.plugins.loader import load_group
 from pagellm.plugins.registry import NotRegisteredError, Registry
 
 if TYPE_CHECKING:
+    from pagellm.layers.linear import CheckpointTensor
     from pagellm.quantization.base import QuantizationConfig
 
 # The package that reads each format the core recognises, named in the error when it is absent.
@@ -38,9 +39,11 @@ class ModelFormat(ABC):
     @abstractmethod
     def iterate_weights(
         cls, path: str, dtype: torch.dtype, quant_config: QuantizationConfig | None
-    ) -> Iterator[tuple[str, torch.Tensor]]:
+    ) -> Iterator[tuple[str, CheckpointTensor]]:
         """The file's tensors under HF names: float tensors in ``dtype``, except those
-        ``quant_config`` (when it is the format's own method) keeps as stored."""
+        ``quant_config`` (when it is the format's own method) keeps as stored. Each may be a
+        lazy slice (`pagellm.layers.linear.TensorSlice`), read when indexed: a tensor-parallel
+        layer then reads only its rank's part."""
 
     @classmethod
     def default_quantization(cls, path: str, device_type: str, dtype: torch.dtype) -> str | None:

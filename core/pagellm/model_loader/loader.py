@@ -107,8 +107,7 @@ def load_model(
     if load_format == "gguf":
         if not source.gguf_file:
             raise ValueError(f"load_format='gguf' but {model_cfg.model} is not a GGUF file.")
-        gguf = get_model_format("gguf")  # pagellm-gguf's reader (whole tensors: each rank
-        # reads them all and keeps its part)
+        gguf = get_model_format("gguf")  # pagellm-gguf's reader (lazy slices, like safetensors')
         weights = gguf.iterate_weights(source.gguf_file, model_cfg.torch_dtype, quant_config)
     else:
         weights = iterate_safetensors_weights(source.directory, lazy=tp > 1)

@@ -60,7 +60,11 @@ class PlatformPluginSpec:
     @hookspec
     def pagellm_platform(self) -> str | None:
         """The class path of a `Platform` subclass when this platform's hardware is present,
-        else None."""
+        else None.
+
+        The plugin module may also declare ``pagellm_platform_class = "pkg.module:Class"``, the
+        path this hook answers when the hardware is present: the loader does not read it; tools
+        that check an inactive platform's declarations (the conformance kit) do."""
 
     @hookspec
     def pagellm_platform_inactive_reason(self) -> str:

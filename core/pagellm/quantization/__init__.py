@@ -1,4 +1,17 @@
-from pagellm.quantization.base import LinearMethodBase, QuantizationConfig
+from pagellm.quantization.base import (
+    LayerSplit,
+    LinearMethodBase,
+    ParallelKind,
+    QuantizationConfig,
+    TensorSplit,
+)
 from pagellm.quantization.unquantized import UnquantizedLinearMethod
 
-__all__ = ["LinearMethodBase", "QuantizationConfig", "UnquantizedLinearMethod"]
+__all__ = [
+    "LayerSplit",
+    "LinearMethodBase",
+    "ParallelKind",
+    "QuantizationConfig",
+    "TensorSplit",
+    "UnquantizedLinearMethod",
+]

@@ -6,10 +6,49 @@ refusal) is written down in docs/plugins.md, "The quantization method contract".
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from pagellm.layers.linear import CheckpointTensor
+
+ParallelKind = Literal["column", "row"]
+"""What a tensor-parallel linear layer splits: its output features (column-parallel: each fused
+part on its own) or its input features (row-parallel)."""
+
+
+@dataclass(frozen=True)
+class LayerSplit:
+    """How one rank's linear layer is part of the whole layer (``layer.tp_split``; None with one
+    rank): read by a linear method in `create_weights` (a scale held whole needs the whole
+    layer's group count) and given to its `checkpoint_split`."""
+
+    parallel: ParallelKind
+    tp_size: int
+    rank: int
+    full_in_features: int
+    full_output_sizes: tuple[int, ...]
+    """The whole layer's output features of each fused part (q, k, v of ``qkv_proj``)."""
+
+
+@dataclass(frozen=True)
+class TensorSplit:
+    """Where a rank's part of one checkpoint tensor lies: along dimension ``dim``, on which every
+    ``features`` consecutive features of the layer's split dimension (output features of the
+    part, or input features) take ``entries`` consecutive entries. A float weight [N, K]: 1 and
+    1; GPTQ's ``qweight`` [K/8, N] cut by input features: 8 and 1 (eight 4-bit values a word);
+    a scale per group of 128 inputs: 128 and 1; a Q4_K row of bytes: 256 inputs a 144-byte
+    block, so 256 and 144. A rank's features must start and end on a multiple of ``features``,
+    or loading fails with a `TensorParallelError` that names the ``unit``."""
+
+    dim: int
+    features: int = 1
+    entries: int = 1
+    unit: str = "feature"
+    """What ``features`` features make, for error messages (``quantization group``)."""
 
 
 class LinearMethodBase(ABC):
@@ -36,6 +75,23 @@ class LinearMethodBase(ABC):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:  # noqa: B027 (optional hook)
         """Repack or convert the loaded weights (e.g. to a kernel's layout)."""
+
+    def checkpoint_split(
+        self, param_name: str, tensor: CheckpointTensor, split: LayerSplit
+    ) -> TensorSplit | None:
+        """The shard hook: where this rank's part of checkpoint tensor ``tensor`` (for parameter
+        ``param_name``) lies in a layer split over ranks as ``split`` says, or None for a tensor
+        every rank takes whole (a per-tensor scale). The layer cuts the tensor there (reading
+        only that part of a lazy safetensors slice) before the parameter's loader gets it.
+
+        Default, float weights: ``weight`` [N, K] along its output rows (column-parallel) or
+        input columns (row-parallel), a column-parallel ``bias`` along its rows (a row-parallel
+        bias goes whole to the first rank, zeros to the others), anything else whole."""
+        if param_name == "weight":
+            return TensorSplit(0 if split.parallel == "column" else 1)
+        if param_name == "bias" and split.parallel == "column":
+            return TensorSplit(0)
+        return None
 
 
 class QuantizationConfig(ABC):
@@ -69,8 +125,9 @@ class QuantizationConfig(ABC):
     def tensor_parallel_refusal(cls, tp_size: int, checkpoint_config: dict[str, Any]) -> str | None:
         """Why this method cannot run split over ``tp_size`` > 1 ranks for a checkpoint with this
         ``quantization_config`` (empty: float weights), or None when it can. A method that can
-        receives each checkpoint tensor already cut to the rank's part (see docs/plugins.md);
-        by default methods refuse, since a packed layout need not split where floats do."""
+        receives each checkpoint tensor already cut to the rank's part, where its linear
+        methods' `LinearMethodBase.checkpoint_split` says (see docs/plugins.md); by default
+        methods refuse, since a packed layout need not split where floats do."""
         return (
             f"quantization {cls.name} does not support tensor_parallel_size {tp_size} yet; "
             "use tensor_parallel_size 1 or a float checkpoint."

@@ -13,12 +13,14 @@ from pagellm.plugins import hookimpl
 from pagellm_cuda.devices import cuda_device_count, inactive_reason
 
 pagellm_plugin_api = "1.3"
+pagellm_platform_class = "pagellm_cuda.platform:CudaPlatform"
+"""What the hook answers on a machine with a GPU; the conformance kit reads it elsewhere."""
 
 
 @hookimpl
 def pagellm_platform() -> str | None:
     if cuda_device_count() > 0:
-        return "pagellm_cuda.platform:CudaPlatform"
+        return pagellm_platform_class
     return None
 
 

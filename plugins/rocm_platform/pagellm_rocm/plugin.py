@@ -17,6 +17,8 @@ from pagellm_rocm.detection import detect
 from pagellm_rocm.visible import synced_variables
 
 pagellm_plugin_api = "1.3"
+pagellm_platform_class = "pagellm_rocm.platform:RocmPlatform"
+"""What the hook answers on a machine with an AMD GPU; the conformance kit reads it elsewhere."""
 
 
 @hookimpl
@@ -24,7 +26,7 @@ def pagellm_platform() -> str | None:
     if detect().inactive_reason is not None:
         return None
     os.environ.update(synced_variables(os.environ))
-    return "pagellm_rocm.platform:RocmPlatform"
+    return pagellm_platform_class
 
 
 @hookimpl

@@ -58,15 +58,11 @@ class _Fp8ConfigBase(QuantizationConfig):
 
     @classmethod
     def tensor_parallel_refusal(cls, tp_size: int, checkpoint_config: dict[str, Any]) -> str | None:
-        """Online quantization quantizes each rank's float slice after loading (a per-tensor
-        scale is then per rank); an fp8 checkpoint's scales are not split yet."""
-        if not checkpoint_config:
-            return None
-        return (
-            f"quantization {cls.name} does not support tensor_parallel_size {tp_size} with an fp8 "
-            "checkpoint yet (its weight scales are not split over ranks); use "
-            "tensor_parallel_size 1, or a float checkpoint quantized online."
-        )
+        """Every scheme splits: online quantization quantizes each rank's float slice after
+        loading (a per-tensor scale is then per rank), an fp8 checkpoint's tensors are cut
+        where `Fp8LinearMethod.checkpoint_split` says (block scales by whole 128x128 blocks,
+        checked when the model is built)."""
+        return None
 
     @classmethod
     def platform_refusal(cls, device_type: str, dtype: torch.dtype) -> str | None:

@@ -1,6 +1,11 @@
 """`Fp8LinearMethod`: a linear layer's float8 weight and scales, from the checkpoint or quantized
 at load, and its forward through the GEMM `gemm.choose_gemm` picks for the device.
 
+Under tensor parallelism (`checkpoint_split`) a rank reads the float8 weight's rows or columns
+like a float weight's, a per-channel scale's rows with them (whole in a row-parallel layer,
+whose rank keeps every output channel), a block scale's rows or columns of 128x128 blocks (so
+each rank's part must be whole blocks), and per-tensor weight and input scales whole.
+
 After `process_weights_after_loading` a layer holds, whatever the checkpoint held:
 ``weight`` float8_e4m3fn [N, K]; ``weight_scale`` float32 [1] (tensor), [N, 1] (channel) or
 [N/128, K/128] (block); ``input_scale`` float32 [1] for static activation scales, else None."""
@@ -12,7 +17,9 @@ from functools import partial
 import torch
 from torch import nn
 
-from pagellm.quantization import LinearMethodBase
+from pagellm.layers.linear import CheckpointTensor
+from pagellm.layers.parallel_linear import TensorParallelError
+from pagellm.quantization import LayerSplit, LinearMethodBase, TensorSplit
 from pagellm.quantization.layers import frozen_parameter
 from pagellm_fp8.gemm import GemmFn, choose_gemm, shape_refusal
 from pagellm_fp8.quant_ops import FP8_DTYPE, dequantize_weight, quantize_weight, to_fp8
@@ -23,14 +30,27 @@ def _offsets(sizes: list[int]) -> list[int]:
     return [sum(sizes[:i]) for i in range(len(sizes))]
 
 
-def _check_block_divides(layer_name: str, in_features: int, sizes: list[int]) -> None:
-    bad = [s for s in sizes if s % BLOCK[0]] + ([in_features] if in_features % BLOCK[1] else [])
-    if bad:
-        raise ValueError(
-            f"fp8 block size {list(BLOCK)} does not divide the weight of {layer_name} "
-            f"(output parts {sizes}, input {in_features}); block-scaled fp8 needs every "
-            "dimension to be a multiple of 128: choose fp8_per_channel or fp8_per_tensor."
+def _blocks_misfit(in_features: int, sizes: list[int] | tuple[int, ...]) -> bool:
+    return any(s % BLOCK[0] for s in sizes) or bool(in_features % BLOCK[1])
+
+
+def _check_block_divides(
+    layer_name: str, in_features: int, sizes: list[int], split: LayerSplit | None
+) -> None:
+    if not _blocks_misfit(in_features, sizes):
+        return
+    if split is not None and not _blocks_misfit(split.full_in_features, split.full_output_sizes):
+        raise TensorParallelError(
+            f"{layer_name}: split over tensor_parallel_size {split.tp_size}, rank "
+            f"{split.rank}'s part of the weight (output parts {sizes}, input {in_features}) is "
+            f"not whole fp8 blocks of {list(BLOCK)}; choose a tensor_parallel_size that "
+            "leaves every rank multiples of 128, or fp8_per_channel / fp8_per_tensor."
         )
+    raise ValueError(
+        f"fp8 block size {list(BLOCK)} does not divide the weight of {layer_name} "
+        f"(output parts {sizes}, input {in_features}); block-scaled fp8 needs every "
+        "dimension to be a multiple of 128: choose fp8_per_channel or fp8_per_tensor."
+    )
 
 
 def _load_rows(
@@ -82,7 +102,8 @@ class Fp8LinearMethod(LinearMethodBase):
         scheme = self.scheme
         sizes: list[int] = list(getattr(layer, "output_sizes", None) or [out_features])
         if scheme.weights == "block":
-            _check_block_divides(self.prefix, in_features, sizes)
+            split = getattr(layer, "tp_split", None)
+            _check_block_divides(self.prefix, in_features, sizes, split)
         if scheme.serialized:
             weight = torch.empty(out_features, in_features, dtype=FP8_DTYPE)
             layer.register_parameter(
@@ -119,6 +140,19 @@ class Fp8LinearMethod(LinearMethodBase):
             frozen_parameter(torch.empty(out_features, dtype=params_dtype)) if bias else None
         )
         layer.register_parameter("bias", bias_param)
+
+    def checkpoint_split(
+        self, param_name: str, tensor: CheckpointTensor, split: LayerSplit
+    ) -> TensorSplit | None:
+        scheme = self.scheme
+        if not scheme.serialized or param_name != scheme.scale_name:
+            return super().checkpoint_split(param_name, tensor, split)  # weight, bias, input scale
+        column = split.parallel == "column"
+        if scheme.weights == "channel":
+            return TensorSplit(0) if column else None
+        if scheme.weights == "block":
+            return TensorSplit(0 if column else 1, BLOCK[0 if column else 1], unit="fp8 block")
+        return None
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         scheme = self.scheme

@@ -30,11 +30,12 @@ TINY_FP8_LLAMA = dict(
 FP8_MAX = 448.0
 
 
-def tiny_llama(directory: Path, tokenizer_dir: str) -> Path:
+def tiny_llama(directory: Path, tokenizer_dir: str, **overrides: object) -> Path:
+    """The tiny Llama of ``TINY_FP8_LLAMA`` changed by ``overrides``."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**TINY_FP8_LLAMA)).float()
+    model = LlamaForCausalLM(LlamaConfig(**{**TINY_FP8_LLAMA, **overrides})).float()
     # A random model's next-token distributions are nearly flat, so fp8's few percent of noise
     # would flip its argmax more often than a trained model's. Large embeddings against small
     # layer weights give it a trained model's confident top-1 while every layer still shifts

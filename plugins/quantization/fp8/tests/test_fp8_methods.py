@@ -18,7 +18,6 @@ from pagellm_fp8.scheme import Fp8Scheme
 
 from pagellm import LLM, SamplingParams
 from pagellm.config import ConfigError
-from pagellm.engine.args import EngineArgs
 from pagellm.layers.linear import Linear
 from pagellm.quantization.registry import quantization_methods
 
@@ -261,12 +260,3 @@ def test_the_package_registers_its_four_methods():
     assert entry.value == "pagellm_fp8.plugin"
     for name in METHODS:
         assert quantization_methods.get(name).name == name
-
-
-def test_an_fp8_checkpoint_with_tensor_parallelism_is_refused_at_config_time(float_model, tmp_path):
-    """Its per-tensor and block scales are not cut per rank yet: the engine arguments say so
-    before any worker starts (online quantization of a float model is allowed, and tested
-    in tests/distributed)."""
-    path = fp8_config_checkpoint(float_model, tmp_path / "fp8cfg", block=True)
-    with pytest.raises(ConfigError, match="does not support tensor_parallel_size 2"):
-        EngineArgs(str(path), tensor_parallel_size=2).create_engine_config()

@@ -7,6 +7,11 @@ after loading, consecutive parts of one type are joined into one matrix of block
 once into the kernels' aligned planes (``planes.py``; the raw blocks are then dropped), and a
 layer whose parts differ runs one product per type and joins the outputs. A part the kernels do
 not read (F32, F16, or another block type, dequantized by the reader) runs as a float matrix.
+
+Under tensor parallelism (`GGUFLinearMethod.checkpoint_split`) a column-parallel rank reads its
+rows of blocks (one row per output feature), a row-parallel rank its run of blocks in each row:
+its input features must be whole blocks (32 weights, 256 for the K-quants), else loading is
+refused with the layer's name.
 """
 
 from __future__ import annotations
@@ -17,7 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagellm.quantization import LinearMethodBase, QuantizationConfig
+from pagellm.layers.linear import CheckpointTensor
+from pagellm.quantization import LayerSplit, LinearMethodBase, QuantizationConfig, TensorSplit
+from pagellm_gguf.block_types import block_shape, type_name
 from pagellm_gguf.planes import GGUFPlanes, repack
 
 
@@ -57,6 +64,15 @@ class GGUFLinearMethod(LinearMethodBase):
             "bias",
             nn.Parameter(bias_param, requires_grad=False) if bias_param is not None else None,
         )
+
+    def checkpoint_split(
+        self, param_name: str, tensor: CheckpointTensor, split: LayerSplit
+    ) -> TensorSplit | None:
+        qtype = getattr(tensor, "gguf_type", None)
+        if param_name != "weight" or qtype is None or split.parallel == "column":
+            return super().checkpoint_split(param_name, tensor, split)  # rows; float parts
+        block_size, type_size = block_shape(qtype)
+        return TensorSplit(1, block_size, type_size, unit=f"{type_name(qtype)} block")
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         sizes: list[int] = getattr(layer, "output_sizes", [])
@@ -121,6 +137,12 @@ class GGUFConfig(QuantizationConfig):
 
     def get_linear_method(self, prefix: str) -> LinearMethodBase:
         return GGUFLinearMethod()
+
+    @classmethod
+    def tensor_parallel_refusal(cls, tp_size: int, checkpoint_config: dict[str, Any]) -> str | None:
+        """Blocks split by rows or by whole blocks (`GGUFLinearMethod.checkpoint_split`);
+        a rank whose input features are not whole blocks is refused when the model is built."""
+        return None
 
     @classmethod
     def platform_refusal(cls, device_type: str, dtype: torch.dtype) -> str | None:

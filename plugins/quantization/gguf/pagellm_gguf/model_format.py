@@ -12,7 +12,8 @@ from pagellm.model_loader.formats import ModelFormat
 from pagellm.quantization import QuantizationConfig
 from pagellm_gguf.hf_files import gguf_hf_dir
 from pagellm_gguf.method import GGUFConfig
-from pagellm_gguf.reader import iterate_gguf_weights
+from pagellm_gguf.reader import gguf_tensors
+from pagellm_gguf.tensor_slices import GGUFTensor
 
 DEQUANTIZE_ENV = "PAGELLM_GGUF_DEQUANTIZE"
 
@@ -27,10 +28,9 @@ class GGUFModelFormat(ModelFormat):
     @classmethod
     def iterate_weights(
         cls, path: str, dtype: torch.dtype, quant_config: QuantizationConfig | None
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        return iterate_gguf_weights(
-            path, dtype, keep_quantized=isinstance(quant_config, GGUFConfig)
-        )
+    ) -> Iterator[tuple[str, GGUFTensor]]:
+        # Read when indexed: a tensor-parallel rank reads only its rows or blocks of columns.
+        return gguf_tensors(path, dtype, keep_quantized=isinstance(quant_config, GGUFConfig))
 
     @classmethod
     def default_quantization(cls, path: str, device_type: str, dtype: torch.dtype) -> str | None:

@@ -7,6 +7,9 @@ everything else is dequantized to float (``gguf.quants.dequantize``), as on the 
 llama.cpp's converter permutes the rows of q/k projections of Llama-architecture models (its RoPE
 pairs adjacent elements, HF's pairs the two halves); we undo that so the tensors fit HF's layout.
 A row of blocks holds one output feature, so the raw blocks are permuted the same way.
+
+Tensors are read when indexed (`tensor_slices.GGUFTensor`): under tensor parallelism each rank
+reads and dequantizes only its rows or its blocks of columns.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import numpy as np
 import torch
 
 from pagellm_gguf.block_types import FLOAT_TYPES, KERNEL_TYPES, type_name
+from pagellm_gguf.tensor_slices import GGUFTensor
 
 logger = logging.getLogger(__name__)
 
@@ -59,15 +63,6 @@ def field_value(reader: object, key: str) -> object:
     return part.tolist()[0]
 
 
-def _unpermute(weight: np.ndarray, num_heads: int) -> np.ndarray:
-    rows = weight.shape[0]
-    return (
-        weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(weight.shape)
-    )
-
-
 def hf_name(gguf_name: str) -> str | None:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
@@ -96,13 +91,12 @@ def open_gguf(path: str) -> Any:
     return _open(os.path.abspath(path), stat.st_size, stat.st_mtime_ns)
 
 
-def iterate_gguf_weights(
+def gguf_tensors(
     path: str, dtype: torch.dtype, keep_quantized: bool = False
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) for each tensor of the file; with ``keep_quantized``, linear weights of
-    the kernel types come as raw blocks, a uint8 tensor with attribute ``gguf_type``."""
-    import gguf
-
+) -> Iterator[tuple[str, GGUFTensor]]:
+    """(HF name, tensor read when indexed) for each tensor of the file: float tensors in
+    ``dtype``; with ``keep_quantized``, linear weights of the kernel types as raw blocks (uint8
+    rows with attribute ``gguf_type``)."""
     reader = open_gguf(path)
     arch = str(field_value(reader, "general.architecture"))
     if arch not in SUPPORTED_ARCHS:
@@ -118,24 +112,18 @@ def iterate_gguf_weights(
             continue  # e.g. rope frequency tables, recomputed here
         qtype = tensor.tensor_type
         raw = keep_quantized and qtype in KERNEL_TYPES and _is_linear_weight(tensor.name)
-        if raw:
-            array = np.asarray(tensor.data)  # (rows, bytes per row)
-        else:
-            shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-            array = gguf.quants.dequantize(tensor.data, qtype).reshape(shape)
-            if keep_quantized and _is_linear_weight(tensor.name) and qtype not in FLOAT_TYPES:
-                dequantized[type_name(qtype)] = dequantized.get(type_name(qtype), 0) + 1
+        if (
+            keep_quantized
+            and not raw
+            and qtype not in FLOAT_TYPES
+            and _is_linear_weight(tensor.name)
+        ):
+            dequantized[type_name(qtype)] = dequantized.get(type_name(qtype), 0) + 1
+        heads = None
         if arch in _PERMUTED_QK_ARCHS and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = num_heads if "q_proj" in name else num_kv_heads
-            array = _unpermute(array, heads)
-        if raw:
-            blocks = torch.from_numpy(
-                np.array(array, order="C")
-            )  # a copy: the file is mapped read-only
-            blocks.gguf_type = int(qtype)  # type: ignore[attr-defined]
-            yield name, blocks
-        else:
-            yield name, torch.from_numpy(np.array(array, dtype=np.float32, order="C")).to(dtype)
+        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        yield name, GGUFTensor(np.asarray(tensor.data), qtype, shape, dtype, raw, heads)
     for name, count in dequantized.items():
         logger.info(
             "GGUF: %d linear weights of type %s dequantized at load (no kernel reads %s blocks; "
@@ -145,3 +133,11 @@ def iterate_gguf_weights(
             name,
             ", ".join(type_name(t) for t in KERNEL_TYPES),
         )
+
+
+def iterate_gguf_weights(
+    path: str, dtype: torch.dtype, keep_quantized: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """`gguf_tensors`, each read whole."""
+    for name, tensor in gguf_tensors(path, dtype, keep_quantized):
+        yield name, tensor[:]

@@ -13,7 +13,8 @@ import pytest
 import torch
 from pagellm_gguf.method import GGUFConfig
 from pagellm_gguf.model_format import GGUFModelFormat
-from pagellm_gguf.reader import _unpermute, iterate_gguf_weights, open_gguf
+from pagellm_gguf.reader import iterate_gguf_weights, open_gguf
+from pagellm_gguf.tensor_slices import unpermute_qk
 
 from pagellm.model_loader import formats
 from pagellm.model_loader.source import resolve_model_source
@@ -58,7 +59,7 @@ def test_kept_blocks_are_the_rows_of_the_dequantized_weights(smollm2_path):
     assert all(t.dtype == torch.uint8 for t in linear.values())
     q = linear["model.layers.0.self_attn.q_proj.weight"].numpy()
     unpermuted = gguf.quants.dequantize(q, gguf.GGMLQuantizationType.Q4_1)
-    np.testing.assert_array_equal(unpermuted, _unpermute(q_dense, 9))  # SmolLM2: 9 heads
+    np.testing.assert_array_equal(unpermuted, unpermute_qk(q_dense, 9))  # SmolLM2: 9 heads
     assert not np.array_equal(unpermuted, q_dense)
 
 

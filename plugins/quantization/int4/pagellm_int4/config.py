@@ -52,6 +52,28 @@ class _Int4ConfigBase(QuantizationConfig):
     def platform_refusal(cls, device_type: str, dtype: torch.dtype) -> str | None:
         return gemm_refusal(device_type, dtype)
 
+    @classmethod
+    def tensor_parallel_refusal(cls, tp_size: int, checkpoint_config: dict[str, Any]) -> str | None:
+        """Each format splits where `Int4LinearMethod.checkpoint_split` says (by whole packed
+        words and quantization groups, checked when the model is built), except act-order
+        checkpoints without static groups: their g_idx scatters each group over the inputs,
+        so a row-parallel rank would hold parts of groups (`rank_groups`)."""
+        try:
+            scheme = parse_checkpoint(checkpoint_config)
+        except ValueError:
+            return None  # from_config says what is wrong with it
+        if not scheme.desc_act or checkpoint_config.get("static_groups"):
+            return None
+        order = "desc_act" if scheme.format == "gptq" else "actorder: group"
+        return (
+            f"quantization {cls.name} does not support tensor_parallel_size {tp_size} with an "
+            f"act-order checkpoint ({order}, without static_groups): its g_idx scatters each "
+            "quantization group over the input features, so the row-parallel layers (o_proj, "
+            "down_proj) would give each rank parts of groups, which pagellm-int4's kernels "
+            "cannot run; use tensor_parallel_size 1, or a checkpoint quantized without "
+            "act-order or with static groups."
+        )
+
     def get_linear_method(self, prefix: str) -> LinearMethodBase:
         names = checkpoint_layer_names(prefix)
         ignored = [is_ignored_layer(n, self.scheme.ignored, inner_modules=True) for n in names]

@@ -14,51 +14,81 @@ from functools import partial
 import torch
 from torch import nn
 
-from pagellm.quantization import LinearMethodBase
+from pagellm.layers.linear import CheckpointTensor
+from pagellm.layers.parallel_linear import TensorParallelError
+from pagellm.quantization import LayerSplit, LinearMethodBase, TensorSplit
 from pagellm.quantization.layers import frozen_parameter
 from pagellm_int4.checkpoint_tensors import read_layer
 from pagellm_int4.gemm import GemmFn, choose_gemm
 from pagellm_int4.kernel_layout import KernelLayout, to_kernel_layout
+from pagellm_int4.rank_groups import rank_groups
 from pagellm_int4.scheme import PACK, Int4Scheme
+
+_WORD = "packed int32 word"
+_GROUP = "quantization group"
 
 
 @dataclass(frozen=True)
 class _TensorSpec:
     """One checkpoint tensor of a layer: its shape for the whole (fused) layer, and how fused
     parts stack in it: along ``n_dim`` with ``n_per_entry`` outputs an entry (8 when the outputs
-    are packed), or one row per part (``n_dim`` None: ``g_idx``, ``weight_shape``)."""
+    are packed), or one row per part (``n_dim`` None: ``g_idx``, ``weight_shape``). A
+    row-parallel rank reads it along the checkpoint tensor's ``k_dim``, ``k_per_entry`` inputs
+    an entry (8 packed, or a quantization group: ``k_unit``), or whole (``k_dim`` None)."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
     n_dim: int | None
     n_per_entry: int = 1
+    k_dim: int | None = None
+    k_per_entry: int = 1
+    k_unit: str = "feature"
+
+    def split(self, parallel: str) -> TensorSplit | None:
+        if parallel == "column":
+            if self.n_dim is None:
+                return None
+            unit = _WORD if self.n_per_entry > 1 else "feature"
+            return TensorSplit(self.n_dim, self.n_per_entry, unit=unit)
+        if self.k_dim is None:
+            return None
+        return TensorSplit(self.k_dim, self.k_per_entry, unit=self.k_unit)
 
 
-def _specs(scheme: Int4Scheme, k: int, n: int, parts: int) -> dict[str, _TensorSpec]:
-    g = scheme.groups(k)
+def _specs(
+    scheme: Int4Scheme, k: int, n: int, parts: int, g: int, group_dim: bool
+) -> dict[str, _TensorSpec]:
+    """The layer's tensors (``g`` groups); ``group_dim``: a row-parallel rank reads the groups
+    of its inputs (False: every group, when there is one or act-order scatters them)."""
     i32, f32 = torch.int32, torch.float32
+
+    def grouped(shape: tuple[int, int], dtype: torch.dtype, n_dim: int, per: int, k_dim: int):
+        """Scales or zeros: their group dimension ``k_dim`` cut by whole groups."""
+        cut = k_dim if group_dim else None
+        return _TensorSpec(shape, dtype, n_dim, per, cut, scheme.group_size, _GROUP)
+
     if scheme.format == "gptq":
         return {
-            "qweight": _TensorSpec((k // PACK, n), i32, 1),
-            "qzeros": _TensorSpec((g, n // PACK), i32, 1, PACK),
-            "scales": _TensorSpec((g, n), f32, 1),
-            "g_idx": _TensorSpec((parts, k), i32, None),
+            "qweight": _TensorSpec((k // PACK, n), i32, 1, 1, 0, PACK, _WORD),
+            "qzeros": grouped((g, n // PACK), i32, 1, PACK, 0),
+            "scales": grouped((g, n), f32, 1, 1, 0),
+            "g_idx": _TensorSpec((parts, k), i32, None, k_dim=0),
         }
     if scheme.format == "awq":
         return {
-            "qweight": _TensorSpec((k, n // PACK), i32, 1, PACK),
-            "qzeros": _TensorSpec((g, n // PACK), i32, 1, PACK),
-            "scales": _TensorSpec((g, n), f32, 1),
+            "qweight": _TensorSpec((k, n // PACK), i32, 1, PACK, 0),
+            "qzeros": grouped((g, n // PACK), i32, 1, PACK, 0),
+            "scales": grouped((g, n), f32, 1, 1, 0),
         }
     specs = {
-        "weight_packed": _TensorSpec((n, -(-k // PACK)), i32, 0),
-        "weight_scale": _TensorSpec((n, g), f32, 0),
+        "weight_packed": _TensorSpec((n, -(-k // PACK)), i32, 0, 1, 1, PACK, _WORD),
+        "weight_scale": grouped((n, g), f32, 0, 1, 1),
         "weight_shape": _TensorSpec((parts, 2), torch.int64, None),
     }
     if not scheme.sym:
-        specs["weight_zero_point"] = _TensorSpec((n // PACK, g), i32, 0, PACK)
+        specs["weight_zero_point"] = grouped((n // PACK, g), i32, 0, PACK, 1)
     if scheme.desc_act:
-        specs["weight_g_idx"] = _TensorSpec((parts, k), i32, None)
+        specs["weight_g_idx"] = _TensorSpec((parts, k), i32, None, k_dim=0)
     return specs
 
 
@@ -93,26 +123,39 @@ class Int4LinearMethod(LinearMethodBase):
         self._layout: KernelLayout | None = None
         self._specs: dict[str, _TensorSpec] = {}
         self._in_features = 0
+        self._split: LayerSplit | None = None
 
-    def _check_shape(self, in_features: int, sizes: list[int]) -> None:
+    def _shape_problem(self, in_features: int, sizes: list[int] | tuple[int, ...]) -> str | None:
         scheme = self.scheme
         if scheme.group_size != -1 and in_features % scheme.group_size:
-            raise ValueError(
-                f"{self.prefix}: {scheme.format} group_size {scheme.group_size} does not divide "
-                f"the layer's {in_features} input features."
+            return (
+                f"{scheme.format} group_size {scheme.group_size} does not divide the layer's "
+                f"{in_features} input features"
             )
         if scheme.format == "gptq" and in_features % PACK:
-            raise ValueError(
-                f"{self.prefix}: GPTQ packs 8 input features a word; {in_features} is not a "
-                "multiple of 8."
-            )
+            return f"GPTQ packs 8 input features a word; {in_features} is not a multiple of 8"
         packs_outputs = scheme.format == "awq" or scheme.format == "gptq" or not scheme.sym
         if packs_outputs and any(s % PACK for s in sizes):
-            raise ValueError(
-                f"{self.prefix}: {scheme.format} packs 8 output features a word (zero points"
+            return (
+                f"{scheme.format} packs 8 output features a word (zero points"
                 f"{' and weights' if scheme.format == 'awq' else ''}); the layer's parts have "
-                f"{sizes} outputs, not all multiples of 8."
+                f"{list(sizes)} outputs, not all multiples of 8"
             )
+        return None
+
+    def _check_shape(self, in_features: int, sizes: list[int], split: LayerSplit | None) -> None:
+        problem = self._shape_problem(in_features, sizes)
+        if problem is None:
+            return
+        if split is not None and (
+            self._shape_problem(split.full_in_features, split.full_output_sizes) is None
+        ):
+            raise TensorParallelError(
+                f"{self.prefix}: split over tensor_parallel_size {split.tp_size}, rank "
+                f"{split.rank}'s part of the layer cuts its packed words or groups: {problem}; "
+                "choose a tensor_parallel_size that leaves every rank whole groups and words."
+            )
+        raise ValueError(f"{self.prefix}: {problem}.")
 
     def create_weights(
         self,
@@ -123,9 +166,21 @@ class Int4LinearMethod(LinearMethodBase):
         params_dtype: torch.dtype,
     ) -> None:
         sizes: list[int] = list(getattr(layer, "output_sizes", None) or [out_features])
-        self._check_shape(in_features, sizes)
+        split: LayerSplit | None = getattr(layer, "tp_split", None)
+        self._check_shape(in_features, sizes, split)
         self._in_features = in_features
-        self._specs = _specs(self.scheme, in_features, out_features, len(sizes))
+        self._split = split
+        scheme = self.scheme
+        row = split is not None and split.parallel == "row"
+        # Act-order scatters each group over the inputs: a row-parallel rank reads every group.
+        whole_groups = scheme.group_size == -1 or (row and scheme.desc_act)
+        k_groups = (
+            split.full_in_features if split is not None and row and whole_groups else in_features
+        )
+        groups = scheme.groups(k_groups)
+        self._specs = _specs(
+            scheme, in_features, out_features, len(sizes), groups, not whole_groups
+        )
         for name, spec in self._specs.items():
             data = torch.zeros(spec.shape, dtype=spec.dtype)
             loader = partial(_load_part, spec, sizes, f"{self.prefix}.{name}")
@@ -156,6 +211,14 @@ class Int4LinearMethod(LinearMethodBase):
             if name in tensors:
                 tensors[name] = self._one_row(layer, name)
         values = read_layer(self.scheme, tensors, k, n)
+        split = self._split
+        if (
+            split is not None
+            and split.parallel == "row"
+            and ("g_idx" in tensors or "weight_g_idx" in tensors)
+        ):
+            # The rank's g_idx names the checkpoint's groups: renumber them to those it holds.
+            values = rank_groups(values, self.scheme.group_of(k), split, self.prefix)
         layout = to_kernel_layout(values, self.scheme.group_of(k), self.prefix)
         for name in self._specs:
             delattr(layer, name)
@@ -168,8 +231,20 @@ class Int4LinearMethod(LinearMethodBase):
         self._layout = layout
         self.gemm_path, self._gemm = choose_gemm(layout.qweight.device)
 
+    def checkpoint_split(
+        self, param_name: str, tensor: CheckpointTensor, split: LayerSplit
+    ) -> TensorSplit | None:
+        spec = self._specs.get(param_name)
+        if spec is None:
+            return super().checkpoint_split(param_name, tensor, split)  # bias
+        return spec.split(split.parallel)
+
     def _check_ct_shapes(self, shapes: torch.Tensor, sizes: list[int]) -> None:
-        expected = [[size, self._in_features] for size in sizes]
+        # The checkpoint states the whole layer's shape, whatever part a rank reads.
+        split = self._split
+        full = (split.full_in_features, split.full_output_sizes) if split else None
+        k, parts = full if full else (self._in_features, tuple(sizes))
+        expected = [[size, k] for size in parts]
         if shapes.tolist() != expected:
             raise ValueError(
                 f"{self.prefix}: compressed-tensors weight_shape {shapes.tolist()} does not match "

@@ -114,8 +114,7 @@ def test_int4_weights_take_an_eighth_of_float32_and_the_start_up_line_says_so(
     assert by_method["gptq"] == (stored, 8)  # qkv, o, gate_up, down in 2 layers
     assert by_method["dense"][1] == 0
     assert any(
-        "Weights: " in r.getMessage()
-        and "gptq 0.00 GiB in 8 linear layers" in r.getMessage()
+        "Weights: " in r.getMessage() and "gptq 0.00 GiB in 8 linear layers" in r.getMessage()
         for r in caplog.records
     )
 

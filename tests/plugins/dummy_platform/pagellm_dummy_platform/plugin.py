@@ -7,6 +7,7 @@ import os
 from pagellm.plugins import hookimpl
 
 pagellm_plugin_api = "1.0"
+pagellm_platform_class = "pagellm_dummy_platform.platform:DummyPlatform"
 logger = logging.getLogger(__name__)
 
 
@@ -14,5 +15,5 @@ logger = logging.getLogger(__name__)
 def pagellm_platform() -> str | None:
     if os.environ.get("PAGELLM_DUMMY_PLATFORM") == "1":
         logger.info("dummy hardware found")
-        return "pagellm_dummy_platform.platform:DummyPlatform"
+        return pagellm_platform_class
     return None
