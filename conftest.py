@@ -10,6 +10,7 @@ a plugin, so that its fixtures are shared across modules rather than made again 
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -158,6 +159,62 @@ def tiny_one_kv_head_models(
         )
         for kind in ("llama3", "qwen3")
     }
+
+
+IMAGE_TOKEN = "<image>"
+TINY_VISION = dict(
+    image_size=32,
+    patch_size=8,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    projection_dim=32,
+)
+
+
+def make_tiny_llava(directory: str, tokenizer_dir: str) -> str:
+    """Save a tiny random LLaVA (a CLIP vision tower of 32×32 images in 8×8 patches: 16 image
+    tokens each; a tiny Llama decoder), SmolLM2's tokenizer with an ``<image>`` token added, and
+    a CLIP preprocessor_config.json (shortest edge 32, center crop 32×32) in ``directory``."""
+    from transformers import (
+        AutoTokenizer,
+        CLIPImageProcessorPil,
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+    )
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer.add_tokens([IMAGE_TOKEN], special_tokens=True)
+    text = {k: v for k, v in TINY_COMMON.items() if k != "vocab_size"}
+    config = LlavaConfig(
+        vision_config=CLIPVisionConfig(**TINY_VISION),
+        text_config=LlamaConfig(vocab_size=len(tokenizer), **text),
+        image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+        image_seq_length=16,
+    )
+    torch.manual_seed(0)
+    model = LlavaForConditionalGeneration(config).to(torch.float32)
+    with torch.no_grad():  # peaked logits, as make_tiny_model's
+        for name, param in model.named_parameters():
+            if "norm" not in name:
+                param.normal_(0.0, 0.08)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    processor = CLIPImageProcessorPil(
+        size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}
+    ).to_dict()
+    processor["image_processor_type"] = "CLIPImageProcessor"  # what checkpoints name
+    with open(os.path.join(directory, "preprocessor_config.json"), "w") as f:
+        json.dump(processor, f, indent=2)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_llava(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer_dir: str) -> str:
+    return make_tiny_llava(str(tmp_path_factory.mktemp("tiny_llava")), smollm2_tokenizer_dir)
 
 
 # Sentences of different lengths, cases, punctuation and scripts for the embedding tests.

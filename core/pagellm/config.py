@@ -4,10 +4,13 @@ values and fills every field: no field is left for a later layer to pick."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import os
+from typing import Any, Literal, cast
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
+
+from pagellm.multimodal.inputs import MultiModalSpec
 
 DTypeName = Literal["float32", "float16", "bfloat16"]
 LoadFormat = Literal["auto", "safetensors", "gguf", "dummy"]
@@ -25,6 +28,23 @@ KV_CACHE_DTYPES: dict[str, torch.dtype] = {"fp8_e4m3": torch.float8_e4m3fn}
 
 class ConfigError(ValueError):
     """An engine argument (a ``LLM`` keyword, a CLI flag) has a value the engine cannot use."""
+
+
+def resolve_kv_cache_dtype(name: str) -> KVCacheDTypeName:
+    """``--kv-cache-dtype``'s value as stored: auto, or fp8_e4m3 (``fp8`` is its alias)."""
+    if name in ("auto", "fp8_e4m3"):
+        return cast(KVCacheDTypeName, name)
+    if name == "fp8":
+        return "fp8_e4m3"
+    if name == "fp8_e5m2":
+        raise ConfigError(
+            "kv_cache_dtype='fp8_e5m2' (--kv-cache-dtype) is not supported: no attention "
+            "backend here stores e5m2 (one mantissa bit fewer than e4m3, for no gain with "
+            "per-layer scales); use fp8 (e4m3) or auto."
+        )
+    raise ConfigError(
+        f"kv_cache_dtype={name!r} (--kv-cache-dtype) is not one of auto, fp8, fp8_e4m3."
+    )
 
 
 class _Config(BaseModel):
@@ -74,6 +94,9 @@ class ModelConfig(_Config):
     io_processor: str | None = None
     """The registered name of the IO processor the front end builds for this model
     (`pagellm.io_processors`), or None: prompts and outputs as they are."""
+    multimodal_specs: list[MultiModalSpec] = Field(default_factory=list)
+    """What multimodal items the model takes (its class's ``multimodal_specs``); none for a
+    text-only model."""
     runner: Runner = "generate"
     is_causal: bool = True
     """False for an encoder's bidirectional attention (every token sees the whole prompt)."""
@@ -198,6 +221,37 @@ class ObservabilityConfig(_Config):
     """The fraction of allocated blocks followed when ``kv_cache_metrics`` is on."""
 
 
+class MultiModalConfig(_Config):
+    """Limits on the media a request brings (read by the IO processors that decode it)."""
+
+    allowed_local_media_path: str | None = None
+    """A directory whose files requests may name as ``file:`` URLs (None: no local file)."""
+    max_images_per_prompt: int = Field(default=4, ge=0)
+    max_image_bytes: int = Field(default=20 << 20, ge=1)
+    """The most bytes of one encoded image (a data URL's, decoded, or a file's)."""
+    max_image_pixels: int = Field(default=4096 * 4096, ge=1)
+    """The most pixels (width × height) of one decoded image."""
+
+    @classmethod
+    def from_args(cls, args: Any) -> MultiModalConfig:
+        """The limits of the engine arguments (`EngineArgs`' fields of the same names), the
+        media directory checked and made a real path."""
+        directory = args.allowed_local_media_path
+        if directory is not None:
+            if not os.path.isdir(directory):
+                raise ConfigError(
+                    f"allowed_local_media_path={directory!r} (--allowed-local-media-path) is not "
+                    "a directory."
+                )
+            directory = os.path.realpath(directory)
+        return cls(
+            allowed_local_media_path=directory,
+            max_images_per_prompt=args.max_images_per_prompt,
+            max_image_bytes=args.max_image_bytes,
+            max_image_pixels=args.max_image_pixels,
+        )
+
+
 class EngineConfig(_Config):
     model: ModelConfig
     cache: CacheConfig
@@ -211,3 +265,4 @@ class EngineConfig(_Config):
     quantization: str | None
     """The quantization method's registered name, or None for dense weights."""
     observability: ObservabilityConfig = Field(default_factory=ObservabilityConfig)
+    multimodal: MultiModalConfig = Field(default_factory=MultiModalConfig)

@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import msgspec
 
+from pagellm.multimodal.inputs import MultiModalItem
 from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
 
@@ -53,6 +54,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     arrival_time: float
     priority: int = 0
     cache_salt: str | None = None
+    mm_items: list[MultiModalItem] = []
+    """The prompt's multimodal items (images), in prompt order, their placeholders expanded."""
     pooling_params: PoolingParams | None = None
     """Set for a pooling model's request: it runs once over its prompt and returns the pooled
     vector; its ``sampling_params`` (`POOLING_SAMPLING_PARAMS`) only bound it to that step."""
@@ -78,6 +81,7 @@ class Request:
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        mm_items: list[MultiModalItem] | None = None,
         pooling_params: PoolingParams | None = None,
         block_hasher: Callable[[Request], list[bytes]] | None = None,
     ) -> None:
@@ -88,6 +92,7 @@ class Request:
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.priority = priority
         self.cache_salt = cache_salt
+        self.mm_items = list(mm_items or ())
         self.pooling_params = pooling_params
         self.max_tokens = sampling_params.max_tokens
 

@@ -28,19 +28,21 @@ from pagellm.config import (
     DTypeName,
     EngineConfig,
     ExecutorBackend,
-    KVCacheDTypeName,
     LoadConfig,
     LoadFormat,
     ModelConfig,
+    MultiModalConfig,
     ObservabilityConfig,
     ParallelConfig,
     SchedulerConfig,
+    resolve_kv_cache_dtype,
 )
 from pagellm.engine.runners import pooler_config, resolve_runner
 from pagellm.io_processors.selection import resolve_io_processor_name
 from pagellm.model_loader.formats import get_model_format
 from pagellm.model_loader.source import load_hf_config, resolve_model_source
 from pagellm.models.registry import model_is_causal, model_runners, resolve_model_cls
+from pagellm.multimodal.inputs import multimodal_specs
 from pagellm.platforms import current_platform, current_platform_name
 from pagellm.quantization.registry import quantization_methods
 from pagellm.quantization.selection import resolve_quantization
@@ -123,9 +125,16 @@ class EngineArgs:
     """Schedule the next step while the device runs the current one (same tokens, less idle
     device time); default: the platform's choice (off everywhere for now)."""
     io_processor: str | None = None
-    """An IO processor by registered name (pagellm.io_processor_plugins): it turns requests into
-    engine prompts and outputs into responses, in the front end (default: the model
-    config.json's io_processor_plugin, else none)."""
+    """An IO processor by registered name (pagellm.io_processor_plugins), in the front end
+    (default: config.json's io_processor_plugin, else its architecture's, else none)."""
+    allowed_local_media_path: str | None = None
+    """A directory whose files requests may name as file: URLs for their images (default: none)."""
+    max_images_per_prompt: Annotated[int, Field(ge=0)] = 4
+    """Most images in one prompt (one chat request); more are refused (HTTP 400)."""
+    max_image_bytes: PositiveInt = 20 << 20
+    """Most bytes of one encoded image (a data URL's, decoded, or a file's)."""
+    max_image_pixels: PositiveInt = 4096 * 4096
+    """Most pixels (width × height) of one image, checked before it is decoded."""
     skip_tokenizer_init: bool = False
     """No tokenizer: prompts must be token ids and outputs carry no text."""
     multiprocess_engine: bool = False
@@ -190,10 +199,7 @@ class EngineArgs:
         architectures = list(getattr(hf_config, "architectures", None) or [])
         architecture, model_cls = resolve_model_cls(architectures)
         runner = resolve_runner(self, architecture, model_runners(model_cls))
-        try:
-            io_processor = resolve_io_processor_name(self.io_processor, hf_config)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
+        io_processor = resolve_io_processor_name(self.io_processor, hf_config, model_cls)
 
         model_cfg = ModelConfig(
             model=self.model,
@@ -206,6 +212,7 @@ class EngineArgs:
             architecture=architecture,
             hf_config=hf_config,
             io_processor=io_processor,
+            multimodal_specs=multimodal_specs(model_cls, hf_config),
             runner=runner,
             is_causal=model_is_causal(model_cls),
             pooler=pooler_config(runner, source, model_cls),
@@ -228,7 +235,7 @@ class EngineArgs:
             )
         quantization = self._resolve_quantization(model_cfg, platform.device_type)
         scheduling_policies.get(self.scheduling_policy)  # an unknown name lists the installed ones
-        kv_cache_dtype = self._resolve_kv_cache_dtype()
+        kv_cache_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype)
         backend = select_attention_backend(
             requested=self.attention_backend,
             ranking=platform.attention_backend_ranking(),
@@ -271,6 +278,7 @@ class EngineArgs:
                 kv_cache_metrics=self.kv_cache_metrics,
                 kv_cache_metrics_sample=self.kv_cache_metrics_sample,
             ),
+            multimodal=MultiModalConfig.from_args(self),
         )
         platform.check_and_update_config(config)
         return config
@@ -363,22 +371,6 @@ class EngineArgs:
                 f"{supported}."
             )
         return requested
-
-    def _resolve_kv_cache_dtype(self) -> KVCacheDTypeName:
-        name = self.kv_cache_dtype
-        if name in ("auto", "fp8_e4m3"):
-            return typing.cast(KVCacheDTypeName, name)
-        if name == "fp8":
-            return "fp8_e4m3"
-        if name == "fp8_e5m2":
-            raise ConfigError(
-                "kv_cache_dtype='fp8_e5m2' (--kv-cache-dtype) is not supported: no attention "
-                "backend here stores e5m2 (one mantissa bit fewer than e4m3, for no gain with "
-                "per-layer scales); use fp8 (e4m3) or auto."
-            )
-        raise ConfigError(
-            f"kv_cache_dtype={name!r} (--kv-cache-dtype) is not one of auto, fp8, fp8_e4m3."
-        )
 
     def _resolve_max_model_len(self, model_cfg: ModelConfig) -> int:
         limit = getattr(model_cfg.text_config, "max_position_embeddings", None)

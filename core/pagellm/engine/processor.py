@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from pagellm.config import EngineConfig
+from pagellm.multimodal.inputs import MultiModalItem, check_items
 from pagellm.pooling_params import PoolingParams
 from pagellm.request import POOLING_SAMPLING_PARAMS, EngineCoreRequest
 from pagellm.sampling_params import (
@@ -22,9 +23,15 @@ from pagellm.sampling_params import (
 )
 from pagellm.scheduler.policy import scheduling_policies
 
+if TYPE_CHECKING:
+    from pagellm.io_processors import IOProcessor
+
 PromptType = str | list[int] | dict[str, Any]
 """Text, token ids, or a dict with ``prompt`` and/or ``prompt_token_ids`` (used when given) and
-optionally ``cache_salt``."""
+optionally ``cache_salt``; for a multimodal model, ``multi_modal_items`` (`MultiModalItem`s, their
+placeholders expanded in the token ids, as an IO processor's ``pre_process`` makes them) or
+``multi_modal_data`` (vLLM's ``{"image": PIL image or a list of them}``, with the placeholders
+unexpanded: the front end's IO processor turns it into the former)."""
 
 
 @dataclass
@@ -36,6 +43,7 @@ class ProcessedPrompt:
     params: SamplingParams
     cache_salt: str | None = None
     """Prompts of different salts share no prefix-cache blocks (vLLM's ``cache_salt``)."""
+    mm_items: list[MultiModalItem] = field(default_factory=list)
     pooling_params: PoolingParams | None = None
     """Set for a pooling request (``normalize`` resolved); ``params`` are then
     `POOLING_SAMPLING_PARAMS`."""
@@ -82,9 +90,16 @@ def _generation_config_eos_ids(config: EngineConfig) -> set[int]:
 
 
 class InputProcessor:
-    def __init__(self, config: EngineConfig, tokenizer: Any) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        tokenizer: Any,
+        io_processor: IOProcessor[Any, Any] | None = None,
+    ) -> None:
         self.config = config
         self.tokenizer = tokenizer
+        self.io_processor = io_processor
+        """Turns a prompt's ``multi_modal_data`` into items (the model's, from the front end)."""
         self.vocab_size = config.model.vocab_size
         self.eos_token_id: int | None = (
             tokenizer.eos_token_id if tokenizer is not None else _config_eos_id(config)
@@ -157,10 +172,30 @@ class InputProcessor:
                 "LLM.embed (or the /v1/embeddings endpoint), or serve a generative model."
             )
 
+    def _multimodal(self, prompt: dict[str, Any]) -> dict[str, Any]:
+        """A prompt with ``multi_modal_data`` as the IO processor makes it (token ids, items)."""
+        io = self.io_processor
+        if io is None:
+            raise ValueError(
+                "multi_modal_data needs the IO processor of the model's media, and this engine "
+                "runs with none: start it with --io-processor image (pagellm-io-image)."
+            )
+        prompts = io.pre_process(io.parse_request(prompt))
+        if len(prompts) != 1 or not isinstance(prompts[0], dict):
+            raise ValueError(
+                f"The IO processor {self.config.model.io_processor!r} made {len(prompts)} "
+                "prompts of one prompt with multi_modal_data; it must make one prompt dict."
+            )
+        return {**prompts[0], "cache_salt": prompt.get("cache_salt")}
+
     def process(self, prompt: PromptType, params: SamplingParams) -> ProcessedPrompt:
         """Tokenize and validate (``ValueError`` naming what is wrong)."""
         self.check_generates()
+        if isinstance(prompt, dict) and "multi_modal_data" in prompt:
+            prompt = self._multimodal(prompt)
         text, ids = self.tokenize(prompt)
+        mm_items = list(prompt.get("multi_modal_items") or ()) if isinstance(prompt, dict) else []
+        check_items(ids, mm_items, self.config.model.multimodal_specs)
         cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}.")
@@ -189,7 +224,7 @@ class InputProcessor:
             )
         if params.bad_words:
             params.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
-        return ProcessedPrompt(text, ids, params, cache_salt)
+        return ProcessedPrompt(text, ids, params, cache_salt, mm_items)
 
     def process_pooling(self, prompt: PromptType, params: PoolingParams) -> ProcessedPrompt:
         """Tokenize (cut to ``truncate_prompt_tokens`` when asked) and validate a pooling
@@ -226,7 +261,7 @@ class InputProcessor:
         bookkeeping = msgspec.structs.replace(
             POOLING_SAMPLING_PARAMS, output_kind=RequestOutputKind.FINAL_ONLY
         )
-        return ProcessedPrompt(text, ids, bookkeeping, None, pooling)
+        return ProcessedPrompt(text, ids, bookkeeping, None, pooling_params=pooling)
 
     def _tokenize_truncated(
         self, prompt: PromptType, keep: int | None
@@ -269,6 +304,7 @@ class InputProcessor:
                 arrival_time=arrival_time,
                 priority=priority,
                 cache_salt=prompt.cache_salt,
+                mm_items=prompt.mm_items,
                 pooling_params=prompt.pooling_params,
             )
             for engine_id, params in engine_requests

@@ -35,7 +35,7 @@ class RequestFrontend:
         )
         self.io_processor: IOProcessor[Any, Any] | None = build_io_processor(config, self.tokenizer)
         """The model's IO processor (``config.model.io_processor``), or None."""
-        self.processor = InputProcessor(config, self.tokenizer)
+        self.processor = InputProcessor(config, self.tokenizer, self.io_processor)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.max_waiting_requests = max_waiting_requests
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar, cast
 
 import msgspec
@@ -20,6 +20,42 @@ from pagellm.sampling_params import RequestOutputKind, SamplingParams
 
 ChatMessage = dict[str, Any]
 T = TypeVar("T")
+
+
+# Chat content parts that carry an image: the part's key holds it (an image_url part's value is
+# {"url": ...} or the URL; an image_pil part's, a PIL image).
+_IMAGE_PARTS = ("image_url", "image_pil")
+
+
+def _with_placeholders(
+    conversation: list[ChatMessage], placeholders: Mapping[str, str]
+) -> tuple[list[ChatMessage], list[Any]]:
+    """The conversation with each message's content parts joined into one text (an image part
+    as the IO processor's placeholder for ``image_url`` parts), and its images in order."""
+    messages, images = [], []
+    for message in conversation:
+        content = message.get("content")
+        if not isinstance(content, list):
+            messages.append(message)
+            continue
+        texts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text":
+                texts.append(part["text"])
+                continue
+            if kind not in _IMAGE_PARTS:
+                raise ValueError(f"A chat content part of type {kind!r} is not supported.")
+            if "image_url" not in placeholders:
+                raise ValueError(
+                    f"A chat content part of type {kind!r} needs a model that takes images, "
+                    "with its IO processor (pagellm-io-image); this engine has none."
+                )
+            value = part[kind]
+            images.append(value["url"] if isinstance(value, dict) else value)
+            texts.append(placeholders["image_url"])
+        messages.append({**message, "content": "\n".join(texts)})
+    return messages, images
 
 
 def _one_each(name: str, value: T | Sequence[T], count: int) -> list[T]:
@@ -126,20 +162,32 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them, through the tokenizer's chat template."""
+        """Generate replies to one conversation or a list of them, through the tokenizer's chat
+        template. A message's content may be a list of parts (OpenAI's): ``text``, and for a
+        model that takes images ``image_url`` (``{"url": data or file URL}``) or ``image_pil``
+        (a PIL image), rendered as the IO processor's placeholder."""
         self.llm_engine.processor.check_generates()  # before the chat template is looked for
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        conversations = cast(
+            list[list[ChatMessage]],
+            [messages] if messages and isinstance(messages[0], dict) else messages,
+        )
         tokenizer = self.get_tokenizer()
+        io = self.llm_engine.io_processor
+        placeholders = io.chat_placeholders if io is not None else {}
         prompts: list[PromptType] = []
         for conversation in conversations:
+            rendered, images = _with_placeholders(conversation, placeholders)
             ids = tokenizer.apply_chat_template(
-                conversation,
+                rendered,
                 chat_template=chat_template,
                 add_generation_prompt=add_generation_prompt,
                 tokenize=True,
                 return_dict=False,
             )
-            prompts.append({"prompt_token_ids": list(ids)})
+            prompt: dict[str, Any] = {"prompt_token_ids": list(ids)}
+            if images:
+                prompt["multi_modal_data"] = {"image": images}
+            prompts.append(prompt)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     @staticmethod

@@ -19,7 +19,7 @@ variant to move it off the loop.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 if TYPE_CHECKING:
@@ -43,6 +43,11 @@ class IOProcessor(ABC, Generic[InputT, OutputT]):
     """Built once per front end with the resolved engine config and its tokenizer (None when the
     engine runs without one). Stages must not keep per-request state on ``self``: requests run
     concurrently."""
+
+    chat_placeholders: Mapping[str, str] = {}
+    """The chat content part types it takes (OpenAI's ``image_url``) → the text each such part
+    is rendered as in the prompt, where `pre_process` finds it again; a chat route hands the
+    parts' media over as ``multi_modal_data``. Empty: it takes no media parts."""
 
     def __init__(self, config: EngineConfig, tokenizer: Any) -> None:
         self.config = config

@@ -1,11 +1,14 @@
 """Which IO processor a model runs with, and building it: the registry of installed processors,
-the name's resolution (``--io-processor``, else the model config's ``io_processor_plugin``) and
-the error that lists the installed ones when the named one is missing."""
+the name's resolution (``--io-processor``, else the model config's ``io_processor_plugin``, else
+the one the model's architecture names) and the error that lists the installed ones when the named
+one is missing."""
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
+from pagellm.config import ConfigError
 from pagellm.io_processors.base import IOProcessor
 from pagellm.plugins.groups import IO_PROCESSOR
 from pagellm.plugins.registry import NotRegisteredError, Registry
@@ -15,24 +18,40 @@ if TYPE_CHECKING:
 
 io_processors: Registry[IOProcessor[Any, Any]] = Registry("IO processor", IOProcessor, IO_PROCESSOR)
 
+logger = logging.getLogger(__name__)
+
 CONFIG_FIELD = "io_processor_plugin"
 """The model config.json's field naming its IO processor (vLLM's name)."""
 
 
-class IOProcessorNotInstalledError(NotRegisteredError):
+class IOProcessorNotInstalledError(NotRegisteredError, ConfigError):
     """The IO processor a flag or the model's config names is not installed."""
 
 
-def resolve_io_processor_name(requested: str | None, hf_config: Any) -> str | None:
+def resolve_io_processor_name(
+    requested: str | None, hf_config: Any, model_cls: type | None = None
+) -> str | None:
     """The IO processor to use: ``requested`` (``--io-processor``), else the model config's
-    ``io_processor_plugin``, else None (plain prompts, plain outputs). A named processor must be
-    installed: otherwise `IOProcessorNotInstalledError`, listing the installed ones."""
+    ``io_processor_plugin``, else the model class's ``default_io_processor`` (LLaVA's is
+    ``image``), else None (plain prompts, plain outputs).
+    A processor the flag or the config names must be installed: otherwise
+    `IOProcessorNotInstalledError` (a `ConfigError`), listing the installed ones. The architecture's default is only
+    logged when it is missing: the model still runs, on text."""
     from_config = getattr(hf_config, CONFIG_FIELD, None)
+    architecture_default = getattr(model_cls, "default_io_processor", None)
     name = requested or from_config
     if not name:
-        return None
+        if architecture_default and architecture_default not in io_processors:
+            logger.warning(
+                "The model's architecture takes its media through the IO processor %r, which "
+                "is not installed (installed: %s): it runs on text prompts only.",
+                architecture_default,
+                ", ".join(io_processors.names()) or "none",
+            )
+            return None
+        return architecture_default
     if not isinstance(name, str):
-        raise ValueError(f"The model config's {CONFIG_FIELD} must be a string, got {name!r}.")
+        raise ConfigError(f"The model config's {CONFIG_FIELD} must be a string, got {name!r}.")
     if name not in io_processors:
         installed = ", ".join(io_processors.names()) or "none"
         source = (

@@ -2,7 +2,10 @@
 
 Block i's hash covers its tokens and, through its parent's hash, every token before it, so equal
 hashes mean equal prefixes. sha256 of a canonical byte encoding gives the same value in every
-process (unlike Python's ``hash``). Extra keys (the cache salt, in the first block) are mixed in.
+process (unlike Python's ``hash``). Extra keys are mixed in: the cache salt, in the first block,
+and the hash of each multimodal item whose placeholder span overlaps the block (with where in the
+block the span starts), so two prompts whose placeholder tokens agree but whose images differ
+share no block.
 """
 
 from __future__ import annotations
@@ -29,6 +32,15 @@ def hash_block_tokens(
     return h.digest()
 
 
+def _extra_keys(request: Request, index: int, block_size: int) -> tuple[str, ...]:
+    start = index * block_size
+    keys = [f"salt:{request.cache_salt}"] if index == 0 and request.cache_salt else []
+    for item in request.mm_items:
+        if item.offset < start + block_size and item.end > start:
+            keys.append(f"mm:{item.hash}@{item.offset - start}")
+    return tuple(keys)
+
+
 def make_block_hasher(block_size: int) -> Callable[[Request], list[bytes]]:
     """A function giving the hashes of a request's blocks that became full since the last call."""
 
@@ -38,7 +50,7 @@ def make_block_hasher(block_size: int) -> Callable[[Request], list[bytes]]:
         parent = request.block_hashes[-1] if start else None
         new_hashes = []
         for i in range(start, num_full):
-            extra = (f"salt:{request.cache_salt}",) if i == 0 and request.cache_salt else ()
+            extra = _extra_keys(request, i, block_size)
             tokens = request.all_token_ids[i * block_size : (i + 1) * block_size]
             parent = hash_block_tokens(parent, tokens, extra)
             new_hashes.append(parent)

@@ -20,6 +20,9 @@ models.register("LlamaForCausalLM", "pagellm.models.llama:LlamaForCausalLM")
 models.register("MistralForCausalLM", "pagellm.models.llama:MistralForCausalLM")
 models.register("Qwen2ForCausalLM", "pagellm.models.qwen:Qwen2ForCausalLM")
 models.register("Qwen3ForCausalLM", "pagellm.models.qwen:Qwen3ForCausalLM")
+models.register(
+    "LlavaForConditionalGeneration", "pagellm.models.llava:LlavaForConditionalGeneration"
+)
 models.register("BertModel", "pagellm.models.bert:BertModel")
 register_model = models.register
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from pagellm.multimodal.inputs import MultiModalItem
 from pagellm.sampling_params import SamplingParams
 
 
@@ -22,6 +23,8 @@ class NewRequestData:
     eos_token_id: int | None = None
     output_token_ids: list[int] = field(default_factory=list)
     """Tokens it generated before the workers dropped it (after a failed step); usually none."""
+    mm_items: list[MultiModalItem] = field(default_factory=list)
+    """Its prompt's multimodal items: the workers embed them where its steps reach their spans."""
 
 
 @dataclass

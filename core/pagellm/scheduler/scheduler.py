@@ -213,6 +213,7 @@ class Scheduler:
                     num_computed_tokens=r.num_computed_tokens,
                     eos_token_id=None if r.sampling_params.ignore_eos else r.eos_token_id,
                     output_token_ids=list(r.output_token_ids),
+                    mm_items=r.mm_items,
                 )
                 for r in scheduled_new
             ],

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pagellm.multimodal.inputs import MultiModalItem
 from pagellm.sampling_params import SamplingParams
 
 
@@ -29,6 +30,8 @@ class CachedRequestState:
     """Tokens generated before the last preemption (while running, they live in the batch row)."""
     num_prompt_logprobs_done: int = 0
     """Prompt positions whose logprobs were already returned (kept across preemption)."""
+    mm_items: list[MultiModalItem] = field(default_factory=list)
+    """The prompt's multimodal items (kept across preemption: a recompute embeds them again)."""
 
 
 class InputBatch:

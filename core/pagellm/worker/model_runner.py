@@ -1,7 +1,9 @@
 """The model runner: keeps the persistent batch in step with the scheduler, and runs each step as
 named stages: update the batch, plan the step, prepare its inputs, run the forward pass (or replay
 a captured graph), sample one token for each request whose scheduled tokens reach its end (or,
-for a pooling model, pool each prompt into one vector: `_pool`), and report what was sampled.
+for a pooling model, pool each prompt into one vector: `_pool`), and report what was sampled. A
+multimodal model's steps that reach its items' placeholder spans run on input embeddings with the
+items' rows in place (`pagellm.worker.multimodal`), never as a graph.
 
 A step is launched (`launch`: everything up to sampling queued on the device, the sampled ids'
 copy to the host started) and collected (`collect`: those ids and logprobs on the host). Under
@@ -39,11 +41,15 @@ from pagellm.scheduler.output import (
 )
 from pagellm.worker.cudagraphs import CapturedGraph, DecodeGraphs
 from pagellm.worker.input_batch import CachedRequestState, InputBatch
+from pagellm.worker.multimodal import EncoderCache, MultiModalInputs, StepEmbeddings
 from pagellm.worker.penalty_state import PenaltyState
 from pagellm.worker.sampling_metadata import SamplingMetadataBuilder
 from pagellm.worker.step_buffers import StepBuffers
 from pagellm.worker.step_inputs import StepPlan, plan_step, prepare_inputs
 from pagellm.worker.step_results import StepInFlight
+
+ENCODER_CACHE_STEPS = 2
+"""The encoder cache holds the item embeddings of this many full steps' tokens."""
 
 
 class ModelRunner:
@@ -94,6 +100,15 @@ class ModelRunner:
             pin_memory=pin,
         )
         self.graphs = DecodeGraphs(current_platform)
+        self.multimodal = (
+            MultiModalInputs(
+                EncoderCache(ENCODER_CACHE_STEPS * config.scheduler.max_num_batched_tokens),
+                device,
+            )
+            if model_cfg.multimodal_specs
+            else None
+        )
+        """The item embeddings of a multimodal model's steps (None for a text-only model)."""
         self.in_flight: deque[StepInFlight] = deque()
         """Steps launched and not collected yet (one at most between engine steps)."""
         self.num_launched = 0
@@ -143,6 +158,7 @@ class ModelRunner:
                 generator=generator,
                 eos_token_id=new.eos_token_id,
                 output_token_ids=list(new.output_token_ids),
+                mm_items=list(new.mm_items),
             )
             self.requests[new.req_id] = state
             self._add_to_batch(state, new.block_ids, new.num_computed_tokens)
@@ -197,7 +213,14 @@ class ModelRunner:
             self.in_flight.append(StepInFlight(self.num_launched, [], empty, empty, empty, 0))
             return
         plan = plan_step(batch, out)
-        graph = self.graphs.for_step(len(plan.rows), plan.num_tokens)
+        embeds = None
+        if self.multimodal is not None:
+            embeds = self.multimodal.for_step(
+                plan, batch, self.requests, self.model, self.config.model.torch_dtype
+            )
+        graph = (
+            None if embeds is not None else self.graphs.for_step(len(plan.rows), plan.num_tokens)
+        )
         common = self._prepare_inputs(plan, graph.size if graph is not None else plan.num_tokens)
         self._feed_pending_tokens(plan)
         if self.pooling:
@@ -208,7 +231,7 @@ class ModelRunner:
         sample_idx = None
         if len(plan.sample_pos) < plan.num_tokens:  # not every token samples: pick those that do
             sample_idx = self.buffers.to_device(plan.query_end[plan.sample_pos] - 1)
-        hidden = self._forward(plan, common, graph)
+        hidden = self._forward(plan, common, graph, embeds)
         rows = plan.sample_rows
         step = StepInFlight(
             self.num_launched,
@@ -260,15 +283,26 @@ class ModelRunner:
         self.buffers.device_tensors.input_ids.index_copy_(0, dst, prev.sampled[src])
 
     def _forward(
-        self, plan: StepPlan, common: CommonAttentionMetadata, graph: CapturedGraph | None
+        self,
+        plan: StepPlan,
+        common: CommonAttentionMetadata,
+        graph: CapturedGraph | None,
+        embeds: StepEmbeddings | None = None,
     ) -> torch.Tensor:
         if graph is not None:
             self.attn_builder.prepare_cudagraph_replay(graph.attn_metadata, common)
             graph.replay()
             return graph.hidden[: plan.num_tokens]
         inputs, n = self.buffers.device_tensors, plan.num_tokens
+        input_ids = inputs.input_ids[:n]
+        inputs_embeds = None
+        if embeds is not None:  # the items' rows in place of their placeholders' embeddings
+            inputs_embeds = self.model.embed_input_ids(input_ids)
+            inputs_embeds[embeds.index] = embeds.values.to(inputs_embeds.dtype)
         with set_forward_context(self.attn_builder.build(common)):
-            return self.model(inputs.input_ids[:n], inputs.positions[:n])
+            if inputs_embeds is None:
+                return self.model(input_ids, inputs.positions[:n])
+            return self.model(input_ids, inputs.positions[:n], inputs_embeds)
 
     def _pool(self, plan: StepPlan, hidden: torch.Tensor) -> StepInFlight:
         """A pooling model's step: each row's prompt is whole in it (the engine runs pooling

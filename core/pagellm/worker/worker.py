@@ -112,3 +112,9 @@ class Worker:
 
     def drop_requests(self, req_ids: list[str]) -> None:
         self.model_runner.drop_requests(req_ids)
+
+    def encoder_cache_stats(self) -> dict[str, int]:
+        """The encoder cache's counters (hits, misses: items encoded, entries, tokens); empty
+        for a text-only model."""
+        multimodal = self.model_runner.multimodal
+        return {} if multimodal is None else multimodal.cache.stats()

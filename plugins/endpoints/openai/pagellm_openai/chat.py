@@ -64,7 +64,7 @@ async def create_chat_completion(
     if request.top_logprobs and not request.logprobs:
         raise bad_request("top_logprobs needs logprobs=true.", param="top_logprobs")
     ctx.check_num_sequences(1, request.n)
-    prompt, role = ctx.chat_prompt(request)
+    prompt, role = await ctx.chat_prompt_with_media(request)
     echo = echoed_text(request, role) if request.echo else ""
     requested: int | None
     if request.max_completion_tokens is not None:

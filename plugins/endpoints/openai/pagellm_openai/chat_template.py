@@ -4,13 +4,14 @@ and the checks on the fields that steer it (each refusal an HTTP 400 naming its 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from jinja2 import TemplateSyntaxError
 
 from pagellm.entrypoints.http_errors import bad_request
-from pagellm_openai.protocol import ChatMessage, ChatTemplateRequest
+from pagellm_openai.protocol import ChatMessage, ChatTemplateRequest, TextPart
 
 # apply_chat_template's own parameters, and the names it gives the template: a template
 # variable of one of these names would replace (or clash with) what the renderer sets.
@@ -51,8 +52,15 @@ class ChatTemplates:
     trust_request_templates: bool
     """``--trust-request-chat-template``: a request may bring its own template."""
 
-    def render(self, tokenizer: Any, request: ChatTemplateRequest) -> RenderedChat:
-        """The request's messages as the model reads them: the template's text, tokenized."""
+    def render(
+        self,
+        tokenizer: Any,
+        request: ChatTemplateRequest,
+        placeholders: Mapping[str, str] | None = None,
+    ) -> RenderedChat:
+        """The request's messages as the model reads them: the template's text, tokenized.
+        ``placeholders``: the text each media part type is rendered as (the model's IO
+        processor's); a media part of another type is refused."""
         template = self._template(tokenizer, request)
         kwargs = _template_variables(request.chat_template_kwargs)
         opens_a_new_turn = request.opens_a_new_turn()
@@ -64,7 +72,7 @@ class ChatTemplates:
             )
         try:
             text = tokenizer.apply_chat_template(
-                [_template_message(m) for m in request.messages],
+                [_template_message(m, placeholders or {}) for m in request.messages],
                 chat_template=template,
                 documents=request.documents,
                 add_generation_prompt=opens_a_new_turn,
@@ -119,10 +127,27 @@ def _template_variables(kwargs: dict[str, Any] | None) -> dict[str, Any]:
     return dict(kwargs or {})
 
 
-def _template_message(message: ChatMessage) -> dict[str, Any]:
-    """The message as the template reads it: its fields, content as one string."""
+def _template_message(message: ChatMessage, placeholders: Mapping[str, str]) -> dict[str, Any]:
+    """The message as the template reads it: its fields, content as one string (its parts
+    joined by newlines, a media part as its placeholder)."""
     data = message.model_dump(exclude_none=True)
-    data["content"] = message.text()
+    if not isinstance(message.content, list):
+        data["content"] = message.text()
+        return data
+    texts = []
+    for part in message.content:
+        if isinstance(part, TextPart):
+            texts.append(part.text)
+        elif part.type in placeholders:
+            texts.append(placeholders[part.type])
+        else:
+            raise bad_request(
+                f"Content parts of type {part.type!r} are not supported here: this model takes "
+                "no images (serve a vision-language model with an image IO processor, "
+                "pagellm-io-image) and /tokenize renders text only.",
+                param="messages",
+            )
+    data["content"] = "\n".join(texts)
     return data
 
 

@@ -104,27 +104,44 @@ class TextPart(_Request):
     text: Text
 
 
+class ImageURL(_Request):
+    url: Text
+    """A ``data:`` URL (base64), or a ``file:`` URL under the server's media directory."""
+    detail: Literal["auto", "low", "high"] | None = None
+    """Accepted; the model's image processor decides the resolution."""
+
+
+class ImagePart(_Request):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+PART_TYPES = ("text", "image_url")
+
+
 class ChatMessage(BaseModel):
     """One message. Any role is accepted (the chat template decides which it knows); fields
-    beyond role and content (``name``, ...) are passed to the chat template."""
+    beyond role and content (``name``, ...) are passed to the chat template. ``image_url``
+    parts are taken here and refused by the route unless the model's IO processor takes them."""
 
     model_config = ConfigDict(strict=True, extra="allow")
 
     role: Text
-    content: Text | list[TextPart] | None = None
+    content: Text | list[ContentPart] | None = None
     name: Text | None = None
 
     @field_validator("content", mode="before")
     @classmethod
-    def _text_parts_only(cls, content: Any) -> Any:
-        """An image, audio or file part is refused naming its type (the union's own errors
-        would only say that the part is not a text part)."""
+    def _known_parts_only(cls, content: Any) -> Any:
+        """An audio or file part is refused naming its type (the union's own errors would
+        only say that the part is none of the known ones)."""
         for i, part in enumerate(content if isinstance(content, list) else ()):
             kind = part.get("type") if isinstance(part, dict) else None
-            if isinstance(kind, str) and kind != "text":
+            if isinstance(kind, str) and kind not in PART_TYPES:
                 raise ValueError(
                     f"content[{i}] is a part of type {kind!r}, which is not supported: this "
-                    "server takes text parts only (multimodal input is not supported)"
+                    "server takes text and image_url parts only"
                 )
         return content
 
@@ -136,10 +153,15 @@ class ChatMessage(BaseModel):
         return self
 
     def text(self) -> str:
-        """The content as one string: text parts joined by newlines, none as empty."""
+        """The content's text as one string: text parts joined by newlines, none as empty."""
         if isinstance(self.content, list):
-            return "\n".join(part.text for part in self.content)
+            return "\n".join(p.text for p in self.content if isinstance(p, TextPart))
         return self.content or ""
+
+    def image_urls(self) -> list[str]:
+        """The URLs of its ``image_url`` parts, in order."""
+        parts = self.content if isinstance(self.content, list) else []
+        return [p.image_url.url for p in parts if isinstance(p, ImagePart)]
 
 
 def _checked_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any] | None:

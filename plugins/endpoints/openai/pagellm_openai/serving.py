@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
 
 from pagellm.entrypoints.http_errors import bad_request
 from pagellm.entrypoints.server_context import EngineClient, ServerContext
+from pagellm.io_processors import IOProcessorInputError
+from pagellm.multimodal import MultiModalItem
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import (
     MAX_LOGPROBS,
@@ -26,16 +28,21 @@ from pagellm_openai.protocol import ChatTemplateRequest, SamplingRequest
 
 @dataclass
 class Prompt:
-    """One prompt as the engine gets it: its text (when known) and its token ids."""
+    """One prompt as the engine gets it: its text (when known), its token ids and its
+    multimodal items (their placeholders expanded in the token ids)."""
 
     text: str | None
     token_ids: list[int]
+    mm_items: list[MultiModalItem] = field(default_factory=list)
 
     def engine_input(self, cache_salt: str | None) -> dict[str, Any]:
-        """The prompt as the engine takes it: its token ids (its text too, when known)."""
+        """The prompt as the engine takes it: its token ids (its text and items too, when it
+        has them)."""
         prompt: dict[str, Any] = {"prompt_token_ids": self.token_ids}
         if self.text is not None:
             prompt["prompt"] = self.text
+        if self.mm_items:
+            prompt["multi_modal_items"] = self.mm_items
         if cache_salt is not None:
             prompt["cache_salt"] = cache_salt
         return prompt
@@ -105,6 +112,12 @@ class ServingContext:
         """``prompt`` cut to ``request.truncate_prompt_tokens`` tokens (its last ones, or its
         first with ``truncation_side="right"``), leaving room for ``output_tokens``."""
         keep = request.truncate_prompt_tokens
+        if keep is not None and prompt.mm_items:
+            raise bad_request(
+                "truncate_prompt_tokens cannot cut a prompt with images (it would cut through "
+                "their tokens); shorten the messages instead.",
+                param="truncate_prompt_tokens",
+            )
         if keep is None:
             if request.truncation_side is not None:
                 raise bad_request(
@@ -184,9 +197,38 @@ class ServingContext:
         return Prompt(None, token_ids)
 
     def chat_prompt(self, request: ChatTemplateRequest) -> tuple[Prompt, str]:
-        """The request's messages rendered by its chat template, and the role of the answer."""
+        """The request's messages rendered by its chat template, and the role of the answer
+        (text only: a media part is refused)."""
         chat = self.chat_templates.render(self.tokenizer, request)
         return Prompt(chat.text, chat.token_ids), chat.role
+
+    async def chat_prompt_with_media(self, request: ChatTemplateRequest) -> tuple[Prompt, str]:
+        """`chat_prompt`, with the messages' images: each ``image_url`` part rendered as the
+        IO processor's placeholder, then the processor's ``parse_request`` (decoding, limits)
+        and ``pre_process`` (placeholders expanded, items made). Its refusals are 400s."""
+        urls = [url for message in request.messages for url in message.image_urls()]
+        io = self.engine.io_processor
+        if not urls or io is None:
+            return self.chat_prompt(request)
+        chat = self.chat_templates.render(self.tokenizer, request, io.chat_placeholders)
+        raw = {
+            "prompt": chat.text,
+            "prompt_token_ids": chat.token_ids,
+            "multi_modal_data": {"image": urls},
+        }
+        try:
+            prompts = await io.pre_process_async(await io.parse_request_async(raw))
+        except IOProcessorInputError as exc:
+            raise bad_request(str(exc), param="messages") from exc
+        [engine_prompt] = prompts
+        if not isinstance(engine_prompt, dict):
+            raise TypeError(f"The IO processor made a {type(engine_prompt).__name__} prompt.")
+        return (
+            Prompt(
+                chat.text, engine_prompt["prompt_token_ids"], engine_prompt["multi_modal_items"]
+            ),
+            chat.role,
+        )
 
     def output_budget(
         self,

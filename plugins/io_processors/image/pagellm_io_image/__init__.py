@@ -1,0 +1,1 @@
+"""pagellm-io-image: images into a vision-language model's prompts, in the front end."""
