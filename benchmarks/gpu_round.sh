@@ -32,6 +32,7 @@ if [ ! -e "/tmp/site/.installed-$wheels" ]; then
     -e plugins/attention_backends/flash_attn -e plugins/quantization/fp8 \
     -e plugins/quantization/int4 -e plugins/quantization/gguf \
     -e plugins/endpoints/openai -e plugins/endpoints/admin -e plugins/io_processors/embeddings \
+    -e plugins/io_processors/image \
     >"$OUT/install.log" 2>&1 \
     || { tail -20 "$OUT/install.log"; exit 1; }
   touch "/tmp/site/.installed-$wheels"
