@@ -12,6 +12,7 @@ Run on the GPU machine with ``pytest -m gpu``; skipped without CUDA.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -64,6 +65,18 @@ def _save_llava(directory: Path) -> str:
             if "norm" not in name:
                 param.normal_(0.0, 0.05)
     model.save_pretrained(directory)
+    # The image processor (pagellm-io-image, where installed) reads the checkpoint's preprocessing
+    # even though these prompts bring their pixels ready.
+    try:  # transformers' PIL-backed class, where this version has one
+        from transformers import CLIPImageProcessorPil as ImageProcessor
+    except ImportError:
+        from transformers import CLIPImageProcessor as ImageProcessor
+
+    processor = ImageProcessor(
+        size={"shortest_edge": 224}, crop_size={"height": 224, "width": 224}
+    ).to_dict()
+    processor["image_processor_type"] = "CLIPImageProcessor"
+    (directory / "preprocessor_config.json").write_text(json.dumps(processor, indent=2))
     return str(directory)
 
 
