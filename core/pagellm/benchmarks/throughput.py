@@ -21,6 +21,9 @@ import torch
 
 from pagellm.benchmarks import datasets
 
+# A name of this module: the vLLM peer harness wraps it to record the requests it gives vLLM.
+from pagellm.benchmarks.datasets import requests_from_args
+
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     from pagellm.engine.args import EngineArgs
@@ -306,7 +309,7 @@ def main(args: argparse.Namespace) -> int:
     config = EngineArgs.from_cli_args(args).create_engine_config()
     tokenizer = None if config.model.skip_tokenizer_init else get_tokenizer(config.model.tokenizer)
     special = set(getattr(tokenizer, "all_special_ids", None) or ())
-    requests = datasets.requests_from_args(args, config.model.vocab_size, special)
+    requests = requests_from_args(args, config.model.vocab_size, special)
     llm_result, peer = run_pagellm(args, requests)
     result["pagellm"] = llm_result
     if args.backend == "hf":
