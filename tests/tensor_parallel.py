@@ -10,6 +10,8 @@
 - `rank_product_errors`: how far the ranks' products, put together, are from the one-rank
   layer's, layer by layer (through each linear method's ``apply``: its GEMM on the device).
 - `run_ranks`: spawn real gloo ranks (TCP on 127.0.0.1) that each run a function.
+- `greedy_record` / `assert_same_greedy`: what a rank generated (tokens and top logprobs, as
+  plain data that crosses the spawn), and its comparison with the one-rank engine's.
 """
 
 from __future__ import annotations
@@ -130,3 +132,24 @@ def run_ranks(fn: Callable[..., Any], *args: Any, tp: int = 2) -> dict[int, Any]
         results = manager.dict()
         mp.spawn(_rank_main, args=(fn, args, tp, _free_port(), results), nprocs=tp, join=True)
         return dict(results)
+
+
+def greedy_record(outputs: list[Any]) -> dict[str, list]:
+    """The token ids and per-position top logprobs of ``LLM.generate``'s outputs, as plain data."""
+    return {
+        "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+        "logprobs": [
+            [{t: lp.logprob for t, lp in pos.items()} for pos in o.outputs[0].logprobs]
+            for o in outputs
+        ],
+    }
+
+
+def assert_same_greedy(got: dict[str, list], want: dict[str, list], tol: float, what: Any) -> None:
+    """Identical tokens, the same top-logprob candidates, and their logprobs within ``tol``."""
+    assert got["tokens"] == want["tokens"], what
+    for got_prompt, want_prompt in zip(got["logprobs"], want["logprobs"], strict=True):
+        for g, w in zip(got_prompt, want_prompt, strict=True):
+            assert g.keys() == w.keys(), what
+            for token, value in w.items():
+                assert abs(g[token] - value) < tol, (what, token)

@@ -21,6 +21,8 @@ from pagellm.layers.parallel_linear import QKVParallelLinear, TensorParallelErro
 from pagellm.quantization.registry import quantization_methods
 from tensor_parallel import (
     as_rank,
+    assert_same_greedy,
+    greedy_record,
     linears,
     load_model_as_rank,
     rank_product_errors,
@@ -72,19 +74,10 @@ def test_each_rank_holds_its_slice_of_the_float8_weights_and_their_scales(case, 
 
 
 def _generate(rank: int, paths: list[str]) -> list[dict]:
-    results = []
-    for path in paths:
-        outputs = LLM(path, **ENGINE).generate(PROMPTS, GREEDY, use_tqdm=False)
-        results.append(
-            {
-                "tokens": [list(o.outputs[0].token_ids) for o in outputs],
-                "logprobs": [
-                    [{t: lp.logprob for t, lp in pos.items()} for pos in o.outputs[0].logprobs]
-                    for o in outputs
-                ],
-            }
-        )
-    return results
+    return [
+        greedy_record(LLM(path, **ENGINE).generate(PROMPTS, GREEDY, use_tqdm=False))
+        for path in paths
+    ]
 
 
 def test_two_gloo_ranks_decode_fp8_checkpoints_as_one_rank(checkpoints):
@@ -92,13 +85,7 @@ def test_two_gloo_ranks_decode_fp8_checkpoints_as_one_rank(checkpoints):
     by_rank = run_ranks(_generate, paths)
     for i, one in enumerate(_generate(0, paths)):
         for rank in (0, 1):
-            split = by_rank[rank][i]
-            assert split["tokens"] == one["tokens"], (DECODED[i], rank)
-            for got, want in zip(split["logprobs"], one["logprobs"], strict=True):
-                for g, w in zip(got, want, strict=True):
-                    assert g.keys() == w.keys(), (DECODED[i], rank)
-                    for token, value in w.items():
-                        assert abs(g[token] - value) < 1e-4, (DECODED[i], rank, token)
+            assert_same_greedy(by_rank[rank][i], one, 1e-4, (DECODED[i], rank))
 
 
 def test_fp8_checkpoints_pass_the_config_time_tensor_parallel_check(checkpoints):

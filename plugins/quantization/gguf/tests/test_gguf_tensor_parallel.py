@@ -29,7 +29,15 @@ from pagellm.layers.parallel_linear import (
     RowParallelLinear,
     TensorParallelError,
 )
-from tensor_parallel import as_rank, linears, load_model_as_rank, rank_slice, run_ranks
+from tensor_parallel import (
+    as_rank,
+    assert_same_greedy,
+    greedy_record,
+    linears,
+    load_model_as_rank,
+    rank_slice,
+    run_ranks,
+)
 
 TYPES = {
     "attn_q": T.Q8_0,
@@ -90,26 +98,14 @@ def test_each_rank_of_a_dequantized_model_holds_its_slice_of_every_weight(qwen3_
 
 
 def _generate(rank: int, path: str) -> dict:
-    outputs = LLM(path, **ENGINE).generate(PROMPTS, GREEDY, use_tqdm=False)
-    return {
-        "tokens": [list(o.outputs[0].token_ids) for o in outputs],
-        "logprobs": [
-            [{t: lp.logprob for t, lp in pos.items()} for pos in o.outputs[0].logprobs]
-            for o in outputs
-        ],
-    }
+    return greedy_record(LLM(path, **ENGINE).generate(PROMPTS, GREEDY, use_tqdm=False))
 
 
 def test_two_gloo_ranks_decode_a_gguf_file_as_one_rank(qwen3_gguf):
     by_rank = run_ranks(_generate, qwen3_gguf)
     one = _generate(0, qwen3_gguf)
     for rank in (0, 1):
-        assert by_rank[rank]["tokens"] == one["tokens"], rank
-        for got, want in zip(by_rank[rank]["logprobs"], one["logprobs"], strict=True):
-            for g, w in zip(got, want, strict=True):
-                assert g.keys() == w.keys(), rank
-                for token, value in w.items():
-                    assert abs(g[token] - value) < 1e-5, (rank, token)
+        assert_same_greedy(by_rank[rank], one, 1e-5, rank)
 
 
 def _raw(qtype: T, rows: int, cols: int, seed: int) -> GGUFTensor:

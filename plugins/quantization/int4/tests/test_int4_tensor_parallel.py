@@ -26,6 +26,8 @@ from pagellm.layers.parallel_linear import RowParallelLinear, TensorParallelErro
 from pagellm.quantization.registry import quantization_methods
 from tensor_parallel import (
     as_rank,
+    assert_same_greedy,
+    greedy_record,
     linears,
     load_model_as_rank,
     rank_product_errors,
@@ -92,19 +94,10 @@ def test_each_rank_dequantizes_to_its_slice_of_the_whole_weight(case, checkpoint
 
 
 def _generate(rank: int, paths: list[str]) -> list[dict]:
-    results = []
-    for path in paths:
-        outputs = LLM(path, **ENGINE).generate(PROMPTS, GREEDY, use_tqdm=False)
-        results.append(
-            {
-                "tokens": [list(o.outputs[0].token_ids) for o in outputs],
-                "logprobs": [
-                    [{t: lp.logprob for t, lp in pos.items()} for pos in o.outputs[0].logprobs]
-                    for o in outputs
-                ],
-            }
-        )
-    return results
+    return [
+        greedy_record(LLM(path, **ENGINE).generate(PROMPTS, GREEDY, use_tqdm=False))
+        for path in paths
+    ]
 
 
 def test_two_gloo_ranks_decode_int4_checkpoints_as_one_rank(checkpoints):
@@ -112,13 +105,7 @@ def test_two_gloo_ranks_decode_int4_checkpoints_as_one_rank(checkpoints):
     by_rank = run_ranks(_generate, paths)
     for i, one in enumerate(_generate(0, paths)):
         for rank in (0, 1):
-            split = by_rank[rank][i]
-            assert split["tokens"] == one["tokens"], (DECODED[i], rank)
-            for got, want in zip(split["logprobs"], one["logprobs"], strict=True):
-                for g, w in zip(got, want, strict=True):
-                    assert g.keys() == w.keys(), (DECODED[i], rank)
-                    for token, value in w.items():
-                        assert abs(g[token] - value) < 1e-4, (DECODED[i], rank, token)
+            assert_same_greedy(by_rank[rank][i], one, 1e-4, (DECODED[i], rank))
 
 
 def test_act_order_without_static_groups_is_refused_at_config_time(checkpoints):
