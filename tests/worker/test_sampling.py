@@ -11,6 +11,7 @@ import torch
 from pagellm import LLM, SamplingParams
 from pagellm.layers.sampler import (
     Penalties,
+    Sampler,
     SamplingMetadata,
     apply_min_p,
     apply_top_k_top_p,
@@ -76,6 +77,21 @@ def test_min_p_top_k_top_p_by_hand():
 @pytest.fixture(scope="module")
 def llm(tiny_models):
     return LLM(tiny_models["llama3"], max_model_len=128, kv_cache_memory=16 << 20)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_greedy_argmax_in_the_model_dtype_equals_the_float32_path(dtype):
+    """All-greedy batches without logprobs, masks, bias or penalties take the argmax of the
+    model-dtype logits; ties (many in bf16) resolve to the first maximum, as in float32."""
+    gen = torch.Generator().manual_seed(0)
+    logits = (torch.randn(64, 1000, generator=gen) * 3).to(dtype)
+    logits[5, [3, 700]] = logits[5].max() + 1  # an exact tie: the first one wins
+    fast = Sampler()(logits, metadata(64)).sampled_token_ids
+    assert fast.tolist() == logits.float().argmax(dim=-1).tolist()
+    assert fast[5].item() == 3
+    # With a bias the float32 path runs, and the bias counts.
+    md = metadata(64, logit_bias=(torch.tensor([5]), torch.tensor([700]), torch.tensor([1.0])))
+    assert Sampler()(logits, md).sampled_token_ids[5].item() == 700
 
 
 def test_allowed_token_ids_and_bad_words_never_violated_over_many_samples(llm):

@@ -147,8 +147,23 @@ def sample_from_probs(probs: torch.Tensor, md: SamplingMetadata) -> torch.Tensor
     return picked.clamp(max=probs.shape[-1] - 1)
 
 
+def changes_logits(md: SamplingMetadata) -> bool:
+    """Whether `process_logits` does anything for this batch (masks, bias or penalties)."""
+    return (
+        md.allowed_mask is not None
+        or md.banned is not None
+        or md.logit_bias is not None
+        or md.penalties is not None
+    )
+
+
 class Sampler(torch.nn.Module):
     def forward(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+        if md.all_greedy and md.max_num_logprobs is None and not changes_logits(md):
+            # The argmax of the logits as the model produced them: widening to float32 is exact
+            # and keeps their order, so it picks the same token (the first of equal maxima)
+            # without writing and reading a float32 copy of the [N, vocab] logits.
+            return SamplerOutput(logits.argmax(dim=-1), None)
         logits = logits.float()
         raw_logprobs = logits.log_softmax(dim=-1) if md.max_num_logprobs is not None else None
         logits = process_logits(logits, md)
