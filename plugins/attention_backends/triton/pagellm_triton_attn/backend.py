@@ -66,6 +66,9 @@ class TritonAttentionMetadata:
     """Decode kernel: programs per (row, KV head), each over a share of the row's keys."""
     scratch: SplitScratch | None = None
     """Decode kernel with ``num_splits`` > 1: where the splits meet."""
+    decode_order: torch.Tensor | None = None
+    """Decode kernel: int32 [rows], the rows longest first, the order its programs take them
+    (a persistent buffer, rewritten before each replay, in a captured graph)."""
 
 
 class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
@@ -117,6 +120,9 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
         scratch = None
         if num_splits > 1:
             scratch = SplitScratch(common.num_reqs, num_splits, self.device)
+        order = None
+        if run_decode and common.num_reqs > 1:
+            order = self._staged_order(common).to(self.device, non_blocking=True)
         return TritonAttentionMetadata(
             num_actual_tokens=common.num_actual_tokens,
             num_reqs=common.num_reqs,
@@ -129,7 +135,17 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
             run_decode_kernel=run_decode,
             num_splits=num_splits,
             scratch=scratch,
+            decode_order=order,
         )
+
+    def _staged_order(self, common: CommonAttentionMetadata) -> torch.Tensor:
+        """The rows longest first, on the host: in pinned memory on a GPU, so that the copy to
+        the device does not wait for the step in flight (PyTorch's host allocator keeps the
+        block until the copy has run)."""
+        from pagellm_triton_attn.kernels import rows_longest_first
+
+        host = torch.from_numpy(rows_longest_first(common.seq_lens_cpu.numpy()))
+        return host if self.device.type == "cpu" else host.pin_memory()
 
     def build_for_cudagraph(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
         # The grid comes from the padded shapes and the capture-time worst case (max_seq_len is
@@ -154,7 +170,15 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
             run_decode_kernel=True,
             num_splits=num_splits,
             scratch=scratch,
+            decode_order=torch.arange(num_rows, dtype=torch.int32, device=self.device),
         )
+
+    def prepare_cudagraph_replay(
+        self, attn_metadata: TritonAttentionMetadata, common: CommonAttentionMetadata
+    ) -> None:
+        # The padded rows (seq_len 0) sort last; the captured kernels read the buffer.
+        assert attn_metadata.decode_order is not None
+        attn_metadata.decode_order.copy_(self._staged_order(common), non_blocking=True)
 
 
 class TritonAttentionImpl(AttentionImpl):
@@ -231,6 +255,7 @@ class TritonAttentionImpl(AttentionImpl):
                 scratch=meta.scratch.get(self.num_heads, self.head_size) if meta.scratch else None,
                 k_scale=self.k_scale,
                 v_scale=self.v_scale,
+                row_order=meta.decode_order,
             )
         return out.view(n, self.num_heads * self.head_size)
 

@@ -248,6 +248,7 @@ def run_decode(
     window: int | None,
     num_splits: int,
     out: torch.Tensor | None = None,
+    row_order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     key_cache, value_cache = batch.kv_cache[0], batch.kv_cache[1]
     kernels.write_kv_cache(
@@ -278,5 +279,6 @@ def run_decode(
         scratch=scratch,
         k_scale=batch.k_scale,
         v_scale=batch.v_scale,
+        row_order=row_order,
     )
     return out

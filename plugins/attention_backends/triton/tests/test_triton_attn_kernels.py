@@ -148,6 +148,22 @@ def test_split_kv_agrees_with_unsplit_decode(kernels):
     torch.testing.assert_close(split, whole, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_rows_taken_longest_first_give_the_same_outputs(kernels, num_splits):
+    """The programs' row order (`rows_longest_first`) changes when each row runs, not what it
+    computes: outputs equal the batch-order launch's, bit for bit, padding rows included."""
+    rows = [(40, 1), (300, 1), (0, 1), (129, 1), (129, 1), (7, 1)]
+    kwargs = dict(num_heads=4, num_kv_heads=2, head_size=32, dtype=torch.bfloat16, seed=3)
+    batch = make_batch(rows, padding_rows=2, **kwargs)
+    order = torch.from_numpy(kernels.rows_longest_first(batch.seq_lens.numpy()))
+    assert order.tolist()[:4] == [1, 3, 4, 0]  # 301, 130, 130 (row order on ties), 41 tokens
+    assert sorted(order.tolist()) == list(range(len(rows) + 2))
+    plain = run_decode(kernels, batch, 0.2, None, num_splits)
+    ordered = run_decode(kernels, make_batch(rows, padding_rows=2, **kwargs), 0.2, None,
+                         num_splits, row_order=order)  # fmt: skip
+    assert torch.equal(ordered, plain)
+
+
 # FP8 caches: scales of 1, powers of two and others; the contexts saturate at +-448 * scale.
 @pytest.mark.parametrize(
     "dtype, head_size, num_heads, num_kv_heads, window, scales",

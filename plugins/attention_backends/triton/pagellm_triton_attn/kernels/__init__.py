@@ -24,7 +24,7 @@ import os
 from .interpreter_compat import install_interpreter_fixes
 from .kv_write import write_kv_cache
 from .mixed_batch import paged_attention
-from .split_kv_decode import num_decode_splits, paged_decode, split_scratch
+from .split_kv_decode import num_decode_splits, paged_decode, rows_longest_first, split_scratch
 
 # Triton reads the same variable when it decorates the kernels.
 if os.environ.get("TRITON_INTERPRET") == "1":
@@ -34,6 +34,7 @@ __all__ = [
     "num_decode_splits",
     "paged_attention",
     "paged_decode",
+    "rows_longest_first",
     "split_scratch",
     "write_kv_cache",
 ]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -41,6 +42,7 @@ def _paged_decode_kernel(
     qsl_ptr,
     seq_lens_ptr,
     block_table_ptr,
+    order_ptr,
     window,
     qk_scale,
     v_scale,
@@ -63,10 +65,13 @@ def _paged_decode_kernel(
     FP8_AS_F16: tl.constexpr,
     SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    HAS_ORDER: tl.constexpr,
 ):
     split = tl.program_id(0)
     kv_head = tl.program_id(1)
-    row = tl.program_id(2)
+    # Programs are dispatched in grid order: with an order (longest rows first), the long rows
+    # start early and the last wave holds short ones, so no long row runs alone at the end.
+    row = tl.load(order_ptr + tl.program_id(2)) if HAS_ORDER else tl.program_id(2)
     num_splits = tl.num_programs(0)
     q_start = tl.load(qsl_ptr + row)
     if tl.load(qsl_ptr + row + 1) - q_start != 1:
@@ -202,6 +207,7 @@ def paged_decode(
     v_scale: float = 1.0,
     tiles: Tiles | None = None,
     target: GPUTarget | None = None,
+    row_order: torch.Tensor | None = None,
 ) -> None:
     """Attention for the rows of exactly one query token (token ``query_start_loc[row]``);
     other rows are skipped, so this can share a mixed batch with `paged_attention`.
@@ -211,7 +217,9 @@ def paged_decode(
     and read no cache. The launch reads no host-side per-step value besides its shapes. Float8
     caches hold K/V divided by ``k_scale``/``v_scale``. ``tiles``: other tiles than
     `decode_tiles`' (for tile sweeps, `benchmarks/triton_decode_tiles.py`). ``target``: the GPU
-    to choose tiles for, when not the tensors' own (`gpu_target`; cross-compiling passes it)."""
+    to choose tiles for, when not the tensors' own (`gpu_target`; cross-compiling passes it).
+    ``row_order``: int32 [num_rows], a permutation of the rows, the order in which programs take
+    them (`rows_longest_first`); the results do not depend on it."""
     if num_rows == 0:
         return
     if target is None:
@@ -245,6 +253,7 @@ def paged_decode(
         query_start_loc,
         seq_lens,
         block_table,
+        seq_lens if row_order is None else row_order,  # unread without HAS_ORDER
         sliding_window or 0,
         scale * k_scale * LOG2E,  # the FP8 cache's keys were stored divided by k_scale
         v_scale,
@@ -268,6 +277,7 @@ def paged_decode(
         FP8_AS_F16=fp8_as_f16(query, key_cache),
         SPLIT=split,
         DOT_PRECISION=dot_precision(query.dtype, target),
+        HAS_ORDER=row_order is not None,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
@@ -285,6 +295,11 @@ def paged_decode(
             HEAD_SIZE=head_size,
             num_warps=2,
         )
+
+
+def rows_longest_first(seq_lens: np.ndarray) -> np.ndarray:
+    """The rows by decreasing length (ties in row order), as int32: a `paged_decode` order."""
+    return np.argsort(-seq_lens.astype(np.int64), kind="stable").astype(np.int32)
 
 
 def num_decode_splits(
