@@ -47,7 +47,11 @@ def main() -> int:
     parser.add_argument("--heads", type=int, nargs=2, default=[16, 8], help="q and kv heads")
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
-    from pagellm_triton_attn.kernels.split_kv_decode import paged_decode, split_scratch
+    from pagellm_triton_attn.kernels.split_kv_decode import (
+        paged_decode,
+        rows_longest_first,
+        split_scratch,
+    )
 
     gen = torch.Generator().manual_seed(0)
     lengths = torch.randint(args.min_len, args.max_len + 1, (args.rows,), generator=gen)
@@ -61,22 +65,32 @@ def main() -> int:
     results: dict[str, Any] = {}
     for name, lens in orders.items():
         b = make_batch(lens, heads, kv_heads)
-        for splits in (1, 2, 4) if name == "batch order" else (1,):
+        order = torch.from_numpy(rows_longest_first(lens.numpy())).cuda()
+        for splits in (1, 2, 4, -1) if name == "batch order" else (1,):
+            ordered, splits = splits < 0, abs(splits)
             scratch = (
                 split_scratch(args.rows, heads, HEAD, splits, torch.device("cuda"))
                 if splits > 1
                 else None
             )
 
-            def run(b: dict = b, splits: int = splits, scratch: Any = scratch) -> None:
+            row_order = order if ordered else None
+
+            def run(
+                b: dict = b,
+                splits: int = splits,
+                scratch: Any = scratch,
+                row_order: Any = row_order,
+            ) -> None:
                 paged_decode(
                     b["query"], b["kv"][0], b["kv"][1], b["out"], b["qsl"], b["seq_lens"],
                     b["table"], num_rows=args.rows, scale=HEAD**-0.5, sliding_window=None,
-                    num_splits=splits, scratch=scratch,
+                    num_splits=splits, scratch=scratch, row_order=row_order,
                 )  # fmt: skip
 
             ms = triton.testing.do_bench(run, warmup=25, rep=200)
             key = name if splits == 1 else f"{name}, {splits} splits"
+            key = f"{name}, row_order longest first" if ordered else key
             results[key] = {"us": round(ms * 1e3, 1), "gb_per_s": round(b["bytes"] / ms / 1e6, 1)}
             print(f"{key:28s} {results[key]['us']:8.1f} us {results[key]['gb_per_s']:8.1f} GB/s")
         del b
