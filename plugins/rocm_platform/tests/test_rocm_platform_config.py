@@ -2,21 +2,21 @@
 (an fp8 KV cache where the GPU does not compute in float8_e4m3fn, fp8 GEMMs where it has no fp8),
 and the fp8 format pagellm-fp8 takes from it (float8_e4m3fnuz on gfx94x).
 
-No AMD GPU exists where these run: the GPU's architecture comes from a faked ``amdsmi`` and a
-faked ``torch.version.hip`` (as in test_rocm_detection.py); the configs, the platform's rules and
+No AMD GPU exists where these run: the GPU's architecture comes from a stand-in ``amdsmi`` and a
+faked ``torch.version.hip`` (`pagellm_rocm.fake_hardware`'s); the configs, the platform's rules and
 pagellm-fp8's refusal are the real code.
 """
 
 from __future__ import annotations
 
 import sys
-import types
 
 import pytest
 import torch
 from pagellm_cuda.platform import CudaPlatform
 from pagellm_fp8.config import Fp8Config, Fp8PerChannelConfig
 from pagellm_rocm import detection
+from pagellm_rocm.fake_hardware import HIP_VERSION, stand_in_amdsmi
 from pagellm_rocm.platform import RocmPlatform
 
 import pagellm.platforms
@@ -27,13 +27,9 @@ from pagellm.engine.args import EngineArgs
 
 def fake_gpus(monkeypatch: pytest.MonkeyPatch, arch: str) -> None:
     """A ROCm build of torch on a machine with one AMD GPU of ``arch``."""
-    monkeypatch.setattr(torch.version, "hip", "6.4.43482")
+    monkeypatch.setattr(torch.version, "hip", HIP_VERSION)
     monkeypatch.setattr(torch.version, "cuda", None)
-    amdsmi = types.ModuleType("amdsmi")
-    amdsmi.amdsmi_init = amdsmi.amdsmi_shut_down = lambda: None  # type: ignore[attr-defined]
-    amdsmi.amdsmi_get_processor_handles = lambda: [0]  # type: ignore[attr-defined]
-    amdsmi.amdsmi_get_gpu_asic_info = lambda h: {"target_graphics_version": arch}  # type: ignore
-    monkeypatch.setitem(sys.modules, "amdsmi", amdsmi)
+    monkeypatch.setitem(sys.modules, "amdsmi", stand_in_amdsmi([arch]))
     for var in ("HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES"):
         monkeypatch.delenv(var, raising=False)
     detection.physical_gpus.cache_clear()
