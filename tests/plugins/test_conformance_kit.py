@@ -253,3 +253,26 @@ def test_broken_backend_fails_the_kit_naming_each_broken_declaration(kit):
     )
     # The summary a vendor reads names each failing case.
     assert "FAILED test_declarations.py::test_declared_head_size_runs[BROKEN_ATTN-64]" in run.output
+
+
+class _Config:
+    """What `enter_faked_hardware` asks of pytest's config."""
+
+    def __init__(self) -> None:
+        self.cleanups: list = []
+
+    def add_cleanup(self, cleanup) -> None:
+        self.cleanups.append(cleanup)
+
+
+def test_fake_hardware_needs_a_platform_and_a_context_manager_factory():
+    from pagellm.testing.conformance.faked_hardware import enter_faked_hardware
+
+    spec, config = "pagellm_rocm.fake_hardware:gfx942", _Config()
+    with pytest.raises(pytest.UsageError, match="name the platform with --pagellm-platform"):
+        enter_faked_hardware(config, spec, None)
+    with pytest.raises(pytest.UsageError, match="ModuleNotFoundError: No module named 'nowhere'"):
+        enter_faked_hardware(config, "nowhere:gfx942", "rocm")
+    with pytest.raises(pytest.UsageError, match="names no callable"):
+        enter_faked_hardware(config, "pagellm_rocm.fake_hardware", "rocm")
+    assert enter_faked_hardware(config, None, "rocm") is None and not config.cleanups

@@ -4,7 +4,7 @@ and the fp8 format pagellm-fp8 takes from it (float8_e4m3fnuz on gfx94x).
 
 No AMD GPU exists where these run: the GPU's architecture comes from a stand-in ``amdsmi`` and a
 faked ``torch.version.hip`` (`pagellm_rocm.fake_hardware`'s); the configs, the platform's rules and
-pagellm-fp8's refusal are the real code.
+pagellm-fp8's choices are the real code.
 """
 
 from __future__ import annotations
