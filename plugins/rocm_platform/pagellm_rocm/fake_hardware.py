@@ -51,7 +51,7 @@ def fake_rocm(arch: str = "gfx942", count: int = 1, hip: str = HIP_VERSION) -> I
         torch.version.cuda,
         sys.modules.get("amdsmi", absent),
     )
-    torch.version.hip, torch.version.cuda = hip, None  # type: ignore[assignment]
+    torch.version.hip, torch.version.cuda = hip, None
     sys.modules["amdsmi"] = stand_in_amdsmi([arch] * count)
     detection.physical_gpus.cache_clear()
     try:
