@@ -55,9 +55,12 @@ def fake_amdsmi(archs: list[str], fail_init: Exception | None = None) -> types.M
 
 @pytest.fixture(autouse=True)
 def clean(monkeypatch: pytest.MonkeyPatch):
-    """Each test sees no visible-device variable and asks the hardware afresh."""
+    """Each test sees no visible-device variable and asks the hardware afresh; what the plugin
+    hook sets in the environment is undone afterwards (``setenv`` first: ``delenv`` of an unset
+    variable records nothing to restore)."""
     for var in VARS:
-        monkeypatch.delenv(var, raising=False)
+        monkeypatch.setenv(var, "")
+        monkeypatch.delenv(var)
     detection.physical_gpus.cache_clear()
     yield
     detection.physical_gpus.cache_clear()
