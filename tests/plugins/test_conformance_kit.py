@@ -4,8 +4,10 @@ against really installed plugins.
 
 The first-party plugins pass it: the CUDA platform with FLASHINFER and FLASH_ATTN (inactive and
 unavailable here, so their declarations, selection and metadata are checked and the device cases
-skip, saying why) and TRITON_ATTN (in Triton's interpreter). So do the test packages (the dummy
-platform and attention backend, the docs' example). The deliberately broken backend
+skip, saying why), TRITON_ATTN (in Triton's interpreter), and the ROCm platform twice: inactive as
+it is here, and active on the faked gfx942 of pagellm-rocm's ``fake_hardware`` (the cases that
+need no device run against it, with TRITON_ATTN compiled-mode declarations on ROCm's device
+type). So do the test packages (the dummy platform and attention backend, the docs' example). The deliberately broken backend
 (tests/plugins/broken_attention) fails it, each case with a message naming what differed.
 
 The runs start ahead, two at a time, longest first: each is mostly one core's work.
@@ -40,6 +42,12 @@ RUNS = {  # name: (pytest arguments, environment)
         {},
     ),
     "rocm": (["--pagellm-platform", "rocm"], {}),
+    # Without TRITON_INTERPRET (CONTROL_VARS): TRITON_ATTN as on a GPU, declaring "cuda" only.
+    "rocm_faked": (
+        ["--pagellm-platform", "rocm", "--pagellm-backend", "TRITON_ATTN"]
+        + ["--pagellm-fake-hardware", "pagellm_rocm.fake_hardware:gfx942"],
+        {},
+    ),
     "dummy": (
         ["--pagellm-platform", "dummy", "--pagellm-backend", "DUMMY_ATTN"],
         {"PAGELLM_DUMMY_PLATFORM": "1"},
@@ -59,6 +67,8 @@ class KitRun:
     output: str
     cases: dict[str, tuple[str, str]]
     """Case id (module::name[params]) → (passed / failed / skipped, message)."""
+    properties: dict[str, dict[str, str]]
+    """Case id → what it recorded (``record_property``)."""
 
     def named(self, status: str, prefix: str = "") -> dict[str, str]:
         return {
@@ -81,17 +91,21 @@ def run_kit(args: list[str], env: dict[str, str], directory: Path) -> KitRun:
         text=True,
         timeout=600,
     )
-    cases = {}
+    cases, properties = {}, {}
     if report.exists():
         for case in ElementTree.parse(report).iter("testcase"):
             module = case.get("classname", "").rpartition(".")[2]
+            name = f"{module}.py::{case.get('name')}"
             status, message = "passed", ""
             for child in case:
                 if child.tag in ("failure", "error", "skipped"):
                     status = "skipped" if child.tag == "skipped" else "failed"
                     message = child.get("message", "")
-            cases[f"{module}.py::{case.get('name')}"] = (status, message)
-    return KitRun(proc.returncode, proc.stdout + proc.stderr, cases)
+            cases[name] = (status, message)
+            properties[name] = {
+                str(p.get("name")): str(p.get("value")) for p in case.iter("property")
+            }
+    return KitRun(proc.returncode, proc.stdout + proc.stderr, cases, properties)
 
 
 @pytest.fixture(scope="module")
@@ -162,6 +176,37 @@ def test_rocm_platform_passes_what_runs_without_an_amd_gpu(kit):
     assert "platform 'rocm' is inactive" in graphs
 
 
+def test_rocm_platform_on_faked_gfx942_passes_what_needs_no_device(kit):
+    """pagellm-rocm's fake (torch.version.hip and a stand-in amdsmi listing one gfx942; nothing
+    of torch.cuda) makes the ROCm platform active: its declarations, dtype="auto", the ranking
+    (TRITON_ATTN chosen), the decode-graph decisions, TRITON_ATTN's declarations on ROCm's device
+    type and both plugins' metadata run against it; every case that would run on the device
+    skips, saying the hardware is faked."""
+    run = green(kit, "rocm_faked")
+    passed, skipped = run.named("passed"), run.named("skipped")
+    for case in (
+        "test_package.py::test_faked_hardware_makes_the_platform_active",
+        "test_package.py::test_platform_class_fits_the_platform_interface",
+        "test_declarations.py::test_platform_auto_dtype_is_one_it_supports",
+        "test_cudagraphs.py::test_platform_turns_graphs_on_only_as_declared",
+        "test_declarations.py::test_declared_kv_cache_dtype_is_accepted[TRITON_ATTN-fp8_e4m3]",
+        "test_declarations.py::test_undeclared_value_is_refused_with_a_reason[TRITON_ATTN-device_type_cpu]",
+        "test_cudagraphs.py::test_backend_declaring_graphs_builds_graph_metadata[TRITON_ATTN]",
+    ):
+        assert case in passed, case
+    for size in (64, 128):
+        case = f"test_declarations.py::test_platform_ranking_serves_a_typical_model[{size}]"
+        assert case in passed and run.properties[case] == {"backend": "TRITON_ATTN"}
+    faked = "platform 'rocm' is active on faked hardware (torch.version.hip '6.4.43482'"
+    assert skipped and all(faked in message for message in skipped.values()), skipped
+    for case in (
+        "test_cudagraphs.py::test_platform_records_and_replays_a_graph",
+        "test_end_to_end.py::test_platform_greedy_tokens_match_the_reference",
+        "test_attention.py::test_decode_matches_the_reference[TRITON_ATTN]",
+    ):
+        assert case in skipped, case
+
+
 @pytest.mark.parametrize("name", ["dummy", "doc_example"])
 def test_test_packages_pass_the_kit(kit, name):
     run = green(kit, name)
@@ -208,3 +253,26 @@ def test_broken_backend_fails_the_kit_naming_each_broken_declaration(kit):
     )
     # The summary a vendor reads names each failing case.
     assert "FAILED test_declarations.py::test_declared_head_size_runs[BROKEN_ATTN-64]" in run.output
+
+
+class _Config:
+    """What `enter_faked_hardware` asks of pytest's config."""
+
+    def __init__(self) -> None:
+        self.cleanups: list = []
+
+    def add_cleanup(self, cleanup) -> None:
+        self.cleanups.append(cleanup)
+
+
+def test_fake_hardware_needs_a_platform_and_a_context_manager_factory():
+    from pagellm.testing.conformance.faked_hardware import enter_faked_hardware
+
+    spec, config = "pagellm_rocm.fake_hardware:gfx942", _Config()
+    with pytest.raises(pytest.UsageError, match="name the platform with --pagellm-platform"):
+        enter_faked_hardware(config, spec, None)
+    with pytest.raises(pytest.UsageError, match="ModuleNotFoundError: No module named 'nowhere'"):
+        enter_faked_hardware(config, "nowhere:gfx942", "rocm")
+    with pytest.raises(pytest.UsageError, match="names no callable"):
+        enter_faked_hardware(config, "pagellm_rocm.fake_hardware", "rocm")
+    assert enter_faked_hardware(config, None, "rocm") is None and not config.cleanups

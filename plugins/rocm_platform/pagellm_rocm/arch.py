@@ -24,7 +24,8 @@ platform needs follows from it, so these are pure functions of a string, tested 
 - **fp8**: the float8 e4m3 flavour the matrix units compute in. CDNA3 has only the "fnuz"
   variant (no negative zero, no infinities, NaN is the bit pattern 0x80, exponent bias 8 instead
   of 7: every value is half the float8_e4m3fn value of the same bits); CDNA4 and RDNA4 use the
-  OCP standard float8_e4m3fn that checkpoints are written in (see `pagellm_rocm.fp8`).
+  OCP standard float8_e4m3fn that checkpoints are written in. pagellm-fp8 converts checkpoints
+  for CDNA3 at load (`pagellm.quantization.fp8_formats`).
 """
 
 from __future__ import annotations

@@ -5,9 +5,11 @@ target and compiled for it (`pagellm_rocm.cross_compile`); prints one JSON objec
 
 Runs in a process where Triton compiles (``TRITON_INTERPRET`` unset or 0); test_amd_kernels.py
 starts it. The kernels are TRITON_ATTN's (`pagellm_triton_attn.kernels`) and the fused ops of
-`pagellm_cuda.ops` that the ROCm platform's ``custom_ops()`` returns. The tensors are CPU tensors
-of a Llama-like layer (8 KV heads, GQA 4, head size 128, a 4096-wide hidden state): the host
-functions read only their shapes, strides, dtypes and alignment.
+`pagellm_cuda.ops` that the ROCm platform's ``custom_ops()`` returns, and pagellm-fp8's
+activation quantization and block-scaled GEMM in the fp8 format of the target
+(`pagellm_fp8.kernels`: float8_e4m3fnuz on gfx942, float8_e4m3fn on gfx950). The tensors are CPU
+tensors of a Llama-like layer (8 KV heads, GQA 4, head size 128, a 4096-wide hidden state): the
+host functions read only their shapes, strides, dtypes and alignment.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from pagellm_rocm.cross_compile import (
     recorded_launches,
 )
 
-BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
+BF16, FP8, FNUZ = torch.bfloat16, torch.float8_e4m3fn, torch.float8_e4m3fnuz
 KV_HEADS, GQA, HEAD, PAGE, BLOCKS = 8, 4, 128, 16, 32
 HIDDEN = 4096
 
@@ -112,10 +114,37 @@ def op(name: str) -> Case:
     return run
 
 
+def fp8(name: str, fp8_dtype: torch.dtype) -> Case:
+    """pagellm-fp8's kernels on a 16-token batch of a 4096-wide layer, in ``fp8_dtype``."""
+
+    def run(kernels: ModuleType, target) -> None:
+        import importlib
+
+        quant = importlib.import_module(f"{FP8_KERNELS}.quant")
+        x = torch.empty(16, HIDDEN, dtype=BF16)
+        if name == "per_token_quant":
+            quant.per_token_quant_fp8(x, dtype=fp8_dtype)
+        elif name == "per_tensor_quant":  # dynamic: the amax pass, then the quantization
+            quant.per_tensor_quant_fp8(x, dtype=fp8_dtype)
+        elif name == "per_token_group_quant":
+            quant.per_token_group_quant_fp8(x, 128, dtype=fp8_dtype)
+        elif name == "block_scaled_mm":
+            block_gemm = importlib.import_module(f"{FP8_KERNELS}.block_gemm")
+            a = torch.empty(16, HIDDEN, dtype=fp8_dtype)
+            b = torch.empty(HIDDEN, HIDDEN, dtype=fp8_dtype)
+            blocks = torch.empty(HIDDEN // 128, HIDDEN // 128, dtype=torch.float32)
+            a_scales = torch.empty(16, HIDDEN // 128, dtype=torch.float32)
+            block_gemm.block_scaled_mm(a, a_scales, b, blocks, BF16)
+
+    return run
+
+
 # case name → (package, the modules whose kernels it launches, the case, the targets it runs on)
 ALL = tuple(AMD_TARGETS)
 ATTENTION = "pagellm_triton_attn.kernels"
 OPS = "pagellm_cuda.ops"
+FP8_KERNELS = "pagellm_fp8.kernels"
+FP8_NAMES = ("per_token_quant", "per_tensor_quant", "per_token_group_quant", "block_scaled_mm")
 CASES: dict[str, tuple[str, Case, tuple[str, ...]]] = {
     "attn.write_kv_cache.bf16": (ATTENTION, kv_write(BF16, BF16), ALL),
     "attn.paged_attention.bf16": (ATTENTION, mixed(BF16, BF16), ALL),
@@ -137,6 +166,9 @@ CASES: dict[str, tuple[str, Case, tuple[str, ...]]] = {
             "write_paged_kv",
         )
     },
+    # pagellm-fp8 computes in the GPU's own fp8 format (`RocmPlatform.fp8_dtype`).
+    **{f"fp8.{name}.fnuz": (FP8_KERNELS, fp8(name, FNUZ), ("gfx942",)) for name in FP8_NAMES},
+    **{f"fp8.{name}.fn": (FP8_KERNELS, fp8(name, FP8), ("gfx950",)) for name in FP8_NAMES},
 }
 
 # The modules whose module-level kernels the host functions launch.
@@ -151,6 +183,15 @@ KERNEL_MODULES = {
         "rotary": ["_rotary_kernel"],
         "activation": ["_silu_and_mul_kernel"],
         "kv_write": ["_write_paged_kv_kernel"],
+    },
+    FP8_KERNELS: {
+        "quant": [
+            "_per_token_quant_kernel",
+            "_amax_kernel",
+            "_per_tensor_quant_kernel",
+            "_per_group_quant_kernel",
+        ],
+        "block_gemm": ["_block_scaled_mm_kernel"],
     },
 }
 

@@ -1,6 +1,8 @@
 """The Triton kernels the ROCm platform runs (TRITON_ATTN's attention kernels and the fused ops
 of `pagellm_cuda.ops`) compile for gfx942 (CDNA3), gfx950 (CDNA4) and gfx1100 (RDNA3), fit in
-64 KiB of LDS, and are launched with shapes chosen for the target's wavefront.
+64 KiB of LDS, and are launched with shapes chosen for the target's wavefront; pagellm-fp8's
+activation quantization and block-scaled GEMM compile in float8_e4m3fnuz for gfx942 and in
+float8_e4m3fn for gfx950.
 
 No AMD GPU exists where these run: Triton's AMD backend compiles ahead of time from the Triton
 wheel alone, with no ROCm installation (`pagellm_rocm.cross_compile`). The compiles run in one

@@ -1,6 +1,7 @@
 """The ROCm platform's decision tables, on any machine: architecture → capability, family,
-wavefront, LDS, dtypes and fp8 format; the dtype for ``dtype="auto"``; the attention ranking; and
-the conversion of fp8 checkpoints to float8_e4m3fnuz.
+wavefront, LDS, dtypes and fp8 format; the dtype for ``dtype="auto"``; and the attention ranking.
+(The conversion of fp8 checkpoints to CDNA3's float8_e4m3fnuz is the core's:
+tests/quantization/test_fp8_formats.py.)
 
 No AMD GPU exists where these run: the inputs are the strings and flags a GPU would report
 (``gcnArchName``, KFD's ``gfx_target_version``, whether a library imports), written out by hand.
@@ -15,7 +16,6 @@ import pytest
 import torch
 from pagellm_rocm.arch import UnknownArchitectureError, arch_from_target_version, parse_arch
 from pagellm_rocm.attention import attention_ranking
-from pagellm_rocm.fp8 import Fp8ConversionError, e4m3fn_to_e4m3fnuz
 from pagellm_rocm.platform import auto_dtype
 
 FNUZ, FN = torch.float8_e4m3fnuz, torch.float8_e4m3fn
@@ -125,55 +125,3 @@ def test_ranking_asks_the_real_import_system():
     """What this machine has installed decides (in CI: neither library, both left out)."""
     installed = [m for m in ("flash_attn", "aiter") if importlib.util.find_spec(m) is not None]
     assert attention_ranking() == attention_ranking(spec_of(*installed))
-
-
-# ---------------------------------------------------------------------- fp8 → fnuz
-
-ALL_BITS = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-NAN_BITS = {0x7F, 0xFF}
-
-
-def e4m3fn_patterns() -> torch.Tensor:
-    """Every float8_e4m3fn bit pattern but the two NaNs."""
-    keep = torch.tensor([int(b) not in NAN_BITS for b in ALL_BITS])
-    return ALL_BITS[keep].view(torch.float8_e4m3fn)
-
-
-def test_conversion_keeps_every_value_exactly():
-    weight = e4m3fn_patterns()
-    scale = torch.tensor([0.0123], dtype=torch.float32)
-    fnuz, fnuz_scale, _ = e4m3fn_to_e4m3fnuz(weight, scale)
-    assert fnuz.dtype == FNUZ and fnuz.shape == weight.shape
-    assert torch.equal(fnuz_scale, scale * 2)
-    assert torch.equal(fnuz.float() * fnuz_scale, weight.float() * scale)
-    assert not torch.isnan(fnuz.float()).any()
-
-
-def test_negative_zero_becomes_zero_and_other_bits_are_kept():
-    weight = e4m3fn_patterns()
-    fnuz, _, _ = e4m3fn_to_e4m3fnuz(weight, torch.ones(1))
-    before, after = weight.view(torch.uint8), fnuz.view(torch.uint8)
-    negative_zero = before == 0x80
-    assert negative_zero.sum() == 1 and after[negative_zero].item() == 0
-    assert torch.equal(after[~negative_zero], before[~negative_zero])
-    # 0x80 read as fnuz without the conversion is NaN: the case the conversion exists for.
-    assert torch.isnan(torch.tensor([0x80], dtype=torch.uint8).view(FNUZ).float()).all()
-
-
-def test_scales_of_any_granularity_and_the_input_scale_are_doubled():
-    weight = torch.randn(4, 256).to(FN)
-    block_scales = torch.rand(1, 2) + 0.5
-    input_scale = torch.tensor([0.25])
-    fnuz, scale, doubled_input = e4m3fn_to_e4m3fnuz(weight, block_scales, input_scale)
-    assert torch.equal(scale, block_scales * 2)
-    assert doubled_input is not None and doubled_input.item() == 0.5
-    assert input_scale.item() == 0.25 and weight.dtype == FN  # the inputs are left alone
-    assert e4m3fn_to_e4m3fnuz(weight, block_scales)[2] is None
-
-
-def test_nan_and_wrong_dtypes_are_refused():
-    nan = torch.tensor([0x10, 0x7F, 0xFF], dtype=torch.uint8).view(FN)
-    with pytest.raises(Fp8ConversionError, match=r"2 NaN value\(s\)"):
-        e4m3fn_to_e4m3fnuz(nan, torch.ones(1))
-    with pytest.raises(Fp8ConversionError, match="expected a float8_e4m3fn weight"):
-        e4m3fn_to_e4m3fnuz(torch.ones(2, dtype=torch.bfloat16), torch.ones(1))

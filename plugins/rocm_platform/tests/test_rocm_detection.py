@@ -23,7 +23,7 @@ import pagellm_rocm.plugin as rocm_plugin
 import pytest
 import torch
 from pagellm_rocm import detection
-from pagellm_rocm.arch import parse_arch
+from pagellm_rocm.arch import UnknownArchitectureError, parse_arch
 from pagellm_rocm.detection import PhysicalGpus, detect, probe_amdsmi, probe_sysfs
 from pagellm_rocm.platform import RocmPlatform
 from pagellm_rocm.visible import CUDA_VAR, HIP_VAR, ROCR_VAR, RocmVisibleDevicesError
@@ -55,9 +55,12 @@ def fake_amdsmi(archs: list[str], fail_init: Exception | None = None) -> types.M
 
 @pytest.fixture(autouse=True)
 def clean(monkeypatch: pytest.MonkeyPatch):
-    """Each test sees no visible-device variable and asks the hardware afresh."""
+    """Each test sees no visible-device variable and asks the hardware afresh; what the plugin
+    hook sets in the environment is undone afterwards (``setenv`` first: ``delenv`` of an unset
+    variable records nothing to restore)."""
     for var in VARS:
-        monkeypatch.delenv(var, raising=False)
+        monkeypatch.setenv(var, "")
+        monkeypatch.delenv(var)
     detection.physical_gpus.cache_clear()
     yield
     detection.physical_gpus.cache_clear()
@@ -248,6 +251,28 @@ def test_runtime_declarations():
     assert RocmPlatform.needs_warm_up and RocmPlatform.is_pin_memory_available()
     assert RocmPlatform.async_scheduling_default is False  # not measured on AMD
     assert RocmPlatform.attention_backend_ranking()[0] == "TRITON_ATTN"
+
+
+# ---------------------------------------------------------------------- the shipped fake
+
+
+def test_the_shipped_fake_makes_rocm_active_and_leaves_no_trace(monkeypatch):
+    """`pagellm_rocm.fake_hardware` (the conformance kit's faked ROCm run): inside, the hooks
+    answer as on one MI300X; outside, as on this machine, with amdsmi as it was."""
+    from pagellm_rocm.fake_hardware import fake_rocm, gfx942
+
+    monkeypatch.delitem(sys.modules, "amdsmi", raising=False)
+    before = (torch.version.hip, torch.version.cuda)
+    with gfx942() as description:
+        assert "1 gfx942 GPU(s) listed by a stand-in amdsmi" in description
+        assert rocm_plugin.pagellm_platform() == ROCM_CLASS
+        assert cuda_plugin.pagellm_platform() is None
+        assert RocmPlatform.fp8_dtype() == torch.float8_e4m3fnuz
+        assert RocmPlatform.device_count() == 1
+    assert (torch.version.hip, torch.version.cuda) == before and "amdsmi" not in sys.modules
+    assert rocm_plugin.pagellm_platform() is None
+    with pytest.raises(UnknownArchitectureError, match="gfx9999"):
+        fake_rocm("gfx9999").__enter__()
 
 
 # ---------------------------------------------------------------------- the real CLI

@@ -1,21 +1,22 @@
-"""The ROCm platform on a real engine config: decode graphs, KV-cache sizing, and what it
-refuses (an fp8 KV cache and fp8 GEMMs where the GPU does not compute in float8_e4m3fn).
+"""The ROCm platform on a real engine config: decode graphs, KV-cache sizing, what it refuses
+(an fp8 KV cache where the GPU does not compute in float8_e4m3fn, fp8 GEMMs where it has no fp8),
+and the fp8 format pagellm-fp8 takes from it (float8_e4m3fnuz on gfx94x).
 
-No AMD GPU exists where these run: the GPU's architecture comes from a faked ``amdsmi`` and a
-faked ``torch.version.hip`` (as in test_rocm_detection.py); the configs, the platform's rules and
-pagellm-fp8's refusal are the real code.
+No AMD GPU exists where these run: the GPU's architecture comes from a stand-in ``amdsmi`` and a
+faked ``torch.version.hip`` (`pagellm_rocm.fake_hardware`'s); the configs, the platform's rules and
+pagellm-fp8's choices are the real code.
 """
 
 from __future__ import annotations
 
 import sys
-import types
 
 import pytest
 import torch
 from pagellm_cuda.platform import CudaPlatform
 from pagellm_fp8.config import Fp8Config, Fp8PerChannelConfig
 from pagellm_rocm import detection
+from pagellm_rocm.fake_hardware import HIP_VERSION, stand_in_amdsmi
 from pagellm_rocm.platform import RocmPlatform
 
 import pagellm.platforms
@@ -26,13 +27,9 @@ from pagellm.engine.args import EngineArgs
 
 def fake_gpus(monkeypatch: pytest.MonkeyPatch, arch: str) -> None:
     """A ROCm build of torch on a machine with one AMD GPU of ``arch``."""
-    monkeypatch.setattr(torch.version, "hip", "6.4.43482")
+    monkeypatch.setattr(torch.version, "hip", HIP_VERSION)
     monkeypatch.setattr(torch.version, "cuda", None)
-    amdsmi = types.ModuleType("amdsmi")
-    amdsmi.amdsmi_init = amdsmi.amdsmi_shut_down = lambda: None  # type: ignore[attr-defined]
-    amdsmi.amdsmi_get_processor_handles = lambda: [0]  # type: ignore[attr-defined]
-    amdsmi.amdsmi_get_gpu_asic_info = lambda h: {"target_graphics_version": arch}  # type: ignore
-    monkeypatch.setitem(sys.modules, "amdsmi", amdsmi)
+    monkeypatch.setitem(sys.modules, "amdsmi", stand_in_amdsmi([arch]))
     for var in ("HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES"):
         monkeypatch.delenv(var, raising=False)
     detection.physical_gpus.cache_clear()
@@ -104,24 +101,24 @@ def test_explicit_kv_cache_memory_skips_profiling(tiny_models):
 
 
 @pytest.mark.parametrize(
-    ("arch", "capability", "reason"),
+    ("arch", "capability", "fp8"),
     [
-        ("gfx942", (9, 4), "computes fp8 in float8_e4m3fnuz"),
-        ("gfx90a", (9, 0), "has no fp8 matrix instructions"),
-        ("gfx950", (9, 5), None),
+        ("gfx942", (9, 4), torch.float8_e4m3fnuz),
+        ("gfx90a", (9, 0), None),
+        ("gfx950", (9, 5), torch.float8_e4m3fn),
     ],
 )
-def test_fp8_gemms_consult_the_platforms_fp8_format(monkeypatch, arch, capability, reason):
-    """pagellm-fp8 asks the current platform's `fp8_dtype`: refused with the reason on CDNA3
-    (the conversion exists, its GEMM path does not) and on GPUs without fp8; let through where
-    the GPU computes in float8_e4m3fn (its ``torch._scaled_mm`` path, never run on AMD)."""
+def test_fp8_gemms_take_the_platforms_fp8_format(monkeypatch, arch, capability, fp8):
+    """pagellm-fp8 asks the current platform's `fp8_dtype`: its layers compute in float8_e4m3fnuz
+    on CDNA3 and float8_e4m3fn on CDNA4 (through ``torch._scaled_mm`` and its Triton kernels,
+    never run on AMD); GPUs without fp8 are refused with the reason."""
     fake_gpus(monkeypatch, arch)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     for method in (Fp8Config, Fp8PerChannelConfig):
         refusal = method.platform_refusal("cuda", torch.bfloat16)
-        if reason is None:
-            assert refusal is None
-        else:
-            assert refusal is not None and reason in refusal
-    if arch == "gfx942":
-        assert "pagellm_rocm.fp8.e4m3fn_to_e4m3fnuz" in str(refusal)
+        if fp8 is None:
+            assert refusal is not None and "has no fp8 matrix instructions" in refusal
+            continue
+        assert refusal is None
+        linear = method.from_config({}).get_linear_method("model.layers.0.mlp.down_proj")
+        assert linear.scheme.fp8_dtype == fp8  # type: ignore[attr-defined]

@@ -1,7 +1,7 @@
 """The conformance kit: a pytest plugin that runs a battery of cases against an installed platform
 and attention backends.
 
-    pytest --pagellm-platform NAME [--pagellm-backend NAME ...]
+    pytest --pagellm-platform NAME [--pagellm-backend NAME ...] [--pagellm-fake-hardware MODULE:NAME]
 
 pytest loads it by itself (the core's ``pytest11`` entry point), or with
 ``-p pagellm.testing.conformance``. Without either option it only adds them: nothing is collected
@@ -9,6 +9,11 @@ or changed, so a project's own test run is unaffected. With one, the run collect
 (the ``test_*.py`` modules of this package) instead of the project's tests; their fixtures are in
 this package's ``conftest.py``, which pytest loads only then. docs/plugins.md ("Conformance kit")
 says what each case checks.
+
+``--pagellm-fake-hardware`` checks a platform where its hardware is absent: the plugin's faked
+hardware facts (`faked_hardware`) are in place before anything asks the platform plugins, so the
+platform resolves active and every case that needs no device runs against it; the cases that
+would run on its device skip, saying the hardware is faked.
 """
 
 from __future__ import annotations
@@ -44,6 +49,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="run the conformance kit against the attention backend NAME (as --attention-backend "
         "takes it); may be given several times",
     )
+    group.addoption(
+        "--pagellm-fake-hardware",
+        metavar="MODULE:NAME",
+        help="with --pagellm-platform: fake the platform's hardware facts with the context manager "
+        "MODULE:NAME() that its plugin provides (it yields a description of what it fakes); the "
+        "cases that need a device skip",
+    )
 
 
 def requested(config: pytest.Config) -> bool:
@@ -63,11 +75,12 @@ def pytest_configure(config: pytest.Config) -> None:
     if not requested(config):
         return
     # Imported only now: a pytest run without the options never imports pagellm through the kit.
+    from pagellm.testing.conformance.faked_hardware import enter_faked_hardware
     from pagellm.testing.conformance.targets import Targets
 
-    config.stash[TARGETS] = Targets.resolve(
-        config.getoption("pagellm_platform"), config.getoption("pagellm_backend")
-    )
+    platform = config.getoption("pagellm_platform")
+    faked = enter_faked_hardware(config, config.getoption("pagellm_fake_hardware"), platform)
+    config.stash[TARGETS] = Targets.resolve(platform, config.getoption("pagellm_backend"), faked)
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -73,13 +73,15 @@ class PlatformTarget:
     """Why ``cls`` is None: the plugin is not installed, did not load, or names no class."""
     active: bool = False
     inactive_reason: str | None = None
+    faked: str | None = None
+    """What ``--pagellm-fake-hardware`` fakes (its description), when it was given."""
 
     @classmethod
-    def resolve(cls, name: str) -> PlatformTarget:
+    def resolve(cls, name: str, faked: str | None = None) -> PlatformTarget:
         if name == CPU:
-            return cls(name, None, platforms.get(CPU), active=True)
+            return cls(name, None, platforms.get(CPU), active=True, faked=faked)
         package = PluginPackage.find(PLATFORM, name)
-        target = cls(name, package)
+        target = cls(name, package, faked=faked)
         if package is None:
             names = ", ".join(ep.name for ep in discover(PLATFORM)) or "none"
             target.problem = (
@@ -96,7 +98,13 @@ class PlatformTarget:
         declared = getattr(package.module(), PLATFORM_CLASS_ATTRIBUTE, None)
         target.active = record.result is not None
         path = record.result if target.active else declared
-        if not target.active:
+        if not target.active and faked is not None:
+            target.inactive_reason = (
+                f"platform {name!r} is inactive even with the faked hardware of "
+                f"--pagellm-fake-hardware ({faked}): its plugin answered None "
+                f"({package.record.reason})"
+            )
+        elif not target.active:
             target.inactive_reason = (
                 f"platform {name!r} is inactive on this machine (its plugin answered None: its "
                 "hardware is not present); a platform is active only where its plugin detects its "
@@ -114,6 +122,28 @@ class PlatformTarget:
         except (ImportError, AttributeError, ValueError) as exc:
             target.problem = f"platform class {path} does not import: {type(exc).__name__}: {exc}"
         return target
+
+    @property
+    def device_unavailable(self) -> str | None:
+        """Why nothing can run on the platform's device here (None: it can): the platform is
+        inactive, or active only on faked hardware."""
+        if not self.active:
+            return self.inactive_reason or self.problem
+        if self.faked is not None:
+            return (
+                f"platform {self.name!r} is active on faked hardware ({self.faked}): its "
+                "decisions are checked, but no device is behind the facts, so the cases that run "
+                "on its device skip"
+            )
+        return None
+
+    def require_device(self) -> type[Platform]:
+        """The class, for a case that runs on the platform's device; skips the case, saying why,
+        where nothing can run on it here."""
+        cls = self.require_class()
+        if self.device_unavailable is not None:
+            pytest.skip(self.device_unavailable)
+        return cls
 
     def require_class(self) -> type[Platform]:
         """The class. A case needing it fails with the reason it is missing when the plugin did
@@ -148,10 +178,10 @@ class BackendTarget:
         if platform is None:  # the platform this process resolves to
             platform_name = current_platform_name()
             platform_cls: type[Platform] | None = platforms.get(platform_name)
-            active, why_inactive = True, None
+            no_device = None
         else:
             platform_name, platform_cls = platform.name, platform.cls
-            active, why_inactive = platform.active, platform.inactive_reason or platform.problem
+            no_device = platform.device_unavailable
         package = None if name == TorchSDPABackend.name else PluginPackage.find(ATTENTION, name)
         device_type = platform_cls.device_type if platform_cls is not None else None
         target = cls(name, package, device_type, platform_name, _platform=platform_cls)
@@ -159,13 +189,13 @@ class BackendTarget:
             target.cls = attention_backends.get(name)
         except (ValueError, RuntimeError) as exc:  # not registered; does not import or fit
             target.problem = str(exc)
-        target.unusable = target._why_unusable(active, why_inactive)
+        target.unusable = target._why_unusable(no_device)
         return target
 
-    def _why_unusable(self, platform_active: bool, why_inactive: str | None) -> str | None:
+    def _why_unusable(self, no_device: str | None) -> str | None:
         if self.cls is None:
             return self.problem
-        reasons = [] if platform_active else [str(why_inactive)]
+        reasons = [] if no_device is None else [no_device]
         unavailable = self.cls.is_available()
         if unavailable:
             reasons.append(f"{self.name} is not available here: {unavailable}")
@@ -207,10 +237,13 @@ class Targets:
     backends: list[BackendTarget]
 
     @classmethod
-    def resolve(cls, platform_name: str | None, backend_names: list[str]) -> Targets:
+    def resolve(
+        cls, platform_name: str | None, backend_names: list[str], faked: str | None = None
+    ) -> Targets:
         """Before anything reads ``current_platform``: an active platform under test is made the
-        process's platform (``PAGELLM_PLATFORM``)."""
-        platform = PlatformTarget.resolve(platform_name) if platform_name else None
+        process's platform (``PAGELLM_PLATFORM``). ``faked``: the description of the faked
+        hardware facts in place (`faked_hardware`)."""
+        platform = PlatformTarget.resolve(platform_name, faked) if platform_name else None
         if platform is not None and platform.active:
             os.environ["PAGELLM_PLATFORM"] = platform.name
         backends = [BackendTarget.resolve(name, platform) for name in dict.fromkeys(backend_names)]
@@ -222,6 +255,8 @@ class Targets:
         if self.platform is not None:
             p = self.platform
             state = "active" if p.active else "inactive"
+            if p.active and p.faked is not None:
+                state = f"active on faked hardware: {p.faked}"
             lines.append(
                 f"pagellm platform under test: {p.name} ({state}{_package_text(p.package)})"
             )

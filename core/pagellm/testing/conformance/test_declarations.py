@@ -6,6 +6,7 @@ every declared value runs, matching TORCH_SDPA."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -82,11 +83,14 @@ def test_platform_auto_dtype_is_one_it_supports(platform: PlatformTarget) -> Non
 
 
 @pytest.mark.parametrize("head_size", TYPICAL_HEAD_SIZES)
-def test_platform_ranking_serves_a_typical_model(platform: PlatformTarget, head_size: int) -> None:
-    """Selection as the engine makes it on this platform, for a model of a common head size."""
+def test_platform_ranking_serves_a_typical_model(
+    platform: PlatformTarget, head_size: int, record_property: Callable[[str, object], None]
+) -> None:
+    """Selection as the engine makes it on this platform, for a model of a common head size;
+    the backend chosen is recorded in the report (property ``backend``)."""
     cls = platform.require_class()
     try:
-        select_attention_backend(
+        chosen = select_attention_backend(
             requested=None,
             ranking=cls.attention_backend_ranking(),
             device_type=cls.device_type,
@@ -97,6 +101,7 @@ def test_platform_ranking_serves_a_typical_model(platform: PlatformTarget, head_
         )
     except NoAttentionBackendError as exc:
         raise ConformanceFailure(f"platform {platform.name}: {exc}") from None
+    record_property("backend", chosen.name)
 
 
 # ---------------------------------------------------------------------------- backend

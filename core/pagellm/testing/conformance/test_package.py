@@ -103,6 +103,14 @@ def test_platform_class_fits_the_platform_interface(platform: PlatformTarget) ->
         raise ConformanceFailure("; ".join(problems))
 
 
+def test_faked_hardware_makes_the_platform_active(platform: PlatformTarget) -> None:
+    """With ``--pagellm-fake-hardware``: the plugin's fake is what its detection reads."""
+    if platform.faked is None:
+        pytest.skip("no --pagellm-fake-hardware given")
+    if not platform.active:
+        raise ConformanceFailure(str(platform.inactive_reason))
+
+
 def test_backend_is_an_installed_plugin_that_loads(backend: BackendTarget) -> None:
     _check_loads(_installed(backend, ATTENTION))
 

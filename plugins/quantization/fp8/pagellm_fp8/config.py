@@ -11,12 +11,14 @@ scheme), and reads the fp8 checkpoints whose weight scales match its name:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, ClassVar
 
 import torch
 
 from pagellm.platforms import current_platform
 from pagellm.quantization import LinearMethodBase, QuantizationConfig, UnquantizedLinearMethod
+from pagellm.quantization.fp8_formats import E4M3FN, FP8_FORMATS
 from pagellm.quantization.layers import checkpoint_layer_names, is_ignored_layer
 from pagellm_fp8.checkpoint_formats import (
     COMPRESSED_TENSORS,
@@ -27,6 +29,14 @@ from pagellm_fp8.checkpoint_formats import (
 from pagellm_fp8.gemm import gemm_refusal
 from pagellm_fp8.linear_method import Fp8LinearMethod
 from pagellm_fp8.scheme import Fp8Scheme, WeightGranularity
+
+
+def platform_fp8_dtype() -> torch.dtype:
+    """The float8 format the current platform computes in. A platform without one (None) is
+    refused off the CPU by `_Fp8ConfigBase.platform_refusal`; on the CPU the reference path
+    computes in float32 from the checkpoint's own format."""
+    fp8 = current_platform.fp8_dtype()
+    return fp8 if fp8 in FP8_FORMATS else E4M3FN
 
 
 class _Fp8ConfigBase(QuantizationConfig):
@@ -79,7 +89,9 @@ class _Fp8ConfigBase(QuantizationConfig):
                 f"The checkpoint leaves some parts of fused layer {prefix} ({names}) unquantized "
                 "and quantizes others; pagellm fuses them into one layer of one format."
             )
-        return Fp8LinearMethod(self.scheme, prefix)
+        return Fp8LinearMethod(
+            dataclasses.replace(self.scheme, fp8_dtype=platform_fp8_dtype()), prefix
+        )
 
 
 class Fp8Config(_Fp8ConfigBase):

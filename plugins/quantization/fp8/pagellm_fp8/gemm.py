@@ -10,16 +10,21 @@ Paths, all computing ``out = dequant(quant(x)) @ dequant(weight).T``:
 - ``block_scaled_mm``: the Triton 128x128 block-scaled GEMM of ``pagellm_fp8.kernels``.
 Activation quantization on CUDA (per token, per tensor, per group of 128 for the block GEMM) uses
 the fused Triton kernels of ``pagellm_fp8.kernels`` when they import, else torch ops (`quant_ops`).
+Every path computes in the scheme's float8 format (`Fp8Scheme.fp8_dtype`, the platform's):
+float8_e4m3fn, or float8_e4m3fnuz on AMD CDNA3 (ROCm's ``torch._scaled_mm`` and Triton take it;
+neither has been run on AMD hardware).
 """
 
 from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from functools import partial
 from types import ModuleType
 
 import torch
 
+from pagellm.quantization.fp8_formats import FP8_FORMATS
 from pagellm_fp8.quant_ops import (
     FP8_DTYPE,
     dequantize_activation,
@@ -62,14 +67,11 @@ def gemm_refusal(
         )
     if platform_fp8 is None:
         return "this GPU has no fp8 matrix instructions; serve the unquantized model instead"
-    if platform_fp8 != FP8_DTYPE:
-        # AMD CDNA3 (gfx94x): pagellm_rocm.fp8 converts the weights and scales exactly, but the
-        # activation quantization and the GEMMs here are written for float8_e4m3fn.
+    if platform_fp8 not in FP8_FORMATS:
         return (
             f"this GPU computes fp8 in {str(platform_fp8).removeprefix('torch.')}, and "
-            "pagellm-fp8's activation quantization and GEMMs are written for float8_e4m3fn only "
-            "(converting the checkpoint is implemented: pagellm_rocm.fp8.e4m3fn_to_e4m3fnuz); "
-            "serve the unquantized model instead"
+            "pagellm-fp8 computes in float8_e4m3fn or float8_e4m3fnuz only; serve the "
+            "unquantized model instead"
         )
     capability = capability or torch.cuda.get_device_capability()
     if capability < SCALED_MM_MIN_CAPABILITY:
@@ -94,24 +96,24 @@ def reference_gemm(scheme: Fp8Scheme) -> GemmFn:
     def gemm(
         x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, input_scale: torch.Tensor | None
     ) -> torch.Tensor:
-        q, x_scale = quantize_activation(x, scheme.activations, input_scale)
+        q, x_scale = quantize_activation(x, scheme.activations, input_scale, scheme.fp8_dtype)
         a = dequantize_activation(q, x_scale, scheme.activations)
         return (a @ dequantize_weight(weight, scale, scheme.weights).t()).to(x.dtype)
 
     return gemm
 
 
-def _resolve_per_tensor_quant() -> Callable[
-    [torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]
-]:
+def _resolve_per_tensor_quant(
+    dtype: torch.dtype,
+) -> Callable[[torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]]:
     quant = triton_kernels("quant")
     if isinstance(quant, ModuleType):
-        return quant.per_tensor_quant_fp8
-    return lambda x, input_scale: quantize_activation(x, "tensor", input_scale)
+        return partial(quant.per_tensor_quant_fp8, dtype=dtype)
+    return lambda x, input_scale: quantize_activation(x, "tensor", input_scale, dtype)
 
 
 def _scaled_mm_tensor(scheme: Fp8Scheme) -> GemmFn:
-    per_tensor = _resolve_per_tensor_quant()
+    per_tensor = _resolve_per_tensor_quant(scheme.fp8_dtype)
 
     def gemm(
         x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, input_scale: torch.Tensor | None
@@ -123,8 +125,8 @@ def _scaled_mm_tensor(scheme: Fp8Scheme) -> GemmFn:
     return gemm
 
 
-def _scaled_mm_rowwise(native: bool) -> GemmFn:
-    per_token = _resolve_per_token_quant()
+def _scaled_mm_rowwise(scheme: Fp8Scheme, native: bool) -> GemmFn:
+    per_token = _resolve_per_token_quant(scheme.fp8_dtype)
 
     def gemm(
         x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, input_scale: torch.Tensor | None
@@ -144,19 +146,21 @@ def _scaled_mm_rowwise(native: bool) -> GemmFn:
     return gemm
 
 
-def _resolve_per_token_quant() -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+def _resolve_per_token_quant(
+    dtype: torch.dtype,
+) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
     quant = triton_kernels("quant")
     if isinstance(quant, ModuleType):
-        return quant.per_token_quant_fp8
-    return lambda x: quantize_activation(x, "token")
+        return partial(quant.per_token_quant_fp8, dtype=dtype)
+    return lambda x: quantize_activation(x, "token", dtype=dtype)
 
 
-def _block_scaled_mm(block_gemm: ModuleType) -> GemmFn:
+def _block_scaled_mm(scheme: Fp8Scheme, block_gemm: ModuleType) -> GemmFn:
     def gemm(
         x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, input_scale: torch.Tensor | None
     ) -> torch.Tensor:
         # The fused per-group (128 columns) quantization kernel of the same module.
-        q, x_scale = block_gemm.per_token_group_quant_fp8(x, 128)
+        q, x_scale = block_gemm.per_token_group_quant_fp8(x, 128, dtype=scheme.fp8_dtype)
         return block_gemm.block_scaled_mm(q, x_scale, weight, scale, x.dtype)
 
     return gemm
@@ -197,8 +201,8 @@ def choose_gemm(scheme: Fp8Scheme, device: torch.device) -> tuple[str, GemmFn]:
     if scheme.weights == "channel":
         native = capability >= ROWWISE_MIN_CAPABILITY
         name = "scaled_mm_rowwise" if native else "scaled_mm_rowwise_epilogue"
-        return name, _scaled_mm_rowwise(native)
+        return name, _scaled_mm_rowwise(scheme, native)
     block_gemm = triton_kernels("block_gemm")
     if isinstance(block_gemm, str):
         raise RuntimeError(f"fp8 block-scaled weights on CUDA need {block_gemm}")
-    return "block_scaled_mm", _block_scaled_mm(block_gemm)
+    return "block_scaled_mm", _block_scaled_mm(scheme, block_gemm)

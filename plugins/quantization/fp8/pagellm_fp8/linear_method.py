@@ -7,8 +7,11 @@ whose rank keeps every output channel), a block scale's rows or columns of 128x1
 each rank's part must be whole blocks), and per-tensor weight and input scales whole.
 
 After `process_weights_after_loading` a layer holds, whatever the checkpoint held:
-``weight`` float8_e4m3fn [N, K]; ``weight_scale`` float32 [1] (tensor), [N, 1] (channel) or
-[N/128, K/128] (block); ``input_scale`` float32 [1] for static activation scales, else None."""
+``weight`` [N, K] in the scheme's float8 format (`Fp8Scheme.fp8_dtype`); ``weight_scale`` float32
+[1] (tensor), [N, 1] (channel) or [N/128, K/128] (block); ``input_scale`` float32 [1] for static
+activation scales, else None. Checkpoints are float8_e4m3fn: where the platform computes in
+float8_e4m3fnuz their weights are converted exactly, with the weight and input scales doubled
+(`e4m3fn_to_e4m3fnuz`)."""
 
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from torch import nn
 from pagellm.layers.linear import CheckpointTensor
 from pagellm.layers.parallel_linear import TensorParallelError
 from pagellm.quantization import LayerSplit, LinearMethodBase, TensorSplit
+from pagellm.quantization.fp8_formats import E4M3FNUZ, e4m3fn_to_e4m3fnuz
 from pagellm.quantization.layers import frozen_parameter
 from pagellm_fp8.gemm import GemmFn, choose_gemm, shape_refusal
 from pagellm_fp8.quant_ops import FP8_DTYPE, dequantize_weight, quantize_weight, to_fp8
@@ -159,7 +163,7 @@ class Fp8LinearMethod(LinearMethodBase):
         weight = layer.get_parameter("weight").data
         input_scale = None
         if not scheme.serialized:
-            q, scale = quantize_weight(weight, scheme.weights)
+            q, scale = quantize_weight(weight, scheme.weights, scheme.fp8_dtype)
         else:
             q, scale = weight, layer.get_parameter(scheme.scale_name).data
             if scheme.weights == "tensor" and scale.numel() > 1:
@@ -167,6 +171,8 @@ class Fp8LinearMethod(LinearMethodBase):
             if scheme.static_activations:
                 # One calibrated scale for the fused input: the largest of the parts' covers each.
                 input_scale = layer.get_parameter("input_scale").data.amax().reshape(1)
+            if scheme.fp8_dtype == E4M3FNUZ:
+                q, scale, input_scale = e4m3fn_to_e4m3fnuz(q, scale, input_scale)
             delattr(layer, scheme.scale_name)
         layer.register_parameter("weight", frozen_parameter(q))
         layer.register_parameter("weight_scale", frozen_parameter(scale.float().contiguous()))

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+import torch
+
 WeightGranularity = Literal["tensor", "channel", "block"]
 ActivationGranularity = Literal["tensor", "token", "group"]
 
@@ -26,3 +28,8 @@ class Fp8Scheme:
     """The checkpoint's name for the weight scales (Fp8Config's block format: ``weight_scale_inv``)."""
     ignored: tuple[str, ...] = field(default=())
     """Checkpoint layer names (or ``re:`` patterns) left unquantized."""
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn
+    """The float8 format the layers hold and compute in: the platform's (`Platform.fp8_dtype`),
+    set when the model is built. float8_e4m3fnuz (AMD CDNA3): online quantization writes it
+    directly, and a checkpoint's float8_e4m3fn weights are converted at load
+    (`pagellm.quantization.fp8_formats.e4m3fn_to_e4m3fnuz`)."""

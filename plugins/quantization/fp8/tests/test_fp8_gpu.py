@@ -58,8 +58,9 @@ def test_rowwise_epilogue_path_of_capability_8_9_matches_the_native_one():
     torch.manual_seed(0)
     x = torch.randn(64, 512, device="cuda", dtype=torch.bfloat16)
     q, scale = quantize_weight(torch.randn(256, 512, device="cuda") * 0.02, "channel")
-    native = gemm_module._scaled_mm_rowwise(native=True)(x, q, scale, None)
-    epilogue = gemm_module._scaled_mm_rowwise(native=False)(x, q, scale, None)
+    scheme = Fp8Scheme("channel", "token")
+    native = gemm_module._scaled_mm_rowwise(scheme, native=True)(x, q, scale, None)
+    epilogue = gemm_module._scaled_mm_rowwise(scheme, native=False)(x, q, scale, None)
     torch.testing.assert_close(native.float(), epilogue.float(), rtol=1e-2, atol=1e-2)
 
 

@@ -85,6 +85,31 @@ def test_rounding_to_fp8_matches_torch_on_every_tie_and_subnormal(kernels: Simpl
     assert same_bits(q[0], values.to(FP8))
 
 
+@pytest.mark.parametrize("fp8", [FP8, torch.float8_e4m3fnuz], ids=["e4m3fn", "e4m3fnuz"])
+def test_kernel_rounding_matches_torch_in_both_formats_read_back_as_float32(
+    kernels: SimpleNamespace, fp8: torch.dtype
+):
+    """Every value of the format, the ties between them and their neighbours, a spread over its
+    range, and tiny negative values (0 in e4m3fnuz, whose -0 bits are its NaN): the kernels'
+    rounding (`quant._quantize`, written as float32 since the interpreter cannot store
+    float8_e4m3fnuz) is torch's cast, bit for bit."""
+    from fp8_rounding_probe import rounded
+
+    largest = torch.finfo(fp8).max
+    finite = torch.arange(256, dtype=torch.uint8).view(fp8).float()
+    grid = finite[finite.isfinite()].unique()
+    ties = (grid[1:] + grid[:-1]) / 2
+    near = torch.cat([ties.nextafter(grid[1:]), ties.nextafter(grid[:-1])])
+    spread = torch.randn(5000, generator=torch.Generator().manual_seed(7))
+    spread = spread * 10 ** torch.linspace(-4, 2.6, 5000)
+    tiny = -(10 ** torch.linspace(-9, -4, 50))
+    values = torch.cat([grid, ties, near, spread.clamp(-largest, largest), tiny])
+    got = rounded(values, fp8)
+    expected = values.to(fp8).float()
+    assert torch.equal(got.view(torch.int32), expected.view(torch.int32))  # -0 is not 0 here
+    assert (got == largest).any() and (got.view(torch.int32) == -(2**31)).any() == (fp8 == FP8)
+
+
 def test_per_token_quant_takes_leading_dims_and_strided_rows(kernels: SimpleNamespace):
     wide = _activations(6, 384, torch.bfloat16, seed=1)
     x = wide[:, 64:320].unflatten(0, (2, 3))  # rows 384 apart, 256 used

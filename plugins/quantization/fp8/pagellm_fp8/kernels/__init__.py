@@ -2,6 +2,7 @@
 token group of 128) and the block-scaled GEMM of 128x128-block checkpoints (``block_gemm``).
 
 Every function takes and returns torch tensors on the kernels' device; the float8 format is
-``torch.float8_e4m3fn`` (Triton's ``fp8e4nv``), largest finite value 448, scales in float32 with
-``x ~= q * scale``.
+``torch.float8_e4m3fn`` (Triton's ``fp8e4nv``, largest finite value 448) or, on AMD CDNA3, the
+``torch.float8_e4m3fnuz`` the quantization functions are asked for (``dtype``; Triton's
+``fp8e4b8``, 240); scales in float32 with ``x ~= q * scale``.
 """

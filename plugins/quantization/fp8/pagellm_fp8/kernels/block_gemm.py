@@ -16,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagellm.quantization.fp8_formats import FP8_FORMATS
 from pagellm_fp8.kernels.checks import (
-    FP8_DTYPE,
     Fp8KernelInputError,
     require_dtype,
     require_shape,
@@ -122,12 +122,13 @@ def block_scaled_mm(
     b_scales: torch.Tensor,
     out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
-    """``a`` [M, K] float8_e4m3fn with ``a_scales`` [M, K // 128] float32 (per token and group
-    of 128, from ``per_token_group_quant_fp8``) times ``b`` [N, K] float8_e4m3fn (a linear
-    layer's weight) with ``b_scales`` [ceil(N / 128), K // 128] float32 (per 128x128 block):
-    ``[M, N]`` in ``out_dtype``. ``K`` must be a multiple of 128; ``N`` and ``M`` need not."""
-    require_dtype("a", a, (FP8_DTYPE,))
-    require_dtype("b", b, (FP8_DTYPE,))
+    """``a`` [M, K] float8 with ``a_scales`` [M, K // 128] float32 (per token and group of 128,
+    from ``per_token_group_quant_fp8``) times ``b`` [N, K] float8 of the same format (a linear
+    layer's weight; float8_e4m3fn, or float8_e4m3fnuz on AMD CDNA3) with ``b_scales``
+    [ceil(N / 128), K // 128] float32 (per 128x128 block): ``[M, N]`` in ``out_dtype``. ``K``
+    must be a multiple of 128; ``N`` and ``M`` need not."""
+    require_dtype("a", a, FP8_FORMATS)
+    require_dtype("b", b, (a.dtype,))
     require_dtype("a_scales", a_scales, (torch.float32,))
     require_dtype("b_scales", b_scales, (torch.float32,))
     if out_dtype not in OUT_DTYPES:
@@ -196,6 +197,6 @@ def block_scaled_linear(
     [N, K], ``weight_scales`` [ceil(N / 128), K // 128]): quantizes ``x`` per token and group
     of 128, then ``block_scaled_mm``; ``[..., N]`` in ``out_dtype`` (default: ``x``'s)."""
     x2 = rows_of("x", x)
-    q, scales = per_token_group_quant_fp8(x2, SCALE_BLOCK)
+    q, scales = per_token_group_quant_fp8(x2, SCALE_BLOCK, dtype=weight.dtype)
     out = block_scaled_mm(q, scales, weight, weight_scales, out_dtype or x.dtype)
     return out.view(*x.shape[:-1], weight.shape[0])

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import torch
 
-FP8_DTYPE = torch.float8_e4m3fn
+from pagellm.quantization.fp8_formats import E4M3FN, FP8_FORMATS
+
+FP8_DTYPE = E4M3FN
+"""The default float8 format; every kernel also takes float8_e4m3fnuz (``FP8_FORMATS``)."""
 # Activations the quantization kernels read: what a model runs in (and float32 for references).
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -17,6 +20,14 @@ def require_dtype(name: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...]) 
     if t.dtype not in allowed:
         names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
         raise Fp8KernelInputError(f"{name} has dtype {t.dtype}; expected one of {names}")
+
+
+def require_fp8_format(dtype: torch.dtype) -> None:
+    if dtype not in FP8_FORMATS:
+        raise Fp8KernelInputError(
+            f"dtype {dtype} is not a float8 format the kernels write (float8_e4m3fn or "
+            "float8_e4m3fnuz)"
+        )
 
 
 def require_shape(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:

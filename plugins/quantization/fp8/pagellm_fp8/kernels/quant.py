@@ -5,10 +5,14 @@ Doing this with torch ops (abs, amax, div, clamp, cast) costs five passes and fi
 the activations, about 270 us per Llama-8B layer at serving batch sizes; these kernels read each
 element once (per token, per group) or twice (per tensor, whose scale needs the whole tensor).
 
-Every kernel computes ``scale = max(amax / 448, MIN_SCALE)`` and ``q = clamp(x / scale, -448,
-448)`` in float32 with IEEE-rounded divisions (Triton's plain ``/`` on float32 is approximate on
-NVIDIA GPUs), rounded to float8_e4m3fn to nearest even: bit for bit what the same formula in
-torch gives (see ``reference_per_token_quant`` in the tests), on GPUs and in Triton's interpreter.
+Every kernel computes ``scale = max(amax / FP8_MAX, MIN_SCALE)`` and ``q = clamp(x / scale,
+-FP8_MAX, FP8_MAX)`` in float32 with IEEE-rounded divisions (Triton's plain ``/`` on float32 is
+approximate on NVIDIA GPUs), rounded to the float8 format to nearest even: bit for bit what the
+same formula in torch gives (see ``reference_per_token_quant`` in the tests), on GPUs and in
+Triton's interpreter. The format is float8_e4m3fn (FP8_MAX 448) unless ``dtype`` asks for AMD
+CDNA3's float8_e4m3fnuz (FP8_MAX 240, subnormals an exponent lower, no negative zero); Triton's
+interpreter cannot store float8_e4m3fnuz, so that format's rounding is tested there on float32
+outputs (test_fp8_fnuz.py) and its kernels are compiled for gfx942 (pagellm-rocm's tests).
 """
 
 from __future__ import annotations
@@ -22,10 +26,10 @@ from pagellm_fp8.kernels.checks import (
     FP8_DTYPE,
     Fp8KernelInputError,
     require_dtype,
+    require_fp8_format,
     rows_of,
 )
 
-FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 # Keeps an all-zero row's scale finite and non-zero (its values quantize to 0 all the same).
 MIN_SCALE = 1e-12
 # A layer's K is fixed: kernels take it as a constant (one compilation per layer shape, known
@@ -42,9 +46,27 @@ def _num_warps(block: int) -> int:
     return max(1, min(16, block // 512))
 
 
+def format_constants(dtype: torch.dtype) -> dict[str, float | bool]:
+    """The kernels' compile-time constants for the float8 format ``dtype``: its largest value,
+    its smallest normal value, the float32 constant whose addition rounds to its subnormal
+    spacing (1.5 times the power of two at which float32's spacing is that: e4m3 keeps 3
+    mantissa bits, so the spacing is the smallest normal / 8), and whether it has a -0."""
+    require_fp8_format(dtype)
+    info = torch.finfo(dtype)
+    return dict(
+        FP8_MAX=float(info.max),
+        MIN_NORMAL=float(info.smallest_normal),
+        SUBNORMAL_ROUNDER=1.5 * info.smallest_normal / 8 * 2.0**23,
+        SIGNED_ZERO=dtype == FP8_DTYPE,
+    )
+
+
 @triton.jit
-def _round_to_e4m3(v):
-    """``v`` (float32, |v| <= 448) rounded to the nearest e4m3 value, ties to even, as float32.
+def _round_to_e4m3(
+    v, MIN_NORMAL: tl.constexpr, SUBNORMAL_ROUNDER: tl.constexpr, SIGNED_ZERO: tl.constexpr
+):
+    """``v`` (float32, |v| <= FP8_MAX) rounded to the nearest e4m3 value, ties to even, as
+    float32.
 
     The cast to fp8 that follows then has nothing left to round: the result is the same on every
     Triton backend, including the interpreter, whose float32 -> fp8 cast (Triton 3.6) drops the
@@ -57,17 +79,28 @@ def _round_to_e4m3(v):
     # Normal e4m3 values keep 3 of float32's 23 mantissa bits: add just under half of the 20
     # dropped bits' unit, plus the kept lowest bit (ties to even), and truncate.
     normal = (mag + 0x7FFFF + ((mag >> 20) & 1)) & 0xFFF00000
-    # Below e4m3's smallest normal (2^-6) the spacing is 2^-9: float32's spacing at 1.5 * 2^14,
-    # so adding and subtracting that constant rounds to it.
+    # Below the smallest normal (e4m3fn: 2^-6) the spacing is an eighth of it (2^-9): float32's
+    # spacing at 1.5 * 2^14, so adding and subtracting that constant rounds to it.
     a = tl.abs(v)
-    subnormal = ((a + 24576.0) - 24576.0).to(tl.uint32, bitcast=True)
-    return (tl.where(a < 0.015625, subnormal, normal) | sign).to(tl.float32, bitcast=True)
+    subnormal = ((a + SUBNORMAL_ROUNDER) - SUBNORMAL_ROUNDER).to(tl.uint32, bitcast=True)
+    rounded = tl.where(a < MIN_NORMAL, subnormal, normal)
+    if not SIGNED_ZERO:  # e4m3fnuz: the bits of -0 are its NaN
+        sign = tl.where(rounded == 0, 0, sign)
+    return (rounded | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _quantize(x, scale, FP8_MAX: tl.constexpr):
+def _quantize(
+    x,
+    scale,
+    FP8_MAX: tl.constexpr,
+    MIN_NORMAL: tl.constexpr,
+    SUBNORMAL_ROUNDER: tl.constexpr,
+    SIGNED_ZERO: tl.constexpr,
+):
     q = tl.math.div_rn(x, scale)
-    return _round_to_e4m3(tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX))
+    q = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
+    return _round_to_e4m3(q, MIN_NORMAL, SUBNORMAL_ROUNDER, SIGNED_ZERO)
 
 
 @triton.jit
@@ -84,6 +117,9 @@ def _per_token_quant_kernel(
     stride_q,
     K: tl.constexpr,
     FP8_MAX: tl.constexpr,
+    MIN_NORMAL: tl.constexpr,
+    SUBNORMAL_ROUNDER: tl.constexpr,
+    SIGNED_ZERO: tl.constexpr,
     MIN_SCALE: tl.constexpr,
     BLOCK: tl.constexpr,
     ONE_PASS: tl.constexpr,
@@ -96,7 +132,7 @@ def _per_token_quant_kernel(
         mask = offs < K
         x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
         scale = _scale_of(tl.max(tl.abs(x), axis=0), FP8_MAX, MIN_SCALE)
-        q = _quantize(x, scale, FP8_MAX)
+        q = _quantize(x, scale, FP8_MAX, MIN_NORMAL, SUBNORMAL_ROUNDER, SIGNED_ZERO)
         tl.store(q_row + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
     else:
         amax = tl.zeros([BLOCK], dtype=tl.float32)
@@ -108,18 +144,21 @@ def _per_token_quant_kernel(
         for start in range(0, K, BLOCK):
             mask = start + offs < K
             x = tl.load(x_row + start + offs, mask=mask, other=0.0).to(tl.float32)
-            q = _quantize(x, scale, FP8_MAX)
+            q = _quantize(x, scale, FP8_MAX, MIN_NORMAL, SUBNORMAL_ROUNDER, SIGNED_ZERO)
             tl.store(q_row + start + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + row, scale)
 
 
-def per_token_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize ``x`` [..., K] (bf16, fp16 or fp32) to float8_e4m3fn with one scale per row:
-    ``(q [..., K], scales [..., 1] float32)``, ``x ~= q.float() * scales``."""
+def per_token_quant_fp8(
+    x: torch.Tensor, dtype: torch.dtype = FP8_DTYPE
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``x`` [..., K] (bf16, fp16 or fp32) to the float8 format ``dtype`` with one
+    scale per row: ``(q [..., K], scales [..., 1] float32)``, ``x ~= q.float() * scales``."""
     require_dtype("x", x, ACTIVATION_DTYPES)
+    require_fp8_format(dtype)
     x2 = rows_of("x", x)
     M, K = x2.shape
-    q = torch.empty((M, K), dtype=FP8_DTYPE, device=x.device)
+    q = torch.empty((M, K), dtype=dtype, device=x.device)
     scales = torch.empty((M, 1), dtype=torch.float32, device=x.device)
     if M > 0:
         one_pass = K <= ONE_PASS_MAX_K
@@ -131,7 +170,7 @@ def per_token_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             x2.stride(0),
             q.stride(0),
             K=K,
-            FP8_MAX=FP8_MAX,
+            **format_constants(dtype),
             MIN_SCALE=MIN_SCALE,
             BLOCK=block,
             ONE_PASS=one_pass,
@@ -159,6 +198,9 @@ def _per_tensor_quant_kernel(
     stride_x,
     stride_q,
     FP8_MAX: tl.constexpr,
+    MIN_NORMAL: tl.constexpr,
+    SUBNORMAL_ROUNDER: tl.constexpr,
+    SIGNED_ZERO: tl.constexpr,
     MIN_SCALE: tl.constexpr,
     BLOCK: tl.constexpr,
     FROM_AMAX: tl.constexpr,
@@ -174,21 +216,22 @@ def _per_tensor_quant_kernel(
     offs = chunk * BLOCK + tl.arange(0, BLOCK)
     mask = offs < K
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    q = _quantize(x, scale, FP8_MAX)
+    q = _quantize(x, scale, FP8_MAX, MIN_NORMAL, SUBNORMAL_ROUNDER, SIGNED_ZERO)
     tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
 def per_tensor_quant_fp8(
-    x: torch.Tensor, scale: torch.Tensor | None = None
+    x: torch.Tensor, scale: torch.Tensor | None = None, dtype: torch.dtype = FP8_DTYPE
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize ``x`` [..., K] to float8_e4m3fn with one scale: ``(q [..., K], scale [1]
-    float32)``. With ``scale`` given (static activation scales from a checkpoint: a float32
-    tensor of one element) it is used as is; without, it is ``max(amax(|x|) / 448, MIN_SCALE)``,
-    found by a first pass over ``x``."""
+    """Quantize ``x`` [..., K] to the float8 format ``dtype`` with one scale: ``(q [..., K],
+    scale [1] float32)``. With ``scale`` given (static activation scales from a checkpoint: a
+    float32 tensor of one element) it is used as is; without, it is ``max(amax(|x|) / FP8_MAX,
+    MIN_SCALE)``, found by a first pass over ``x``."""
     require_dtype("x", x, ACTIVATION_DTYPES)
+    require_fp8_format(dtype)
     x2 = rows_of("x", x)
     M, K = x2.shape
-    q = torch.empty((M, K), dtype=FP8_DTYPE, device=x.device)
+    q = torch.empty((M, K), dtype=dtype, device=x.device)
     grid = (M, triton.cdiv(K, CHUNK))
     if scale is None:
         amax = torch.zeros(1, dtype=torch.float32, device=x.device)
@@ -213,7 +256,7 @@ def per_tensor_quant_fp8(
             K,
             x2.stride(0),
             q.stride(0),
-            FP8_MAX=FP8_MAX,
+            **format_constants(dtype),
             MIN_SCALE=MIN_SCALE,
             BLOCK=CHUNK,
             FROM_AMAX=scale is None,
@@ -232,6 +275,9 @@ def _per_group_quant_kernel(
     stride_q,
     stride_s,
     FP8_MAX: tl.constexpr,
+    MIN_NORMAL: tl.constexpr,
+    SUBNORMAL_ROUNDER: tl.constexpr,
+    SIGNED_ZERO: tl.constexpr,
     MIN_SCALE: tl.constexpr,
     GROUP: tl.constexpr,
     GROUPS_PER_PROGRAM: tl.constexpr,
@@ -242,19 +288,20 @@ def _per_group_quant_kernel(
     mask = (groups < num_groups)[:, None]
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     scale = _scale_of(tl.max(tl.abs(x), axis=1), FP8_MAX, MIN_SCALE)
-    q = _quantize(x, scale[:, None], FP8_MAX)
+    q = _quantize(x, scale[:, None], FP8_MAX, MIN_NORMAL, SUBNORMAL_ROUNDER, SIGNED_ZERO)
     tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + row * stride_s + groups, scale, mask=groups < num_groups)
 
 
 def per_token_group_quant_fp8(
-    x: torch.Tensor, group_size: int = 128
+    x: torch.Tensor, group_size: int = 128, dtype: torch.dtype = FP8_DTYPE
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize ``x`` [..., K] to float8_e4m3fn with one scale per row and group of
-    ``group_size`` consecutive columns: ``(q [..., K], scales [..., K // group_size] float32)``,
-    row-major, the activation side of ``block_scaled_mm``. ``K`` must be a multiple of
-    ``group_size``, a power of two."""
+    """Quantize ``x`` [..., K] to the float8 format ``dtype`` with one scale per row and group
+    of ``group_size`` consecutive columns: ``(q [..., K], scales [..., K // group_size]
+    float32)``, row-major, the activation side of ``block_scaled_mm``. ``K`` must be a multiple
+    of ``group_size``, a power of two."""
     require_dtype("x", x, ACTIVATION_DTYPES)
+    require_fp8_format(dtype)
     if group_size < 1 or group_size & (group_size - 1):
         raise Fp8KernelInputError(f"group_size {group_size} is not a power of two")
     x2 = rows_of("x", x)
@@ -264,7 +311,7 @@ def per_token_group_quant_fp8(
             f"x has {K} columns, not a multiple of the group size {group_size}"
         )
     num_groups = K // group_size
-    q = torch.empty((M, K), dtype=FP8_DTYPE, device=x.device)
+    q = torch.empty((M, K), dtype=dtype, device=x.device)
     scales = torch.empty((M, num_groups), dtype=torch.float32, device=x.device)
     if M > 0:
         per_program = min(triton.next_power_of_2(num_groups), max(1, CHUNK // group_size))
@@ -276,7 +323,7 @@ def per_token_group_quant_fp8(
             x2.stride(0),
             q.stride(0),
             scales.stride(0),
-            FP8_MAX=FP8_MAX,
+            **format_constants(dtype),
             MIN_SCALE=MIN_SCALE,
             GROUP=group_size,
             GROUPS_PER_PROGRAM=per_program,

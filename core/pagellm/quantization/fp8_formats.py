@@ -1,16 +1,23 @@
-"""fp8 checkpoints on GPUs whose fp8 is float8_e4m3fnuz (CDNA3: gfx940-gfx942).
+"""The two float8 e4m3 formats a platform computes in (`Platform.fp8_dtype`), and the exact
+conversion of fp8 checkpoints from the one they are written in to the other.
 
 Checkpoints store float8_e4m3fn (the OCP format) with float32 scales, ``value = fp8 * scale``.
-CDNA3's matrix units read float8_e4m3fnuz: the same layout with exponent bias 8 instead of 7, so
-the same bits mean half the value, and one bit pattern that differs in meaning: 0x80 is negative
-zero in e4m3fn and NaN in e4m3fnuz. Converting is therefore exact and costs no rounding: keep the
-bits, turn 0x80 into 0x00 (+0), and double every scale. e4m3fn's NaNs (0x7F, 0xFF) would become
-the finite values ±240 in e4m3fnuz, so a checkpoint holding them is refused.
+AMD CDNA3 GPUs (gfx940-gfx942) compute in float8_e4m3fnuz: the same layout with exponent bias 8
+instead of 7, so the same bits mean half the value, largest finite value 240 instead of 448, and
+one bit pattern that differs in meaning: 0x80 is negative zero in e4m3fn and NaN in e4m3fnuz.
+Converting is therefore exact and costs no rounding: keep the bits, turn 0x80 into 0x00 (+0),
+and double every scale. e4m3fn's NaNs (0x7F, 0xFF) would become the finite values ±240 in
+e4m3fnuz, so a tensor holding them is refused.
 """
 
 from __future__ import annotations
 
 import torch
+
+E4M3FN = torch.float8_e4m3fn
+E4M3FNUZ = torch.float8_e4m3fnuz
+FP8_FORMATS = (E4M3FN, E4M3FNUZ)
+"""The float8 formats pagellm's fp8 code computes in: checkpoints' own, and CDNA3's."""
 
 _NEGATIVE_ZERO = -128
 """0x80 read as int8: -0.0 in float8_e4m3fn, NaN in float8_e4m3fnuz."""
@@ -20,6 +27,11 @@ _E4M3FN_NAN = 0x7F
 
 class Fp8ConversionError(ValueError):
     """An fp8 tensor that cannot be converted to float8_e4m3fnuz."""
+
+
+def fp8_max(dtype: torch.dtype) -> float:
+    """The largest finite value of ``dtype``: 448 for float8_e4m3fn, 240 for float8_e4m3fnuz."""
+    return float(torch.finfo(dtype).max)
 
 
 def e4m3fn_to_e4m3fnuz(
@@ -32,7 +44,7 @@ def e4m3fn_to_e4m3fnuz(
     change); ``input_scale``, a static activation scale, is doubled too, since activations are
     quantized to the same format. Returns new tensors; the inputs are left as they were.
     """
-    if weight.dtype != torch.float8_e4m3fn:
+    if weight.dtype != E4M3FN:
         raise Fp8ConversionError(
             f"expected a float8_e4m3fn weight to convert to float8_e4m3fnuz, got {weight.dtype}."
         )
@@ -46,4 +58,4 @@ def e4m3fn_to_e4m3fnuz(
         )
     converted = torch.where(bits == _NEGATIVE_ZERO, torch.zeros_like(bits), bits)
     doubled_input = None if input_scale is None else input_scale * 2.0
-    return converted.view(torch.float8_e4m3fnuz), weight_scale * 2.0, doubled_input
+    return converted.view(E4M3FNUZ), weight_scale * 2.0, doubled_input
