@@ -11,6 +11,14 @@ it is built, and falls back to torch when the platform has none. The contracts:
 - ``rotary_embedding(positions, q, k, head_size, cos_sin_cache) -> None``: rotates ``q``
   [tokens, heads * head_size] and ``k`` [tokens, kv_heads * head_size] in place, rotate-half
   layout, with ``cos_sin_cache`` [max_position, head_size] float32 (cos halves, then sin halves).
+- ``qk_norm_rotary(positions, q, k, q_weight, k_weight, eps, head_size, cos_sin_cache) -> None``:
+  normalises each head of ``q`` [tokens, heads * head_size] and ``k`` [tokens, kv_heads *
+  head_size] (rows may be strided views into a fused qkv tensor; unit column stride) by RMSNorm
+  with ``eps``, scaled by ``q_weight`` or ``k_weight`` [head_size], then rotates them as
+  ``rotary_embedding`` does; all in place. Rounded as the unfused layers are: the norm as
+  ``rms_norm``'s (float32 sum of squares, the normalised head rounded to the dtype, then scaled
+  by the weight in the dtype), the rotation in float32 with one rounding. Models with q/k norms
+  (Qwen3) call it instead of ``rms_norm`` on each head followed by ``rotary_embedding``.
 - ``silu_and_mul(x) -> out``: ``silu(x[:, :d]) * x[:, d:]`` for ``x`` [tokens, 2 * d].
 - ``write_paged_kv(key, value, key_cache, value_cache, slot_mapping) -> None``: stores ``key`` and
   ``value`` [tokens, kv_heads, head_size] at their slots of caches of token-major pages,
@@ -27,7 +35,14 @@ from typing import Any
 
 import torch
 
-OP_NAMES = ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "write_paged_kv")
+OP_NAMES = (
+    "rms_norm",
+    "fused_add_rms_norm",
+    "rotary_embedding",
+    "qk_norm_rotary",
+    "silu_and_mul",
+    "write_paged_kv",
+)
 
 
 def get_custom_op(name: str) -> Callable[..., Any] | None:

@@ -19,6 +19,7 @@ from torch import nn
 from pagellm.attention import Attention, AttentionBackend
 from pagellm.config import EngineConfig
 from pagellm.layers.activation import SiluAndMul
+from pagellm.layers.custom_ops import get_custom_op
 from pagellm.layers.layernorm import RMSNorm
 from pagellm.layers.linear import (
     CheckpointTensor,
@@ -79,6 +80,8 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_size, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_size, cfg.rms_norm_eps)
+        # The platform's kernel for both per-head norms and the rotation (one launch, not three).
+        self._qk_norm_rotary_op = get_custom_op("qk_norm_rotary") if self.qk_norm else None
         self.rotary_emb = ctx.rotary_emb
         self.attn = Attention(
             ctx.backend,
@@ -92,11 +95,23 @@ class LlamaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.qk_norm:
-            t = q.shape[0]
-            q = self.q_norm(q.reshape(t, -1, self.head_size)).reshape(t, -1)
-            k = self.k_norm(k.reshape(t, -1, self.head_size)).reshape(t, -1)
-        q, k = self.rotary_emb(positions, q, k)
+        if self._qk_norm_rotary_op is not None:  # q and k, views of qkv, written in place
+            self._qk_norm_rotary_op(
+                positions,
+                q,
+                k,
+                self.q_norm.weight,
+                self.k_norm.weight,
+                self.q_norm.eps,
+                self.head_size,
+                self.rotary_emb.cos_sin_cache,
+            )
+        else:
+            if self.qk_norm:
+                t = q.shape[0]
+                q = self.q_norm(q.reshape(t, -1, self.head_size)).reshape(t, -1)
+                k = self.k_norm(k.reshape(t, -1, self.head_size)).reshape(t, -1)
+            q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v))
 
 

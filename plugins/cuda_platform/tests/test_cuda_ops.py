@@ -237,6 +237,43 @@ class TestInInterpreter:
         assert_matches(k, expected_k)
         assert torch.equal(v, v_before)
 
+    @pytest.mark.parametrize(
+        ("q_heads", "kv_heads", "head_size"), [(16, 8, 128), (8, 2, 64), (3, 1, 80)]
+    )
+    @pytest.mark.parametrize("dtype", DTYPES)
+    def test_qk_norm_rotary_writes_per_head_norms_then_rotary_into_q_k_views(
+        self,
+        ops: Ops,
+        torch_layers: None,
+        dtype: torch.dtype,
+        q_heads: int,
+        kv_heads: int,
+        head_size: int,
+    ) -> None:
+        """The fused op against the unfused torch layers (RMSNorm of each head, then the
+        rotation) on q/k views of a fused qkv, at unsorted positions; v stays as it was."""
+        tokens, max_position = 6, 4096
+        q_norm, k_norm = _rms_norm_layer(head_size, dtype), _rms_norm_layer(head_size, dtype)
+        rope = RotaryEmbedding(head_size, max_position, ROPE)
+        qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * head_size, dtype=dtype) * 3
+        q, k, v = qkv.split([q_heads * head_size, kv_heads * head_size, kv_heads * head_size], -1)
+        v_before = v.clone()
+        positions = torch.randperm(max_position)[:tokens]
+        rope.set_positions(positions)
+        expected_q, expected_k = rope(
+            positions,
+            q_norm(q.reshape(tokens, -1, head_size)).reshape(tokens, -1),
+            k_norm(k.reshape(tokens, -1, head_size)).reshape(tokens, -1),
+        )
+
+        ops["qk_norm_rotary"](
+            positions, q, k, q_norm.weight, k_norm.weight, EPS, head_size, rope.cos_sin_cache
+        )
+
+        assert_matches(q, expected_q, max_ulps=2)
+        assert_matches(k, expected_k, max_ulps=2)
+        assert torch.equal(v, v_before)
+
     @pytest.mark.parametrize("d", [64, 128, 1024, 4096])
     @pytest.mark.parametrize("dtype", DTYPES)
     def test_silu_and_mul_of_strided_rows_matches_torch_layer(
@@ -278,39 +315,50 @@ class TestInInterpreter:
         assert torch.equal(flat[1, slots[written]], value[written])
         assert (flat[:, :block_size] == 7.0).all()  # the null block: padding went nowhere
 
+    @pytest.mark.parametrize("fused", [True, False], ids=["qk_norm_rotary", "unfused_ops"])
     @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-    def test_qwen3_attention_prologue_through_layers_matches_torch_layers(
-        self, ops: Ops, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
+    def test_qwen3_attention_gives_attention_the_q_k_v_of_torch_layers(
+        self, ops: Ops, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, fused: bool
     ) -> None:
-        """What LlamaAttention does for Qwen3 (per-head q/k norms on views of the fused qkv,
-        then rotary) and the decoder's residual norm, through the layers: once built with the
-        Triton ops, once with the torch code."""
-        tokens, q_heads, kv_heads, head_size, hidden = 7, 4, 2, 64, 128
+        """Qwen3's LlamaAttention (per-head q/k norms, then rotary, on views of the fused qkv)
+        built with the Triton ops (the fused `qk_norm_rotary`, or `rms_norm` on each head and
+        `rotary_embedding`) and with the torch code: attention gets the same q, k and v."""
+        from transformers import Qwen3Config
+
+        from pagellm.attention.backends.torch_sdpa import TorchSDPABackend
+        from pagellm.forward_context import set_forward_context
+        from pagellm.models import llama
+
+        cfg = Qwen3Config(
+            hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=64
+        )
+        tokens = 7
         torch.manual_seed(0)
-        qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * head_size, dtype=dtype)
-        hidden_states, residual = torch.randn(2, tokens, hidden, dtype=dtype)
-        positions = torch.randint(0, 256, (tokens,))
-        weights = {
-            name: torch.empty(size, dtype=dtype).normal_(1.0, 0.5)
-            for name, size in (("q_norm", head_size), ("k_norm", head_size), ("norm", hidden))
-        }
+        hidden_states = torch.randn(tokens, cfg.hidden_size, dtype=dtype)
+        positions = torch.randperm(256)[:tokens]
+        table = ops if fused else {n: op for n, op in ops.items() if n != "qk_norm_rotary"}
 
-        def run(op_table: Ops) -> list[torch.Tensor]:
-            for module in (layernorm, rotary_embedding):
+        def attention_inputs(op_table: Ops) -> list[torch.Tensor]:
+            for module in (layernorm, rotary_embedding, llama):
                 monkeypatch.setattr(module, "get_custom_op", op_table.get)
-            norms = {name: RMSNorm(w.numel(), EPS).to(dtype) for name, w in weights.items()}
-            for name, norm in norms.items():
-                norm.weight.data.copy_(weights[name])
-            rope = RotaryEmbedding(head_size, 256, ROPE)
+            rope = RotaryEmbedding(64, 256, ROPE)
+            ctx = llama.LayerContext(cfg, None, TorchSDPABackend, None, rope, False, True)
+            torch.set_default_dtype(dtype)  # as the model loader builds models
+            try:
+                layer = llama.LlamaAttention(ctx, "self_attn")
+            finally:
+                torch.set_default_dtype(torch.float32)
+            assert (layer._qk_norm_rotary_op is not None) == ("qk_norm_rotary" in op_table)
+            torch.manual_seed(1)
+            for param in layer.parameters():  # the norms' weights around 1, the projections' 0
+                param.data.normal_(float(param.dim() == 1), 0.5 if param.dim() == 1 else 0.1)
+            seen: list[torch.Tensor] = []
+            layer.attn.register_forward_hook(lambda m, args, out: seen.extend(args))
             rope.set_positions(positions)
-            q, k, _ = qkv.clone().split(
-                [q_heads * head_size, kv_heads * head_size, kv_heads * head_size], -1
-            )
-            q = norms["q_norm"](q.reshape(tokens, -1, head_size)).reshape(tokens, -1)
-            k = norms["k_norm"](k.reshape(tokens, -1, head_size)).reshape(tokens, -1)
-            q, k = rope(positions, q, k)
-            out, new_residual = norms["norm"](hidden_states.clone(), residual.clone())
-            return [q, k, out, new_residual]
+            with set_forward_context(None):  # no KV cache: attention passes q through
+                layer(positions, hidden_states)
+            assert len(seen) == 3
+            return seen
 
-        for actual, expected in zip(run(ops), run({}), strict=True):
+        for actual, expected in zip(attention_inputs(table), attention_inputs({}), strict=True):
             assert_matches(actual, expected, max_ulps=2)

@@ -10,12 +10,14 @@ from typing import Any
 from .activation import silu_and_mul
 from .kv_write import write_paged_kv
 from .layernorm import fused_add_rms_norm, rms_norm
+from .qk_norm_rotary import qk_norm_rotary
 from .rotary import rotary_embedding
 
 CUSTOM_OPS: dict[str, Callable[..., Any]] = {
     "rms_norm": rms_norm,
     "fused_add_rms_norm": fused_add_rms_norm,
     "rotary_embedding": rotary_embedding,
+    "qk_norm_rotary": qk_norm_rotary,
     "silu_and_mul": silu_and_mul,
     "write_paged_kv": write_paged_kv,
 }
@@ -23,6 +25,7 @@ CUSTOM_OPS: dict[str, Callable[..., Any]] = {
 __all__ = [
     "CUSTOM_OPS",
     "fused_add_rms_norm",
+    "qk_norm_rotary",
     "rms_norm",
     "rotary_embedding",
     "silu_and_mul",
