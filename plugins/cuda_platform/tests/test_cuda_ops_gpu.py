@@ -63,7 +63,12 @@ def _strided_rows(
     return rows
 
 
-def assert_matches(actual: torch.Tensor, expected: torch.Tensor, max_ulps: int = 1) -> None:
+def assert_matches(
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    max_ulps: int = 1,
+    atol: float | torch.Tensor = 1e-6,
+) -> None:
     """float32: close. bf16/fp16: bit-equal almost everywhere, and elsewhere at most ``max_ulps``
     apart or closer than float32 rounding of the operands (``atol``: a result cancelled to near
     zero has ulps far below that).
@@ -71,7 +76,7 @@ def assert_matches(actual: torch.Tensor, expected: torch.Tensor, max_ulps: int =
     Float32 intermediates differ in their last bits (the order of a sum, approximate ``exp`` and
     ``rsqrt``, FMAs); where the torch path rounds an intermediate to the dtype (RMSNorm's
     normalised row, silu before the product) that can flip the rounding and move the product by
-    two ulps."""
+    two ulps, or an operand by its ulp (``atol``, `rotated_norm_ulps`)."""
     assert actual.shape == expected.shape and actual.dtype == expected.dtype
     if actual.dtype == torch.float32:
         torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
@@ -83,9 +88,18 @@ def assert_matches(actual: torch.Tensor, expected: torch.Tensor, max_ulps: int =
 
     assert torch.isfinite(actual).all(), "NaN or inf in the kernel's output"
     ulps = (ordered(actual) - ordered(expected)).abs()
-    off = (ulps > max_ulps) & ((actual.float() - expected.float()).abs() > 1e-6)
+    off = (ulps > max_ulps) & ((actual.float() - expected.float()).abs() > atol)
     assert not off.any(), f"{off.sum().item()} elements over {max_ulps} ulps apart"
     assert (ulps == 0).float().mean().item() >= 0.99
+
+
+def rotated_norm_ulps(rotated: torch.Tensor, head_size: int) -> torch.Tensor:
+    """Two ulps of each rotated pair's radius, an ``atol`` for rotations of RMSNorm outputs: a
+    norm output rounded the other way moves both its rotations by its ulp, many ulps of a result
+    cancelled towards zero (the rotation keeps the radius of the pair, so this bounds it)."""
+    pairs = rotated.float().unflatten(-1, (-1, 2, head_size // 2))
+    radius = torch.hypot(pairs[..., :1, :], pairs[..., 1:, :]).expand_as(pairs)
+    return (2 * torch.finfo(rotated.dtype).eps * radius).reshape(rotated.shape)
 
 
 def _rms_norm_layer(hidden: int, dtype: torch.dtype = torch.bfloat16) -> RMSNorm:
@@ -172,6 +186,39 @@ def test_rotary_embedding_matches_torch_layer_in_place(
     assert torch.equal(v, v_before)
 
 
+def check_qk_norm_rotary(
+    ops: Ops, tokens: int, q_heads: int, kv_heads: int, dtype: torch.dtype = torch.bfloat16
+) -> None:
+    """``qk_norm_rotary`` on q/k views of a fused qkv at unsorted positions against the unfused
+    torch layers (RMSNorm of each head, then the rotation); v stays as it was."""
+    q_norm, k_norm = _rms_norm_layer(HEAD_SIZE, dtype), _rms_norm_layer(HEAD_SIZE, dtype)
+    rope = RotaryEmbedding(HEAD_SIZE, MAX_POSITION, ROPE).cuda()
+    _, q, k, v = _qkv(tokens, q_heads, kv_heads, dtype)
+    v_before = v.clone()
+    positions = torch.randperm(MAX_POSITION, device="cuda")[:tokens]
+    rope.set_positions(positions)
+    expected_q, expected_k = rope(
+        positions,
+        q_norm(q.reshape(tokens, -1, HEAD_SIZE)).reshape(tokens, -1),
+        k_norm(k.reshape(tokens, -1, HEAD_SIZE)).reshape(tokens, -1),
+    )
+    ops["qk_norm_rotary"](
+        positions, q, k, q_norm.weight, k_norm.weight, EPS, HEAD_SIZE, rope.cos_sin_cache
+    )
+    assert_matches(q, expected_q, 2, rotated_norm_ulps(expected_q, HEAD_SIZE))
+    assert_matches(k, expected_k, 2, rotated_norm_ulps(expected_k, HEAD_SIZE))
+    assert torch.equal(v, v_before)
+
+
+@pytest.mark.parametrize(("q_heads", "kv_heads"), [(16, 8), (64, 8)])
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_qk_norm_rotary_matches_torch_layers_in_place(
+    ops: Ops, torch_layers: None, tokens: int, q_heads: int, kv_heads: int
+) -> None:
+    """Qwen3-0.6B's heads (16 q, 8 kv) and Qwen3-32B's (64 q, 8 kv)."""
+    check_qk_norm_rotary(ops, tokens, q_heads, kv_heads)
+
+
 @pytest.mark.parametrize("d", [3072, 14336])
 @pytest.mark.parametrize("tokens", TOKENS)
 def test_silu_and_mul_matches_torch_layer(
@@ -225,6 +272,7 @@ def test_every_op_matches_torch_layers_in_other_dtypes(
     ops["rotary_embedding"](positions, q, k, HEAD_SIZE, rope.cos_sin_cache)
     assert_matches(q, expected_q)
     assert_matches(k, expected_k)
+    check_qk_norm_rotary(ops, tokens, 16, 8, dtype)
 
     gate_up = _strided_rows(tokens, 2 * 14336, dtype).mul_(3)
     assert_matches(ops["silu_and_mul"](gate_up), SiluAndMul()(gate_up), max_ulps=2)
@@ -292,6 +340,12 @@ def _timing_cases(ops: Ops, tokens: int) -> list[Case]:
     positions = torch.randint(0, MAX_POSITION, (tokens,), device="cuda")
     rope.set_positions(positions)  # the torch path gathers cos/sin once per step, for all layers
     gate_up = _strided_rows(tokens, 2 * inter)
+    q_norm = _rms_norm_layer(HEAD_SIZE)
+
+    def unfused_qk_norm_rotary() -> object:  # the torch layers Qwen3's attention runs without it
+        heads = q_norm(q.reshape(tokens, -1, HEAD_SIZE)), q_norm(k.reshape(tokens, -1, HEAD_SIZE))
+        return rope(positions, *(h.reshape(tokens, -1) for h in heads))
+
     return [
         (
             "rms_norm",
@@ -310,6 +364,14 @@ def _timing_cases(ops: Ops, tokens: int) -> list[Case]:
             2 * tokens * (q_heads + kv_heads) * HEAD_SIZE * size,
             lambda: ops["rotary_embedding"](positions, q, k, HEAD_SIZE, rope.cos_sin_cache),
             lambda: rope(positions, q, k),
+        ),
+        (
+            "qk_norm_rotary",
+            2 * tokens * (q_heads + kv_heads) * HEAD_SIZE * size,
+            lambda: ops["qk_norm_rotary"](
+                positions, q, k, q_norm.weight, q_norm.weight, EPS, HEAD_SIZE, rope.cos_sin_cache
+            ),
+            unfused_qk_norm_rotary,
         ),
         (
             "silu_and_mul",

@@ -103,6 +103,13 @@ def op(name: str) -> Case:
             cache = torch.empty(4096, HEAD, dtype=torch.float32)
             positions = torch.zeros(16, dtype=torch.int64)
             ops.rotary_embedding(positions, q, k, HEAD, cache, target=target)
+        elif name == "qk_norm_rotary":  # Qwen3's q/k norms and rotary, in place in a fused qkv
+            qkv = torch.empty(16, (KV_HEADS * GQA + 2 * KV_HEADS) * HEAD, dtype=BF16)
+            q, k, _ = qkv.split([KV_HEADS * GQA * HEAD, KV_HEADS * HEAD, KV_HEADS * HEAD], -1)
+            weight = torch.empty(HEAD, dtype=BF16)
+            cache = torch.empty(4096, HEAD, dtype=torch.float32)
+            positions = torch.zeros(16, dtype=torch.int64)
+            ops.qk_norm_rotary(positions, q, k, weight, weight, 1e-6, HEAD, cache, target=target)
         elif name == "silu_and_mul":
             ops.silu_and_mul(torch.empty(16, 2 * 14336, dtype=BF16), target=target)
         elif name == "write_paged_kv":
@@ -162,6 +169,7 @@ CASES: dict[str, tuple[str, Case, tuple[str, ...]]] = {
             "fused_add_rms_norm",
             "per_head_rms_norm",
             "rotary_embedding",
+            "qk_norm_rotary",
             "silu_and_mul",
             "write_paged_kv",
         )
@@ -181,6 +189,7 @@ KERNEL_MODULES = {
     OPS: {
         "layernorm": ["_rms_norm_kernel"],
         "rotary": ["_rotary_kernel"],
+        "qk_norm_rotary": ["_qk_norm_rotary_kernel"],
         "activation": ["_silu_and_mul_kernel"],
         "kv_write": ["_write_paged_kv_kernel"],
     },

@@ -77,7 +77,13 @@ def test_kernel_compiles_for_the_amd_target_within_its_lds(compiled, case, arch)
 def test_fused_ops_size_their_launches_by_the_wavefront(compiled):
     """The same rows get the same threads on every target: half the wavefronts where they are
     twice as wide (eight elements per thread)."""
-    cases = ("ops.rms_norm", "ops.rotary_embedding", "ops.silu_and_mul", "ops.write_paged_kv")
+    cases = (
+        "ops.rms_norm",
+        "ops.rotary_embedding",
+        "ops.qk_norm_rotary",
+        "ops.silu_and_mul",
+        "ops.write_paged_kv",
+    )
     for case in (*cases, "attn.write_kv_cache.bf16"):
         threads = {
             arch: compiled[(case, arch)][0]["num_warps"] * AMD_TARGETS[arch].warp_size
