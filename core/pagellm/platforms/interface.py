@@ -94,8 +94,9 @@ class Platform:
     @classmethod
     def custom_ops(cls) -> dict[str, Callable[..., Any]]:
         """Fused kernels the model layers use instead of their plain torch code, by name
-        (``"rms_norm"``, ``"fused_add_rms_norm"``, ``"rotary_embedding"``, ``"silu_and_mul"``;
-        see `pagellm.layers.custom_ops`). Layers look them up once, when they are built."""
+        (``"rms_norm"``, ``"rotary_embedding"``, ``"qk_norm_rotary"``, ...: `OP_NAMES` of
+        `pagellm.layers.custom_ops`, whose docstring has their contracts). Layers look them up
+        once, when they are built."""
         return {}
 
     @classmethod
