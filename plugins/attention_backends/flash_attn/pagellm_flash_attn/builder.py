@@ -142,3 +142,9 @@ class FlashAttnMetadataBuilder(AttentionMetadataBuilder):
             decode_plan=decode.plan_decode(common, common.num_reqs, for_graph=True),
             padded_slots=True,
         )
+
+    def prepare_cudagraph_replay(
+        self, attn_metadata: FlashAttnMetadata, common: CommonAttentionMetadata
+    ) -> None:
+        if attn_metadata.decode_kernel is not None:
+            attn_metadata.decode_kernel.prepare_replay(attn_metadata.decode_plan, common)

@@ -71,6 +71,16 @@ class TritonAttentionMetadata:
     (a persistent buffer, rewritten before each replay, in a captured graph)."""
 
 
+def staged_row_order(common: CommonAttentionMetadata, device: torch.device) -> torch.Tensor:
+    """`paged_decode`'s row order for this step (the rows longest first) on the host: in pinned
+    memory for a GPU, so that the copy to the device does not wait for the step in flight
+    (PyTorch's host allocator keeps the block until the copy has run)."""
+    from pagellm_triton_attn.kernels import rows_longest_first
+
+    host = torch.from_numpy(rows_longest_first(common.seq_lens_cpu.numpy()))
+    return host if device.type == "cpu" else host.pin_memory()
+
+
 class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
     programs_per_sm: ClassVar[int] = 4
     """A decode launch is split until it offers this many programs per SM (about four are
@@ -122,7 +132,7 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
             scratch = SplitScratch(common.num_reqs, num_splits, self.device)
         order = None
         if run_decode and common.num_reqs > 1:
-            order = self._staged_order(common).to(self.device, non_blocking=True)
+            order = staged_row_order(common, self.device).to(self.device, non_blocking=True)
         return TritonAttentionMetadata(
             num_actual_tokens=common.num_actual_tokens,
             num_reqs=common.num_reqs,
@@ -137,15 +147,6 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
             scratch=scratch,
             decode_order=order,
         )
-
-    def _staged_order(self, common: CommonAttentionMetadata) -> torch.Tensor:
-        """The rows longest first, on the host: in pinned memory on a GPU, so that the copy to
-        the device does not wait for the step in flight (PyTorch's host allocator keeps the
-        block until the copy has run)."""
-        from pagellm_triton_attn.kernels import rows_longest_first
-
-        host = torch.from_numpy(rows_longest_first(common.seq_lens_cpu.numpy()))
-        return host if self.device.type == "cpu" else host.pin_memory()
 
     def build_for_cudagraph(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
         # The grid comes from the padded shapes and the capture-time worst case (max_seq_len is
@@ -178,7 +179,7 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
     ) -> None:
         # The padded rows (seq_len 0) sort last; the captured kernels read the buffer.
         assert attn_metadata.decode_order is not None
-        attn_metadata.decode_order.copy_(self._staged_order(common), non_blocking=True)
+        attn_metadata.decode_order.copy_(staged_row_order(common, self.device), non_blocking=True)
 
 
 class TritonAttentionImpl(AttentionImpl):

@@ -152,6 +152,11 @@ class AttentionKernel(ABC):
         is captured and replayed, so it may hold only what lives as long as the kernel."""
         return None
 
+    def prepare_replay(self, plan: Any, common: CommonAttentionMetadata) -> None:  # noqa: B027
+        """Before each replay of a graph captured with ``plan`` (from ``plan_decode(...,
+        for_graph=True)``), with the replay's padded batch: rewrite, in place, what the plan's
+        buffers hold for this step. The default has nothing to rewrite."""
+
     def prefill(
         self,
         query: torch.Tensor,

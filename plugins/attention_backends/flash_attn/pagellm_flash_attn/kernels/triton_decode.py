@@ -28,6 +28,9 @@ class TritonDecodePlan:
     num_splits: int
     scratch: Any
     """TRITON_ATTN's ``SplitScratch`` when ``num_splits`` > 1."""
+    row_order: torch.Tensor | None = None
+    """int32 [rows]: the rows longest first, the order the kernel's programs take them (as in
+    TRITON_ATTN; a persistent buffer rewritten before each replay in a captured graph)."""
 
 
 class TritonDecodeKernel(AttentionKernel):
@@ -81,6 +84,7 @@ class TritonDecodeKernel(AttentionKernel):
         )
         # Captured graphs keep pointers into these: they live as long as the kernel.
         self._graph_scratch: dict[tuple[int, int], Any] = {}
+        self._graph_orders: dict[int, torch.Tensor] = {}
 
     def plan_decode(
         self, common: CommonAttentionMetadata, num_decode_rows: int, for_graph: bool
@@ -101,7 +105,20 @@ class TritonDecodeKernel(AttentionKernel):
                 scratch = self._graph_scratch.setdefault(key, make(*key, self.device))
             else:
                 scratch = make(common.num_reqs, num_splits, self.device)
-        return TritonDecodePlan(num_splits, scratch)
+        if for_graph:
+            order = self._graph_orders.setdefault(
+                common.num_reqs,
+                torch.arange(common.num_reqs, dtype=torch.int32, device=self.device),
+            )
+        else:
+            order = self.lib.backend.staged_row_order(common, self.device)
+            order = order.to(self.device, non_blocking=True)
+        return TritonDecodePlan(num_splits, scratch, order)
+
+    def prepare_replay(self, plan: TritonDecodePlan, common: CommonAttentionMetadata) -> None:
+        assert plan.row_order is not None
+        staged = self.lib.backend.staged_row_order(common, self.device)
+        plan.row_order.copy_(staged, non_blocking=True)
 
     def decode(
         self,
@@ -129,5 +146,6 @@ class TritonDecodeKernel(AttentionKernel):
             sliding_window=layer.sliding_window,
             num_splits=plan.num_splits,
             scratch=scratch,
+            row_order=plan.row_order,
         )
         return out
