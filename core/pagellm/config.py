@@ -201,13 +201,23 @@ class DeviceConfig(_Config):
     """The platform's device type ("cpu", "cuda", ...)."""
 
 
+CudaGraphMode = Literal["none", "decode", "decode_and_piecewise"]
+"""Which steps replay captured graphs: none; decode (decode-only batches, whole forward passes);
+decode_and_piecewise (those, and every other step of at most the largest piecewise capture size,
+as graphs of the forward pass's pieces between attention calls, attention run eagerly)."""
+
+
 class CompilationConfig(_Config):
     enforce_eager: bool = False
     """Never capture CUDA graphs (the user's ``--enforce-eager``)."""
-    cudagraph_mode: Literal["none", "decode"] = "none"
-    """``decode``: decode-only batches replay captured graphs (the platform's choice)."""
+    cudagraph_mode: CudaGraphMode = "none"
+    """The platform turns ``decode`` on where it records graphs; the user's ``--cudagraph-mode
+    decode_and_piecewise`` then adds piecewise graphs (`pagellm.engine.compilation`)."""
     cudagraph_capture_sizes: list[int] = Field(default_factory=list)
     """Decode batch sizes with a captured graph, ascending (a batch is padded up to the next)."""
+    piecewise_capture_sizes: list[int] = Field(default_factory=list)
+    """Token counts with captured piecewise graphs, ascending (a step is padded up to the next);
+    empty unless ``cudagraph_mode`` is ``decode_and_piecewise``."""
 
 
 class LoadConfig(_Config):

@@ -22,7 +22,6 @@ from pagellm.attention.selector import select_attention_backend
 from pagellm.config import (
     DTYPES,
     CacheConfig,
-    CompilationConfig,
     ConfigError,
     DeviceConfig,
     DTypeName,
@@ -37,6 +36,7 @@ from pagellm.config import (
     SchedulerConfig,
     resolve_kv_cache_dtype,
 )
+from pagellm.engine import compilation
 from pagellm.engine.runners import pooler_config, resolve_runner
 from pagellm.io_processors.selection import resolve_io_processor_name
 from pagellm.model_loader.formats import get_model_format
@@ -121,6 +121,13 @@ class EngineArgs:
     ray (one Ray actor per rank); default: uni for one rank, else mp."""
     enforce_eager: bool = False
     """Never capture CUDA graphs: every step runs eagerly."""
+    cudagraph_mode: compilation.RequestedCudaGraphMode = "auto"
+    """CUDA graphs: auto (the platform's: decode-only batches where it can), none (as
+    --enforce-eager), decode, or decode_and_piecewise (also other steps up to the largest
+    --piecewise-capture-sizes, as graphs between eager attention calls; off by default)."""
+    piecewise_capture_sizes: list[PositiveInt] | None = None
+    """Token counts with piecewise graphs (default: 16 32 64 128 256 384 512 768 1024, capped
+    by max_num_batched_tokens); a step is padded up to the next."""
     async_scheduling: bool | None = None
     """Schedule the next step while the device runs the current one (same tokens, less idle
     device time); default: the platform's choice (off everywhere for now)."""
@@ -161,6 +168,8 @@ class EngineArgs:
                 options["action"] = argparse.BooleanOptionalAction
             elif typing.get_origin(hint) is Literal:
                 options["choices"] = typing.get_args(hint)
+            elif typing.get_origin(hint) is list:  # --flag A B C
+                options.update(nargs="+", type=typing.get_args(hint)[0])
             else:
                 options["type"] = hint
             parser.add_argument("--" + f.name.replace("_", "-"), **options)
@@ -270,8 +279,7 @@ class EngineArgs:
             parallel=parallel,
             device=DeviceConfig(device=platform.device_type),
             load=LoadConfig(load_format=self.load_format),
-            # Decode graphs replay one-token steps, which a pooling model never runs.
-            compilation=CompilationConfig(enforce_eager=self.enforce_eager or pooling),
+            compilation=compilation.compilation_config(self, pooling),
             attention_backend=backend.name,
             quantization=quantization,
             observability=ObservabilityConfig(
@@ -281,6 +289,7 @@ class EngineArgs:
             multimodal=MultiModalConfig.from_args(self),
         )
         platform.check_and_update_config(config)
+        compilation.apply_cudagraph_mode(config, self, platform)
         return config
 
     def _resolve_parallel(self, platform: Any) -> ParallelConfig:

@@ -49,17 +49,18 @@ class EngineCore:
         start = time.perf_counter()
         self.executor = (executor_cls or executor_class(config.parallel))(config)
         workers_ready = time.perf_counter()
-        num_blocks = self._initialize_kv_cache()
+        num_blocks, capture_seconds = self._initialize_kv_cache()
         cache_ready = time.perf_counter()
         if current_platform.needs_warm_up:
             warm_up(config, self.executor, num_blocks)
         ready = time.perf_counter()
         logger.info(
-            "Engine core ready in %.1f s: workers and weights %.1f s, memory profiling, KV cache "
-            "and graph capture %.1f s, warm-up %.1f s",
+            "Engine core ready in %.1f s: workers and weights %.1f s, memory profiling and KV "
+            "cache %.1f s%s, warm-up %.1f s",
             ready - start,
             workers_ready - start,
-            cache_ready - workers_ready,
+            cache_ready - workers_ready - sum(capture_seconds.values()),
+            "".join(f", {kind} {seconds:.1f} s" for kind, seconds in capture_seconds.items()),
             ready - cache_ready,
         )
         self.num_steps = 0
@@ -93,7 +94,9 @@ class EngineCore:
         """Requests whose steps must not overlap (`needs_host_tokens`), with the reason."""
         self._logged_sync_reasons: set[str] = set()
 
-    def _initialize_kv_cache(self) -> int:
+    def _initialize_kv_cache(self) -> tuple[int, dict[str, float]]:
+        """Size and allocate the KV cache, then capture the graphs: the number of blocks, and
+        the seconds each kind of graph took to capture."""
         cfg = self.config
         spec = self.executor.get_kv_cache_spec()
         available = self.executor.determine_available_memory()
@@ -108,7 +111,7 @@ class EngineCore:
                 f"{needed * bytes_per_block / 2**20:.1f} MiB). Give it more memory (kv_cache_memory / "
                 "gpu_memory_utilization) or lower max_model_len."
             )
-        self.executor.initialize_cache(num_blocks)
+        capture_seconds = self.executor.initialize_cache(num_blocks)
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB), kv cache dtype %s (%s)",
             num_blocks,
@@ -118,7 +121,7 @@ class EngineCore:
             cfg.cache.cache_dtype,
             str(spec.storage_dtype).removeprefix("torch."),
         )
-        return num_blocks
+        return num_blocks, capture_seconds
 
     def add_request(self, request: EngineCoreRequest) -> None:
         fields = msgspec.structs.asdict(request)

@@ -60,8 +60,10 @@ class Executor(ABC):
         """The smallest memory any worker can give the KV cache."""
         return min(self.collective_rpc("determine_available_memory"))
 
-    def initialize_cache(self, num_blocks: int) -> None:
-        self.collective_rpc("initialize_cache", (num_blocks,))
+    def initialize_cache(self, num_blocks: int) -> dict[str, float]:
+        """Allocate the KV caches and capture the graphs; returns the seconds rank 0 spent
+        capturing each kind of graph (every rank captures the same ones)."""
+        return self.collective_rpc("initialize_cache", (num_blocks,))[0]
 
     def shutdown(self) -> None:  # noqa: B027 (optional hook: executors without resources keep it)
         """Release the workers."""

@@ -34,6 +34,7 @@ from pagellm.layers.parallel_linear import (
     RowParallelLinear,
 )
 from pagellm.layers.rotary_embedding import RotaryEmbedding, rope_parameters
+from pagellm.models.segments import AttentionInputs, SegmentedDecoder
 from pagellm.quantization.base import QuantizationConfig
 
 
@@ -92,7 +93,10 @@ class LlamaAttention(nn.Module):
             sliding_window=ctx.sliding_window,
         )
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+    def project_qkv(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The attention's inputs: q, k and v of each token, q and k normed (Qwen3) and rotated."""
         qkv = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self._qk_norm_rotary_op is not None:  # q and k, views of qkv, written in place
@@ -112,7 +116,7 @@ class LlamaAttention(nn.Module):
                 q = self.q_norm(q.reshape(t, -1, self.head_size)).reshape(t, -1)
                 k = self.k_norm(k.reshape(t, -1, self.head_size)).reshape(t, -1)
             q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))
+        return q, k, v
 
 
 class LlamaMLP(nn.Module):
@@ -145,12 +149,30 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs = self.pre_attention(positions, hidden_states, residual)
+        attn_output = self.self_attn.attn(inputs.q, inputs.k, inputs.v)
+        return self.post_attention(attn_output, inputs.residual)
+
+    def pre_attention(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
+    ) -> AttentionInputs:
+        """The layer up to its attention call: the residual add (``residual`` None: the first
+        layer, whose input is the residual stream), the norm, q, k and v."""
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states)
+        q, k, v = self.self_attn.project_qkv(positions, hidden_states)
+        return AttentionInputs(q, k, v, residual)
+
+    def post_attention(
+        self, attn_output: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer after its attention call: the output projection, the residual add and
+        norm, the MLP; returns the MLP's output and the residual stream (the next layer adds
+        them)."""
+        hidden_states = self.self_attn.o_proj(attn_output)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 
@@ -179,6 +201,33 @@ class LlamaModel(nn.Module):
         residual = None
         for layer in self.layers:
             hidden_states, residual = layer(positions, hidden_states, residual)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+    # The forward pass in segments split at each attention call (`SegmentedDecoder`): the same
+    # layer code, in the same order; each segment looks up the rotary rows itself, so that it
+    # reads nothing another segment computed but its arguments.
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.layers]
+
+    def first_segment(self, input_ids: torch.Tensor, positions: torch.Tensor) -> AttentionInputs:
+        self.rotary_emb.set_positions(positions)
+        return self.layers[0].pre_attention(positions, self.embed_tokens(input_ids), None)
+
+    def next_segment(
+        self,
+        index: int,
+        positions: torch.Tensor,
+        attn_output: torch.Tensor,
+        residual: torch.Tensor,
+    ) -> AttentionInputs:
+        self.rotary_emb.set_positions(positions)
+        hidden_states, residual = self.layers[index - 1].post_attention(attn_output, residual)
+        return self.layers[index].pre_attention(positions, hidden_states, residual)
+
+    def last_segment(self, attn_output: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        hidden_states, residual = self.layers[-1].post_attention(attn_output, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
@@ -234,6 +283,10 @@ class LlamaForCausalLM(nn.Module):
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
+
+    def segmented_decoder(self) -> SegmentedDecoder:
+        """The forward pass split at each attention call, for piecewise graphs."""
+        return self.model
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return hidden_states @ self.lm_head.weight.t()

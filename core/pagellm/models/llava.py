@@ -28,6 +28,7 @@ from pagellm.layers.linear import CheckpointTensor, load_parameter, materialize
 from pagellm.models.clip import CLIPVisionTower, activation
 from pagellm.models.llama import LlamaForCausalLM
 from pagellm.models.registry import models
+from pagellm.models.segments import SegmentedDecoder
 from pagellm.multimodal.inputs import MultiModalSpec
 from pagellm.quantization.base import QuantizationConfig
 
@@ -135,6 +136,10 @@ class LlavaForConditionalGeneration(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.language_model.compute_logits(hidden_states)
+
+    def segmented_decoder(self) -> SegmentedDecoder:
+        """The language model's, for steps with no image rows (the runner runs those eagerly)."""
+        return self.language_model.segmented_decoder()
 
     def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> set[str]:
         """The vision tower's and projector's tensors are copied here, the decoder's streamed

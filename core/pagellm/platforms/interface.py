@@ -121,6 +121,12 @@ class Platform:
         """Wait until the device has finished the work queued so far."""
 
     @classmethod
+    def device_memory_used(cls) -> int | None:
+        """Bytes in use on the current device, by any allocator or process (what start-up
+        reports, e.g. the memory graph capture took, are measured with); None where unknown."""
+        return None
+
+    @classmethod
     def device_seconds(cls, work: Callable[[], object]) -> float:
         """Seconds the device takes to run what ``work`` queues (benchmarks time copies with it;
         a platform with device-side timers measures there, without the launch)."""
@@ -151,8 +157,9 @@ class Platform:
     ) -> tuple[Callable[[], None], torch.Tensor]:
         """Record one call of ``forward`` as a device graph in ``pool``; return its replay, which
         re-runs the recorded kernels on whatever their input buffers then hold, and the output
-        tensor every replay writes. Asked only when ``compilation.cudagraph_mode`` is
-        ``"decode"`` (`pagellm.worker.cudagraphs`)."""
+        tensor every replay writes. Asked only when ``compilation.cudagraph_mode`` is not
+        ``"none"``: for whole decode steps (`pagellm.worker.cudagraphs`) and for the pieces of
+        a forward pass between attention calls (`pagellm.worker.piecewise`)."""
         raise NotImplementedError(
             f"Platform {cls.name} cannot capture graphs: its check_and_update_config must leave "
             "compilation.cudagraph_mode at 'none'."

@@ -58,8 +58,10 @@ class DecodeGraphs:
         buffers: StepBuffers,
         capture_sizes: list[int],
         max_model_len: int,
-    ) -> None:
-        """One graph per size (largest first, sharing one memory pool)."""
+        pool: object,
+    ) -> float:
+        """One graph per size (largest first, in ``pool``, which they share); returns the
+        seconds it took."""
         if not attn_backend.cudagraph_support:
             raise ValueError(
                 f"Attention backend {attn_backend.name} does not support CUDA graphs; "
@@ -68,7 +70,7 @@ class DecodeGraphs:
         sizes = sorted(s for s in capture_sizes if s <= buffers.max_reqs)
         started = time.perf_counter()
         platform = self.platform
-        pool = platform.graph_pool()
+        used_before = platform.device_memory_used()
         for size in reversed(sizes):
             # Every row is padding (seq_len 0, slot -1): capture reads no KV cache.
             buffers.stage_padding(0, 0, size)
@@ -91,10 +93,16 @@ class DecodeGraphs:
             self.captured[size] = CapturedGraph(size, replay, hidden, meta)
         platform.synchronize()
         self.sizes = sizes
+        seconds = time.perf_counter() - started
+        used_after = platform.device_memory_used()
         logger.info(
-            "Captured %d CUDA graphs (decode batch sizes %d..%d) in %.1f s",
+            "Captured %d CUDA graphs (decode batch sizes %d..%d) in %.1f s, %s",
             len(sizes),
             sizes[0],
             sizes[-1],
-            time.perf_counter() - started,
+            seconds,
+            "device memory not measured"
+            if used_before is None or used_after is None
+            else f"{(used_after - used_before) / 2**20:.0f} MiB of device memory",
         )
+        return seconds

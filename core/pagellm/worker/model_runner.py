@@ -1,9 +1,10 @@
 """The model runner: keeps the persistent batch in step with the scheduler, and runs each step as
 named stages: update the batch, plan the step, prepare its inputs, run the forward pass (or replay
-a captured graph), sample one token for each request whose scheduled tokens reach its end (or,
-for a pooling model, pool each prompt into one vector: `_pool`), and report what was sampled. A
-multimodal model's steps that reach its items' placeholder spans run on input embeddings with the
-items' rows in place (`pagellm.worker.multimodal`), never as a graph.
+captured graphs: a decode step's whole, others' pieces around attention), sample one token for
+each request whose scheduled tokens reach its end (or, for a pooling model, pool each prompt into
+one vector: `_pool`), and report what was sampled. A multimodal model's steps that reach its
+items' placeholder spans run on input embeddings with the items' rows in place
+(`pagellm.worker.multimodal`), never as a graph.
 
 A step is launched (`launch`: everything up to sampling queued on the device, the sampled ids'
 copy to the host started) and collected (`collect`: those ids and logprobs on the host). Under
@@ -43,6 +44,7 @@ from pagellm.worker.cudagraphs import CapturedGraph, DecodeGraphs
 from pagellm.worker.input_batch import CachedRequestState, InputBatch
 from pagellm.worker.multimodal import EncoderCache, MultiModalInputs, StepEmbeddings
 from pagellm.worker.penalty_state import PenaltyState
+from pagellm.worker.piecewise import PiecewiseGraphs
 from pagellm.worker.sampling_metadata import SamplingMetadataBuilder
 from pagellm.worker.step_buffers import StepBuffers
 from pagellm.worker.step_inputs import StepPlan, plan_step, prepare_inputs
@@ -100,6 +102,7 @@ class ModelRunner:
             pin_memory=pin,
         )
         self.graphs = DecodeGraphs(current_platform)
+        self.piecewise = PiecewiseGraphs(current_platform)
         self.multimodal = (
             MultiModalInputs(
                 EncoderCache(ENCODER_CACHE_STEPS * config.scheduler.max_num_batched_tokens),
@@ -116,18 +119,29 @@ class ModelRunner:
     # ---------------------------------------------------------------- setup
 
     @torch.inference_mode()
-    def capture_model(self) -> None:
-        """Capture the decode graphs, if the platform turned them on (`DecodeGraphs`)."""
+    def capture_model(self) -> dict[str, float]:
+        """Capture the graphs the config turns on (`DecodeGraphs`, then `PiecewiseGraphs`), all
+        in one memory pool; returns the seconds each kind took."""
         comp = self.config.compilation
-        if comp.cudagraph_mode == "decode" and comp.cudagraph_capture_sizes:
-            self.graphs.capture(
+        seconds: dict[str, float] = {}
+        if comp.cudagraph_mode == "none":
+            return seconds
+        pool = current_platform.graph_pool()
+        if comp.cudagraph_capture_sizes:
+            seconds["decode graphs"] = self.graphs.capture(
                 self.model,
                 self.attn_backend,
                 self.attn_builder,
                 self.buffers,
                 comp.cudagraph_capture_sizes,
                 self.max_model_len,
+                pool,
             )
+        if comp.piecewise_capture_sizes:
+            seconds["piecewise graphs"] = self.piecewise.capture(
+                self.model, self.buffers, comp.piecewise_capture_sizes, pool
+            )
+        return seconds
 
     # ---------------------------------------------------------------- the persistent batch
 
@@ -218,9 +232,7 @@ class ModelRunner:
             embeds = self.multimodal.for_step(
                 plan, batch, self.requests, self.model, self.config.model.torch_dtype
             )
-        graph = (
-            None if embeds is not None else self.graphs.for_step(len(plan.rows), plan.num_tokens)
-        )
+        graph, piecewise = self._graphs_for(plan, embeds)
         common = self._prepare_inputs(plan, graph.size if graph is not None else plan.num_tokens)
         self._feed_pending_tokens(plan)
         if self.pooling:
@@ -231,7 +243,7 @@ class ModelRunner:
         sample_idx = None
         if len(plan.sample_pos) < plan.num_tokens:  # not every token samples: pick those that do
             sample_idx = self.buffers.to_device(plan.query_end[plan.sample_pos] - 1)
-        hidden = self._forward(plan, common, graph, embeds)
+        hidden = self._forward(plan, common, graph, embeds, piecewise)
         rows = plan.sample_rows
         step = StepInFlight(
             self.num_launched,
@@ -263,6 +275,18 @@ class ModelRunner:
         step = self.in_flight.popleft()
         return step.finish(self.input_batch, self.requests, self.max_model_len)
 
+    def _graphs_for(
+        self, plan: StepPlan, embeds: StepEmbeddings | None
+    ) -> tuple[CapturedGraph | None, int | None]:
+        """The decode graph that serves the step, else the piecewise size that does, else
+        neither (eager). A step with item embeddings in its inputs always runs eagerly."""
+        if embeds is not None:
+            return None, None
+        graph = self.graphs.for_step(len(plan.rows), plan.num_tokens)
+        if graph is not None:
+            return graph, None
+        return None, self.piecewise.size_for(plan.num_tokens)
+
     def _prepare_inputs(self, plan: StepPlan, num_padded: int) -> CommonAttentionMetadata:
         return prepare_inputs(self.input_batch, self.buffers, plan, self.block_size, num_padded)
 
@@ -288,11 +312,15 @@ class ModelRunner:
         common: CommonAttentionMetadata,
         graph: CapturedGraph | None,
         embeds: StepEmbeddings | None = None,
+        piecewise: int | None = None,
     ) -> torch.Tensor:
+        """Replays a decode graph, or the piecewise graphs of size ``piecewise``, or runs eagerly."""
         if graph is not None:
             self.attn_builder.prepare_cudagraph_replay(graph.attn_metadata, common)
             graph.replay()
             return graph.hidden[: plan.num_tokens]
+        if piecewise is not None:
+            return self.piecewise.run(piecewise, plan.num_tokens, self.attn_builder.build(common))
         inputs, n = self.buffers.device_tensors, plan.num_tokens
         input_ids = inputs.input_ids[:n]
         inputs_embeds = None

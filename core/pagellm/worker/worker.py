@@ -89,8 +89,9 @@ class Worker:
         logits = model.compute_logits(hidden[: min(sched.max_num_seqs, n)])
         logits.float().log_softmax(dim=-1).argmax(dim=-1)
 
-    def initialize_cache(self, num_blocks: int) -> None:
-        """Give every attention layer its KV cache, then capture the decode graphs (if on)."""
+    def initialize_cache(self, num_blocks: int) -> dict[str, float]:
+        """Give every attention layer its KV cache, then capture the graphs the config turns on;
+        returns the seconds each kind of graph took to capture (`ModelRunner.capture_model`)."""
         runner, spec = self.model_runner, self.model_runner.kv_cache_spec
         backend = runner.attn_backend
         shape = backend.get_kv_cache_shape(
@@ -99,7 +100,7 @@ class Worker:
         for layer in runner.model.modules():
             if isinstance(layer, Attention):
                 layer.kv_cache = backend.allocate_kv_cache(shape, spec.storage_dtype, self.device)
-        runner.capture_model()
+        return runner.capture_model()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)

@@ -1,7 +1,7 @@
 """How much GPU memory the KV cache may take, measured by running the model once.
 
-The arithmetic (`MemoryProfile`, `kv_cache_bytes`, `cudagraph_reserve`) is pure and tested on any
-machine; only `profile_memory` touches the GPU.
+The arithmetic (`MemoryProfile`, `kv_cache_bytes`, `cudagraph_reserve`, `piecewise_reserve`) is
+pure and tested on any machine; only `profile_memory` touches the GPU.
 """
 
 from __future__ import annotations
@@ -14,6 +14,11 @@ import torch
 CUDAGRAPH_OVERHEAD_PER_GRAPH = 2 << 20
 """Device memory one captured decode graph holds outside torch's allocator (its executable
 graph), a generous round figure for Llama-sized models."""
+
+
+PIECEWISE_OVERHEAD_PER_GRAPH = 256 << 10
+"""The same for one piecewise graph (one layer's kernels between two attention calls), a
+generous round figure until measured."""
 
 
 class InsufficientMemoryError(ValueError):
@@ -93,6 +98,24 @@ def cudagraph_reserve(
         return 0
     share = min(1.0, max_capture_size / max_num_batched_tokens)
     return int(activations * share) + num_graphs * CUDAGRAPH_OVERHEAD_PER_GRAPH
+
+
+def piecewise_reserve(
+    activations: int, max_capture_size: int, max_num_batched_tokens: int, num_graphs: int
+) -> int:
+    """Estimated memory of the piecewise graphs (`pagellm.worker.piecewise`) beyond what
+    `cudagraph_reserve` sets aside for the decode graphs.
+
+    Their segments' temporaries share the decode graphs' pool and, at ``max_capture_size``
+    tokens, take at most one layer's activations at that many tokens: at most the profiling
+    run's activations (``max_num_batched_tokens`` tokens) scaled down, as for the decode graphs.
+    The buffers between segments (q, k, v, the residual and the attention output at the largest
+    size) take about as much again, and each graph `PIECEWISE_OVERHEAD_PER_GRAPH` outside
+    torch."""
+    if num_graphs == 0:
+        return 0
+    share = min(1.0, max_capture_size / max_num_batched_tokens)
+    return 2 * int(activations * share) + num_graphs * PIECEWISE_OVERHEAD_PER_GRAPH
 
 
 def profile_memory(weights: int, profile_run: Callable[[], None]) -> MemoryProfile:

@@ -22,7 +22,12 @@ from pagellm.platforms.interface import HostCopy, Platform
 from pagellm_cuda.cudagraphs import cudagraph_capture_sizes
 from pagellm_cuda.devices import cuda_device_count, physical_device_id, visible_device_id
 from pagellm_cuda.host_copy import CudaHostCopy
-from pagellm_cuda.memory import cudagraph_reserve, kv_cache_bytes, profile_memory
+from pagellm_cuda.memory import (
+    cudagraph_reserve,
+    kv_cache_bytes,
+    piecewise_reserve,
+    profile_memory,
+)
 
 if TYPE_CHECKING:
     from pagellm.config import EngineConfig
@@ -161,7 +166,8 @@ class CudaPlatform(Platform):
 
         ``gpu_memory_utilization × total`` minus the peak memory of a profiling run over
         ``max_num_batched_tokens`` tokens (weights, activations, memory outside PyTorch) and,
-        when CUDA graphs are on, an estimate of their memory (`cudagraph_reserve`). Memory that
+        when CUDA graphs are on, an estimate of their memory (`cudagraph_reserve`, and
+        `piecewise_reserve` with piecewise graphs). Memory that
         other processes hold on the same GPU counts against the budget too.
         """
         cache = config.cache
@@ -172,13 +178,16 @@ class CudaPlatform(Platform):
             )
             return cache.kv_cache_memory
         profile = profile_memory(model_bytes, profile_run)
-        comp = config.compilation
-        if comp.cudagraph_mode == "decode" and comp.cudagraph_capture_sizes:
+        comp, budget = config.compilation, config.scheduler.max_num_batched_tokens
+        if comp.cudagraph_mode != "none":
+            decode, piecewise = comp.cudagraph_capture_sizes, comp.piecewise_capture_sizes
             reserve = cudagraph_reserve(
+                profile.activations, decode[-1] if decode else 0, budget, len(decode)
+            ) + piecewise_reserve(
                 profile.activations,
-                comp.cudagraph_capture_sizes[-1],
-                config.scheduler.max_num_batched_tokens,
-                len(comp.cudagraph_capture_sizes),
+                piecewise[-1] if piecewise else 0,
+                budget,
+                len(piecewise) * (config.model.num_layers + 1),  # one graph per segment
             )
             profile = dataclasses.replace(profile, cudagraphs=reserve)
         available = kv_cache_bytes(profile, cache.gpu_memory_utilization)
@@ -226,6 +235,13 @@ class CudaPlatform(Platform):
     @classmethod
     def synchronize(cls) -> None:
         torch.cuda.synchronize()
+
+    @classmethod
+    def device_memory_used(cls) -> int | None:
+        """What the driver reports used on the current GPU (every process's, and memory outside
+        torch's allocator, such as graphs' executables)."""
+        free, total = torch.cuda.mem_get_info()
+        return total - free
 
     @classmethod
     def device_seconds(cls, work: Callable[[], object]) -> float:

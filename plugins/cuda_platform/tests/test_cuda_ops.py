@@ -341,7 +341,6 @@ class TestInInterpreter:
         from transformers import Qwen3Config
 
         from pagellm.attention.backends.torch_sdpa import TorchSDPABackend
-        from pagellm.forward_context import set_forward_context
         from pagellm.models import llama
 
         cfg = Qwen3Config(
@@ -367,13 +366,8 @@ class TestInInterpreter:
             torch.manual_seed(1)
             for param in layer.parameters():  # the norms' weights around 1, the projections' 0
                 param.data.normal_(float(param.dim() == 1), 0.5 if param.dim() == 1 else 0.1)
-            seen: list[torch.Tensor] = []
-            layer.attn.register_forward_hook(lambda m, args, out: seen.extend(args))
             rope.set_positions(positions)
-            with set_forward_context(None):  # no KV cache: attention passes q through
-                layer(positions, hidden_states)
-            assert len(seen) == 3
-            return seen
+            return list(layer.project_qkv(positions, hidden_states))
 
         for actual, expected in zip(attention_inputs(table), attention_inputs({}), strict=True):
             assert_matches(actual, expected, 2, rotated_norm_ulps(expected, 64))
