@@ -1,0 +1,200 @@
+"""`PiecewiseGraphs` without a GPU: what is captured, which steps replay it, and the tokens of an
+engine that replays it against an eager one. CUDA graphs cannot be recorded here, so a CPU
+platform's `capture_graph` stands in for one (as in test_decode_graphs.py): its "replay" runs
+the recorded segment again, which reads the static buffers at their fixed addresses just as a
+graph replay does. Whether real graphs replay the same kernels is the GPU test's to check
+(tests/e2e/test_gpu_piecewise.py)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import pagellm.platforms
+from paged_steps import BLOCK_SIZE, STEPS, step_inputs, step_metadata
+from pagellm import LLM, SamplingParams
+from pagellm.config import EngineConfig
+from pagellm.forward_context import set_forward_context
+from pagellm.platforms.cpu import CpuPlatform
+from pagellm.worker.cudagraphs import DecodeGraphs
+from pagellm.worker.model_runner import ModelRunner
+from pagellm.worker.piecewise import PiecewiseGraphs
+from pagellm.worker.step_buffers import StepBuffers
+
+
+class ReplayingPlatform(CpuPlatform):
+    """Records a graph by keeping its forward pass; turns (decode) graphs on as a GPU platform
+    does, with no decode sizes (TORCH_SDPA cannot be captured whole)."""
+
+    @classmethod
+    def check_and_update_config(cls, config: EngineConfig) -> None:
+        if not config.compilation.enforce_eager:
+            config.compilation.cudagraph_mode = "decode"
+
+    @classmethod
+    def capture_graph(
+        cls, forward: Callable[[], torch.Tensor], pool: object
+    ) -> tuple[Callable[[], None], torch.Tensor]:
+        output = forward()
+        return (lambda: output.copy_(forward())), output
+
+
+@pytest.fixture
+def replaying_platform(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pagellm.platforms, "_current", ("cpu", ReplayingPlatform))
+
+
+def llm(model: str, **kwargs) -> LLM:
+    return LLM(
+        model,
+        max_model_len=256,
+        block_size=BLOCK_SIZE,
+        max_num_batched_tokens=64,
+        kv_cache_memory=16 << 20,
+        **kwargs,
+    )
+
+
+def runner_of(engine: LLM) -> ModelRunner:
+    return engine.llm_engine.engine_core.executor.worker.model_runner
+
+
+# ---------------------------------------------------------------------- which steps replay what
+
+
+def selecting_runner(decode_sizes: list[int], piecewise_sizes: list[int]) -> ModelRunner:
+    runner = object.__new__(ModelRunner)  # only what `_graphs_for` reads
+    runner.graphs = DecodeGraphs(ReplayingPlatform)
+    runner.graphs.sizes = decode_sizes
+    runner.graphs.captured = {s: SimpleNamespace(size=s) for s in decode_sizes}
+    runner.piecewise = PiecewiseGraphs(ReplayingPlatform)
+    runner.piecewise.sizes = piecewise_sizes
+    return runner
+
+
+def step(num_reqs: int, num_tokens: int) -> SimpleNamespace:
+    return SimpleNamespace(rows=list(range(num_reqs)), num_tokens=num_tokens)
+
+
+def test_steps_no_decode_graph_serves_replay_the_smallest_piecewise_size_that_holds_them():
+    runner = selecting_runner([1, 2, 4], [16, 64, 256])
+    graph, size = runner._graphs_for(step(3, 3), None)  # decode-only: its decode graph
+    assert graph.size == 4 and size is None
+    assert runner._graphs_for(step(8, 8), None) == (None, 16)  # decode beyond the decode graphs
+    assert runner._graphs_for(step(2, 40), None) == (None, 64)  # mixed prefill + decode
+    assert runner._graphs_for(step(1, 64), None) == (None, 64)  # a prefill that fits exactly
+    assert runner._graphs_for(step(1, 16), None) == (None, 16)
+    assert runner._graphs_for(step(3, 257), None) == (None, None)  # above the largest: eager
+
+
+def test_steps_with_item_embeddings_always_run_eagerly():
+    runner = selecting_runner([1, 2, 4], [16, 64])
+    embeds = SimpleNamespace()  # a multimodal step's image rows
+    assert runner._graphs_for(step(2, 2), embeds) == (None, None)
+    assert runner._graphs_for(step(2, 40), embeds) == (None, None)
+
+
+def test_without_piecewise_graphs_only_decode_steps_replay():
+    runner = selecting_runner([1, 2, 4], [])
+    assert runner._graphs_for(step(2, 40), None) == (None, None)
+    assert runner._graphs_for(step(2, 2), None)[0].size == 2
+
+
+def test_a_model_without_segments_is_left_eager(caplog):
+    graphs = PiecewiseGraphs(ReplayingPlatform)
+    buffers = StepBuffers(64, 8, 4, torch.device("cpu"), pin_memory=False)
+    with caplog.at_level(logging.INFO):
+        assert graphs.capture(torch.nn.Linear(2, 2), buffers, [16, 64], None) == 0.0
+    assert graphs.sizes == [] and graphs.size_for(8) is None
+    assert "Linear has no segmented forward pass" in caplog.text
+
+
+# ---------------------------------------------------------------------- capture and replay
+
+
+@pytest.mark.parametrize("kind", ["llama3", "qwen3"])
+@torch.inference_mode()
+def test_a_replay_over_padded_buffers_is_the_eager_forward_pass(tiny_models, kind, caplog):
+    """Capture over the runner's step buffers, then each step staged in them as the runner does
+    (its tokens first, stale rows after them) and replayed at a larger size: the real rows'
+    hidden states are the eager forward pass's, bit for bit."""
+    runner = runner_of(llm(tiny_models[kind], enforce_eager=True))
+    graphs = PiecewiseGraphs(ReplayingPlatform)
+    with caplog.at_level(logging.INFO):
+        graphs.capture(runner.model, runner.buffers, [64, 16, 32], None)
+    num_layers = runner.config.model.num_layers
+    assert graphs.sizes == [16, 32, 64]
+    assert all(len(graphs.replays[s]) == num_layers + 1 for s in graphs.sizes)
+    assert f"Captured {3 * (num_layers + 1)} piecewise CUDA graphs" in caplog.text
+    inputs = runner.buffers.device_tensors
+    inputs.input_ids[:64] = torch.arange(64) * 5 % 1000  # stale rows a padded step reads
+    inputs.positions[:64] = torch.arange(64) * 3 % 256
+    for requests in STEPS:
+        ids, positions = step_inputs(requests, runner.config.model.vocab_size)
+        n = len(ids)
+        inputs.input_ids[:n], inputs.positions[:n] = ids, positions
+        common = step_metadata(requests)
+        size = graphs.size_for(n)
+        assert size == 64 if n > 32 else size == 32
+        hidden = graphs.run(size, n, runner.attn_builder.build(common))
+        with set_forward_context(runner.attn_builder.build(common)):
+            expected = runner.model(ids, positions)
+        assert torch.equal(hidden, expected)
+
+
+# ---------------------------------------------------------------------- the engine
+
+
+PROMPTS = [
+    [(7 * i + 3 * j) % 1000 + 3 for j in range(n)] for i, n in enumerate((5, 90, 40, 13, 70))
+]
+
+
+def generate(engine: LLM) -> list[tuple[list[int], list[float]]]:
+    params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=1, ignore_eos=True)
+    outputs = engine.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    result = []
+    for output in outputs:
+        tokens = list(output.outputs[0].token_ids)
+        lps = [lp[t].logprob for lp, t in zip(output.outputs[0].logprobs, tokens, strict=True)]
+        result.append((tokens, lps))
+    return result
+
+
+@pytest.mark.parametrize("kind", ["llama3", "qwen3"])
+def test_piecewise_steps_give_the_eager_tokens_and_logprobs(
+    tiny_models, replaying_platform, kind, caplog
+):
+    """Chunked prefills (64-token budget, prompts up to 90 tokens) mixed with decodes: every
+    step of the piecewise engine replays piecewise graphs (there are no decode graphs here),
+    and greedy tokens and logprobs are the eager engine's exactly (float32 on the CPU)."""
+    eager = generate(llm(tiny_models[kind], enforce_eager=True))
+    with caplog.at_level(logging.INFO):
+        engine = llm(
+            tiny_models[kind],
+            cudagraph_mode="decode_and_piecewise",
+            piecewise_capture_sizes=[8, 16, 32, 64],
+        )
+    assert engine.llm_engine.config.compilation.cudagraph_mode == "decode_and_piecewise"
+    assert "piecewise graphs" in caplog.text.split("Engine core ready")[1].splitlines()[0]
+    runner = runner_of(engine)
+    assert runner.piecewise.sizes == [8, 16, 32, 64]
+    sizes: list[int] = []
+    replay = runner.piecewise.run
+
+    def counting(size: int, num_tokens: int, attn_metadata) -> torch.Tensor:
+        sizes.append(size)
+        return replay(size, num_tokens, attn_metadata)
+
+    runner.piecewise.run = counting
+    piecewise = generate(engine)
+    assert [tokens for tokens, _ in piecewise] == [tokens for tokens, _ in eager]
+    for (_, ours), (_, theirs) in zip(piecewise, eager, strict=True):
+        # Padding a step of 1 to 3 tokens changes how the CPU's BLAS sums them (it takes a
+        # matrix-vector path for so few rows): the last bits may differ, nothing more.
+        assert max(abs(a - b) for a, b in zip(ours, theirs, strict=True)) <= 1e-5
+    assert 64 in sizes and 8 in sizes  # full mixed steps and the last few decodes
