@@ -15,7 +15,6 @@ import pytest
 import torch
 
 import pagellm.platforms
-from paged_steps import BLOCK_SIZE, STEPS, step_inputs, step_metadata
 from pagellm import LLM, SamplingParams
 from pagellm.config import EngineConfig
 from pagellm.forward_context import set_forward_context
@@ -24,6 +23,7 @@ from pagellm.worker.cudagraphs import DecodeGraphs
 from pagellm.worker.model_runner import ModelRunner
 from pagellm.worker.piecewise import PiecewiseGraphs
 from pagellm.worker.step_buffers import StepBuffers
+from segment_steps import BLOCK_SIZE, STEPS, step_inputs, step_metadata
 
 
 class ReplayingPlatform(CpuPlatform):

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paged_steps import BLOCK_SIZE, STEPS, step_inputs, step_metadata
 from pagellm import LLM
 from pagellm.forward_context import set_forward_context
 from pagellm.models.segments import SegmentedDecoder
+from segment_steps import BLOCK_SIZE, STEPS, step_inputs, step_metadata
 
 
 def segmented(
