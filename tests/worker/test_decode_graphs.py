@@ -73,6 +73,7 @@ def setup() -> tuple[DecodeGraphs, StepBuffers, Model]:
         buffers,
         capture_sizes=[4, 1, 2, 16],
         max_model_len=MAX_MODEL_LEN,
+        pool=None,
     )
     return graphs, buffers, model
 
@@ -116,7 +117,7 @@ def test_a_backend_without_graph_support_is_refused():
     spec = KVCacheSpec(block_size=4, num_kv_heads=1, head_size=8, dtype=torch.float32)
     with pytest.raises(ValueError, match="does not support CUDA graphs; pass --enforce-eager"):
         DecodeGraphs(ReplayingPlatform).capture(
-            Model(), TorchSDPABackend, Builder(spec, torch.device("cpu")), buffers, [1], 16
+            Model(), TorchSDPABackend, Builder(spec, torch.device("cpu")), buffers, [1], 16, None
         )
 
 

@@ -64,7 +64,8 @@ def apply_cudagraph_mode(config: EngineConfig, args: Any, platform: Any) -> None
     comp, mode = config.compilation, args.cudagraph_mode
     if mode in _GRAPH_MODES and comp.cudagraph_mode == "none":
         backend = attention_backends.get(config.attention_backend)
-        if platform.capture_graph.__func__ is Platform.capture_graph.__func__:
+        overrides = next(k for k in platform.__mro__ if "capture_graph" in vars(k))
+        if overrides is Platform:  # its capture_graph raises: the platform records none
             why = f"platform {platform.name} records no graphs"
         elif not backend.cudagraph_support:
             why = (

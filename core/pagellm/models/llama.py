@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -208,12 +208,15 @@ class LlamaModel(nn.Module):
     # layer code, in the same order; each segment looks up the rotary rows itself, so that it
     # reads nothing another segment computed but its arguments.
 
+    def _layer(self, index: int) -> LlamaDecoderLayer:
+        return cast(LlamaDecoderLayer, self.layers[index])
+
     def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.layers]
+        return [self._layer(i).self_attn.attn for i in range(len(self.layers))]
 
     def first_segment(self, input_ids: torch.Tensor, positions: torch.Tensor) -> AttentionInputs:
         self.rotary_emb.set_positions(positions)
-        return self.layers[0].pre_attention(positions, self.embed_tokens(input_ids), None)
+        return self._layer(0).pre_attention(positions, self.embed_tokens(input_ids), None)
 
     def next_segment(
         self,
@@ -223,11 +226,11 @@ class LlamaModel(nn.Module):
         residual: torch.Tensor,
     ) -> AttentionInputs:
         self.rotary_emb.set_positions(positions)
-        hidden_states, residual = self.layers[index - 1].post_attention(attn_output, residual)
-        return self.layers[index].pre_attention(positions, hidden_states, residual)
+        hidden_states, residual = self._layer(index - 1).post_attention(attn_output, residual)
+        return self._layer(index).pre_attention(positions, hidden_states, residual)
 
     def last_segment(self, attn_output: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        hidden_states, residual = self.layers[-1].post_attention(attn_output, residual)
+        hidden_states, residual = self._layer(-1).post_attention(attn_output, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
