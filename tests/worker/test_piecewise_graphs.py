@@ -49,14 +49,13 @@ def replaying_platform(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def llm(model: str, **kwargs) -> LLM:
-    return LLM(
-        model,
+    options = dict(
         max_model_len=256,
         block_size=BLOCK_SIZE,
         max_num_batched_tokens=64,
         kv_cache_memory=16 << 20,
-        **kwargs,
     )
+    return LLM(model, **{**options, **kwargs})
 
 
 def runner_of(engine: LLM) -> ModelRunner:
@@ -198,3 +197,38 @@ def test_piecewise_steps_give_the_eager_tokens_and_logprobs(
         # matrix-vector path for so few rows): the last bits may differ, nothing more.
         assert max(abs(a - b) for a, b in zip(ours, theirs, strict=True)) <= 1e-5
     assert 64 in sizes and 8 in sizes  # full mixed steps and the last few decodes
+
+
+def test_llava_text_steps_replay_and_image_steps_run_eagerly(tiny_llava, replaying_platform):
+    """LLaVA's language model is segmented; a step whose tokens reach an image's rows takes
+    the item embeddings as inputs and runs eagerly, every other step replays."""
+    from pagellm.multimodal import MultiModalItem
+
+    def run(**kwargs) -> tuple[list[list[int]], list[tuple[object, object]]]:
+        engine = llm(tiny_llava, max_model_len=128, max_num_batched_tokens=32, **kwargs)
+        runner = runner_of(engine)
+        [spec] = engine.llm_engine.config.model.multimodal_specs
+        image = torch.randn(3, 32, 32, generator=torch.Generator().manual_seed(0))
+        ids = [5, 6, 7] + [spec.placeholder_token_id] * spec.tokens_per_item + [8, 9] * 10
+        item = MultiModalItem.from_tensor("image", image, 3, spec.tokens_per_item)
+        prompts = [
+            {"prompt_token_ids": ids, "multi_modal_items": [item]},
+            {"prompt_token_ids": list(range(10, 50))},
+        ]
+        chosen: list[tuple[object, object]] = []
+        select = runner._graphs_for
+
+        def recording(plan, embeds):
+            chosen.append(select(plan, embeds))
+            return chosen[-1]
+
+        runner._graphs_for = recording
+        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+        outputs = engine.generate(prompts, params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outputs], chosen
+
+    eager, _ = run(enforce_eager=True)
+    tokens, chosen = run(cudagraph_mode="decode_and_piecewise", piecewise_capture_sizes=[8, 32])
+    assert tokens == eager
+    assert (None, None) in chosen  # the image's steps
+    assert (None, 32) in chosen and (None, 8) in chosen  # text chunks, then the decodes
