@@ -10,9 +10,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import pagellm.platforms
 from pagellm import LLM, SamplingParams
@@ -21,7 +23,7 @@ from pagellm.forward_context import set_forward_context
 from pagellm.platforms.cpu import CpuPlatform
 from pagellm.worker.cudagraphs import DecodeGraphs
 from pagellm.worker.model_runner import ModelRunner
-from pagellm.worker.piecewise import PiecewiseGraphs
+from pagellm.worker.piecewise import PiecewiseGraphs, SegmentBuffers, _packed
 from pagellm.worker.step_buffers import StepBuffers
 from segment_steps import BLOCK_SIZE, STEPS, step_inputs, step_metadata
 
@@ -43,9 +45,36 @@ class ReplayingPlatform(CpuPlatform):
         return (lambda: output.copy_(forward())), output
 
 
-@pytest.fixture
-def replaying_platform(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(pagellm.platforms, "_current", ("cpu", ReplayingPlatform))
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)  # as RMSNorm's
+
+
+def fused_add_rms_norm(x, residual, weight, eps) -> tuple[torch.Tensor, torch.Tensor]:
+    residual.add_(x)
+    x.copy_(_rms_norm(residual, weight, eps))
+    return x, residual
+
+
+def rotary_embedding(positions, q, k, head_size, cos_sin_cache) -> None:
+    cos, sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
+    for x in (q, k):  # as RotaryEmbedding's, written back into x
+        x1, x2 = x.reshape(x.shape[0], -1, head_size).float().chunk(2, dim=-1)
+        x.copy_(torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).to(x.dtype).view(x.shape))
+
+
+class InPlaceOpsPlatform(ReplayingPlatform):
+    """With torch versions of a GPU platform's fused ops that write in place (the fused add +
+    norm into the residual, the rotation into q and k, views of the fused qkv output), the
+    segments hand over the residual in place and q, k and v in one copy (Llama)."""
+
+    @classmethod
+    def custom_ops(cls) -> dict[str, Callable[..., Any]]:
+        return {"fused_add_rms_norm": fused_add_rms_norm, "rotary_embedding": rotary_embedding}
+
+
+@pytest.fixture(params=[ReplayingPlatform, InPlaceOpsPlatform], ids=["torch-ops", "in-place-ops"])
+def replaying_platform(request, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pagellm.platforms, "_current", ("cpu", request.param))
 
 
 def llm(model: str, **kwargs) -> LLM:
@@ -115,6 +144,32 @@ def test_a_model_without_segments_is_left_eager(caplog):
 # ---------------------------------------------------------------------- capture and replay
 
 
+@pytest.mark.parametrize(
+    ("platform", "kind", "packed"),
+    [
+        (InPlaceOpsPlatform, "llama3", True),  # q and k rotated in place in the fused output
+        (InPlaceOpsPlatform, "qwen3", False),  # the per-head norms make new tensors first
+        (ReplayingPlatform, "llama3", False),  # torch's rotation makes new tensors
+    ],
+)
+@torch.inference_mode()
+def test_segments_hand_over_in_place_where_the_ops_write_in_place(
+    tiny_models, monkeypatch, platform, kind, packed
+):
+    monkeypatch.setattr(pagellm.platforms, "_current", ("cpu", platform))
+    runner = runner_of(llm(tiny_models[kind], enforce_eager=True))
+    decoder = runner.model.segmented_decoder()
+    ids, positions = step_inputs(STEPS[0], runner.config.model.vocab_size)
+    first = decoder.first_segment(ids, positions)
+    assert (_packed(first) is not None) == packed
+    buffers = SegmentBuffers.like(first)
+    buffers.store(first, len(ids))
+    assert torch.equal(buffers.q, first.q) and torch.equal(buffers.v, first.v)
+    after = decoder.next_segment(1, positions, buffers.attn_output, buffers.residual)
+    in_place = after.residual.data_ptr() == buffers.residual.data_ptr()
+    assert in_place == (platform is InPlaceOpsPlatform)
+
+
 @pytest.mark.parametrize("kind", ["llama3", "qwen3"])
 @torch.inference_mode()
 def test_a_replay_over_padded_buffers_is_the_eager_forward_pass(tiny_models, kind, caplog):
@@ -170,7 +225,7 @@ def test_piecewise_steps_give_the_eager_tokens_and_logprobs(
 ):
     """Chunked prefills (64-token budget, prompts up to 90 tokens) mixed with decodes: every
     step of the piecewise engine replays piecewise graphs (there are no decode graphs here),
-    and greedy tokens and logprobs are the eager engine's exactly (float32 on the CPU)."""
+    and greedy tokens and logprobs are the eager engine's on the same platform (float32)."""
     eager = generate(llm(tiny_models[kind], enforce_eager=True))
     with caplog.at_level(logging.INFO):
         engine = llm(
