@@ -179,6 +179,7 @@ def run_pagellm(
     result["decode_weight_gb"] = round(weight_bytes / 1e9, 3)
     result["attention_backend"] = config.attention_backend
     result["cudagraph_mode"] = config.compilation.cudagraph_mode
+    result["piecewise_capture_sizes"] = config.compilation.piecewise_capture_sizes
     if steady_steps:
         achieved = steady_bytes / steady_time
         result["decode_roofline"] = {
