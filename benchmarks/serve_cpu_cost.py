@@ -90,6 +90,10 @@ def _cpu_s(process: psutil.Process) -> float:
     return times.user + times.system
 
 
+def _system_s(process: psutil.Process) -> float:
+    return process.cpu_times().system
+
+
 def _engine_cpu_s(server: psutil.Process) -> float:
     total = 0.0
     for child in server.children(recursive=True):
@@ -138,17 +142,19 @@ def one_run(args: argparse.Namespace, url: str, port: int, model_dir: Path, run:
         if spy_bin is None:
             raise RuntimeError("--py-spy needs py-spy on PATH (pip install py-spy).")
         spy = subprocess.Popen(
-            [spy_bin, "record", "-p", str(server.pid), "-r", "200", "--nonblocking", "-f", "raw"]
+            [spy_bin, "record", "-p", str(server.pid), "-r", "500", "--nonblocking", "-f", "raw"]
             + ["-o", args.py_spy],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
         time.sleep(1.0)
     api0, engine0, t0 = _cpu_s(server), _engine_cpu_s(server), time.perf_counter()
+    system0 = _system_s(server)
     bench = subprocess.run(
         _bench_command(args, port, model_dir, out), capture_output=True, text=True, check=False
     )
     api1, engine1, wall = _cpu_s(server), _engine_cpu_s(server), time.perf_counter() - t0
+    system1 = _system_s(server)
     if spy is not None:
         spy.send_signal(signal.SIGINT)
         spy.wait(60)
@@ -158,6 +164,7 @@ def one_run(args: argparse.Namespace, url: str, port: int, model_dir: Path, run:
     tokens = result["total_output_tokens"]
     return {
         "api_server_us_per_token": round((api1 - api0) / tokens * 1e6, 2),
+        "api_server_system_us_per_token": round((system1 - system0) / tokens * 1e6, 2),
         "engine_core_us_per_token": round((engine1 - engine0) / tokens * 1e6, 2),
         "api_server_cpu_s": round(api1 - api0, 3),
         "wall_s": round(wall, 3),
