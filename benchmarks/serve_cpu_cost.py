@@ -15,6 +15,7 @@ chunks, HTTP. The server's and the engine core's user + system CPU time over the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -94,13 +95,16 @@ def _system_s(process: psutil.Process) -> float:
     return process.cpu_times().system
 
 
+def _writes(process: psutil.Process) -> int:
+    """Write system calls so far (the HTTP chunks' among them; zmq sends are not counted)."""
+    return process.io_counters().write_count
+
+
 def _engine_cpu_s(server: psutil.Process) -> float:
     total = 0.0
     for child in server.children(recursive=True):
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             total += _cpu_s(child)
-        except psutil.NoSuchProcess:
-            pass
     return total
 
 
@@ -149,12 +153,12 @@ def one_run(args: argparse.Namespace, url: str, port: int, model_dir: Path, run:
         )
         time.sleep(1.0)
     api0, engine0, t0 = _cpu_s(server), _engine_cpu_s(server), time.perf_counter()
-    system0 = _system_s(server)
+    system0, writes0 = _system_s(server), _writes(server)
     bench = subprocess.run(
         _bench_command(args, port, model_dir, out), capture_output=True, text=True, check=False
     )
     api1, engine1, wall = _cpu_s(server), _engine_cpu_s(server), time.perf_counter() - t0
-    system1 = _system_s(server)
+    system1, writes1 = _system_s(server), _writes(server)
     if spy is not None:
         spy.send_signal(signal.SIGINT)
         spy.wait(60)
@@ -165,6 +169,7 @@ def one_run(args: argparse.Namespace, url: str, port: int, model_dir: Path, run:
     return {
         "api_server_us_per_token": round((api1 - api0) / tokens * 1e6, 2),
         "api_server_system_us_per_token": round((system1 - system0) / tokens * 1e6, 2),
+        "api_server_writes_per_token": round((writes1 - writes0) / tokens, 3),
         "engine_core_us_per_token": round((engine1 - engine0) / tokens * 1e6, 2),
         "api_server_cpu_s": round(api1 - api0, 3),
         "wall_s": round(wall, 3),
