@@ -113,7 +113,10 @@ class AsyncLLM(RequestFrontend):
         finished = False
         try:
             while not finished:
-                item = await queue.get()
+                waiter = queue.wait()
+                if waiter is not None:
+                    await waiter
+                item = queue.take()
                 if isinstance(item, Exception):
                     raise type(item)(*item.args)  # one instance per request: its own traceback
                 finished = item.finished

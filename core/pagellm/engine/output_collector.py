@@ -69,12 +69,20 @@ class RequestOutputCollector:
             if not waiter.done():
                 waiter.set_result(None)
 
-    async def get(self) -> AnyRequestOutput | Exception:
+    def wait(self) -> asyncio.Future[None] | None:
+        """None when an output or the error waits to be taken (`take`); else a future done when
+        one does (a future, not a coroutine: one frame less per streamed token)."""
+        if self.output is not None or self.error is not None:
+            return None
+        self.waiter = asyncio.get_running_loop().create_future()
+        return self.waiter  # a cancelled wait leaves a done future, which `_wake` skips
+
+    def take(self) -> AnyRequestOutput | Exception:
         """The pending output, else the error (it stays: every later call returns it)."""
-        while self.output is None:
-            if self.error is not None:
-                return self.error
-            self.waiter = asyncio.get_running_loop().create_future()
-            await self.waiter  # a cancelled wait leaves a done future, which `_wake` skips
-        output, self.output = self.output, None
+        output = self.output
+        if output is None:
+            if self.error is None:
+                raise RuntimeError("take() with nothing to take: wait() first")
+            return self.error
+        self.output = None
         return output

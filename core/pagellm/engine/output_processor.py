@@ -7,6 +7,9 @@ ever holds the start of a stop string that later matches. Per user request: the 
 gathered into one `RequestOutput` in the requested output kind. A pooling request ends with one
 `EmbeddingRequestOutput`, its pooled vector normalized here when it asks for it.
 
+The only completion of a DELTA request without stop strings or logprobs (a plain stream, the
+usual served one) takes a short path per step: its tokens and their text go straight out.
+
 A ``FINAL_ONLY`` completion without stop strings only gathers its tokens (and sampled logprobs)
 while it runs: its text is decoded and its logprob entries built once, when it ends (`_settle`),
 into the same output the token-by-token path gives.
@@ -14,12 +17,12 @@ into the same output the token-by-token path gives.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from pagellm.engine.detokenizer import Detokenizer, make_detokenizer
+from pagellm.engine.detokenizer import make_detokenizer
+from pagellm.engine.output_state import CompletionState, RequestState, find_stop_string
 from pagellm.engine.processor import ProcessedPrompt
 from pagellm.outputs import (
     AnyRequestOutput,
@@ -34,79 +37,6 @@ from pagellm.pooling_params import PoolingParams
 from pagellm.request import FinishReason
 from pagellm.sampling_params import RequestOutputKind, SamplingParams
 from pagellm.scheduler.output import EngineCoreOutputs, SampleLogprobs
-
-
-def find_stop_string(
-    text: str, new_chars: int, stops: list[str], include: bool
-) -> tuple[str, int] | None:
-    """The stop string that ends earliest in ``text`` among those touching its last ``new_chars``
-    characters, and where the text is cut (after it if ``include``, else before it)."""
-    best: tuple[int, int, str] | None = None
-    for stop in stops:
-        start = text.find(stop, max(0, len(text) - new_chars - len(stop) + 1))
-        if start != -1 and (best is None or start + len(stop) < best[0]):
-            best = (start + len(stop), start, stop)
-    if best is None:
-        return None
-    end, start, stop = best
-    return stop, end if include else start
-
-
-@dataclass
-class CompletionState:
-    """One engine request: one completion of a user request."""
-
-    engine_id: str
-    index: int
-    params: SamplingParams
-    detokenizer: Detokenizer | None
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    logprobs: list[PositionLogprobs] | None = None
-    cumulative_logprob: float | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    sent_tokens: int = 0
-    sent_chars: int = 0
-    sent_logprobs: int = 0
-    sent_finish: bool = False
-    """Its finish reason went out (in a DELTA output): later outputs of the request omit it."""
-    deferred: bool = False
-    """Text and logprob entries wait for the end (``FINAL_ONLY`` without stop strings)."""
-    samples: list[SampleLogprobs] = field(default_factory=list)
-    """A deferred completion's sampled logprobs, not yet made into ``logprobs``."""
-
-    @property
-    def holdback(self) -> int:
-        """Characters kept back from an unfinished stream: a stop string may still complete there."""
-        stops = self.params.stop
-        if self.finish_reason is not None or not stops:
-            return 0
-        return max(len(s) for s in ([stops] if isinstance(stops, str) else stops)) - 1
-
-
-@dataclass
-class RequestState:
-    """One user request and its completions."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    completions: list[CompletionState]
-    prompt_logprobs: list[PositionLogprobs | None] | None = None
-    prompt_logprobs_sent: bool = False
-    num_cached_tokens: int = 0
-    pooling: PoolingParams | None = None
-    """A pooling request: it ends with one pooled vector, ``pooled`` (float32 bytes)."""
-    pooled: bytes = b""
-
-    @property
-    def finished(self) -> bool:
-        completions = self.completions
-        if len(completions) == 1:
-            return completions[0].finish_reason is not None
-        return all(c.finish_reason is not None for c in completions)
 
 
 class OutputProcessor:
@@ -149,6 +79,14 @@ class OutputProcessor:
         )
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = [None]
+        if len(completions) == 1 and state.pooling is None:
+            only = completions[0]
+            only.plain_delta = (
+                params.output_kind == RequestOutputKind.DELTA
+                and not only.params.stop
+                and only.logprobs is None
+                and state.prompt_logprobs is None
+            )
         self.requests[request_id] = state
         for completion in completions:
             self.engine_to_request[completion.engine_id] = (state, completion)
@@ -184,6 +122,15 @@ class OutputProcessor:
             if entry is None:
                 continue  # aborted meanwhile
             state, completion = entry
+            if (
+                completion.plain_delta
+                and out.finish_reason is None
+                and out.new_token_ids
+                and completion.finish_reason is None
+            ):
+                state.num_cached_tokens = out.num_cached_tokens
+                results.append(self._plain_delta_output(state, completion, out.new_token_ids))
+                continue
             if completion.finish_reason is not None:
                 continue
             state.num_cached_tokens = out.num_cached_tokens
@@ -269,6 +216,30 @@ class OutputProcessor:
         completion.text = completion.text[:cut]
         completion.finish_reason = str(FinishReason.STOP)
         return True
+
+    @staticmethod
+    def _plain_delta_output(
+        state: RequestState, completion: CompletionState, token_ids: list[int]
+    ) -> RequestOutput:
+        """A streamed token's path (`CompletionState.plain_delta`, not finishing): what
+        `_add_tokens` and `_make_output` give there, without their checks. Nothing is held back,
+        so everything before these tokens went out already."""
+        completion.token_ids += token_ids
+        detokenizer = completion.detokenizer
+        text = detokenizer.update(token_ids) if detokenizer is not None else ""
+        if text:
+            completion.text += text
+            completion.sent_chars = len(completion.text)
+        completion.sent_tokens = len(completion.token_ids)
+        return RequestOutput(
+            state.request_id,
+            state.prompt,
+            state.prompt_token_ids,
+            [CompletionOutput(completion.index, text, list(token_ids), None, None)],
+            False,
+            None,
+            state.num_cached_tokens,
+        )
 
     def _position_logprobs(self, sample: SampleLogprobs) -> PositionLogprobs:
         position: PositionLogprobs = {}

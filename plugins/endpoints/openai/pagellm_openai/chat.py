@@ -98,15 +98,12 @@ async def create_chat_completion(
             choice["token_ids"] = c.token_ids
         return choice
 
+    plain = not request.logprobs and not token_ids
+
     def delta_choice(
         _: int, output: RequestOutput, c: CompletionOutput
     ) -> dict[str, Any] | TextChoice:
-        if (
-            not request.logprobs
-            and not token_ids
-            and c.finish_reason is None
-            and c.stop_reason is None
-        ):
+        if plain and c.finish_reason is None and c.stop_reason is None:
             return TextChoice(c.index, c.text)  # the chunk `text_choice` makes, from a template
         return stream_choice(c.index, {"role": None, "content": c.text}, c)
 
@@ -158,5 +155,6 @@ async def create_chat_completion(
         opening_fields={"prompt_token_ids": prompt.token_ids} if token_ids else {},
         output_fields=output_fields,
         text_choice=text_choice,
+        text_only=request.n == 1 and plain and request.prompt_logprobs is None,
     )
     return await respond(raw, request, [ctx.generate(prompt, params, request_id, request)], answer)

@@ -86,6 +86,8 @@ class _Choice:
         self.echo_pending = echo
         self.token_ids = token_ids
         self.first = True
+        self.plain = logprobs is None and not token_ids
+        """Unfinished, its chunks after the first carry only their text (`TextChoice`)."""
 
     def stream_fields(
         self,
@@ -96,8 +98,7 @@ class _Choice:
     ) -> dict[str, Any] | TextChoice:
         """`fields`, or a `TextChoice` when the chunk carries nothing but the new text."""
         if (
-            self.logprobs is None
-            and not self.token_ids
+            self.plain
             and not self.echo_pending
             and completion.finish_reason is None
             and completion.stop_reason is None
@@ -182,9 +183,12 @@ async def create_completion(
     def stream_choice(
         i: int, output: RequestOutput, c: CompletionOutput
     ) -> dict[str, Any] | TextChoice:
-        prompt_logprobs.setdefault(i, output.prompt_logprobs)
         index = i * n + c.index
-        return choices[index].stream_fields(index, output, c, prompt_logprobs[i])
+        choice = choices[index]
+        if choice.plain and not choice.first and c.finish_reason is None:
+            return TextChoice(index, c.text)  # the token path: only the text is new
+        prompt_logprobs.setdefault(i, output.prompt_logprobs)
+        return choice.stream_fields(index, output, c, prompt_logprobs[i])
 
     def final_choice(i: int, output: RequestOutput, c: CompletionOutput) -> CompletionChoice:
         index = i * n + c.index
@@ -205,6 +209,7 @@ async def create_completion(
         final_body=final_body,
         prompt_tokens_details=ctx.enable_prompt_tokens_details,
         text_choice=_text_choice,
+        text_only=len(choices) == 1 and choices[0].plain,
     )
     return await respond(raw, request, generators, answer)
 

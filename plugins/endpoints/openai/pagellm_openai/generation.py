@@ -52,6 +52,9 @@ class Answer:
     text_choice: Callable[[int, str], dict[str, Any]] | None = None
     """The dict of a `streams.TextChoice` (index, text), which ``stream_choice`` may return for
     a choice whose chunk varies only by its text: such chunks are written from a template."""
+    text_only: bool = False
+    """One prompt, one choice (index 0), and every chunk after its first output's, until it
+    finishes, is ``text_choice(0, text)``: a stream then skips ``stream_choice`` for them."""
 
     def usage(self, outputs: dict[int, RequestOutput], generated: int) -> dict[str, Any]:
         cached = sum(o.num_cached_tokens for o in outputs.values())
@@ -99,25 +102,31 @@ async def _stream(
     chunk = streams.ChunkWriter(answer.request_id, answer.object_name, answer.model)
     lengths = answer.prompt_lengths
     sources = await streams.start(generators)
-    text_choice = answer.text_choice
+    stream_choice, text_choice, output_fields = (
+        answer.stream_choice,
+        answer.text_choice,
+        answer.output_fields,
+    )
+    text = chunk.text if text_choice is not None and not continuous else None
     generated: dict[tuple[int, int], int] = {}  # (prompt, choice) -> its tokens so far
     last: dict[int, RequestOutput] = {}
 
     def events(i: int, output: RequestOutput) -> bytes:
-        """The events of one output: a chunk per completion in it."""
+        """The events of one output: a chunk per completion in it (a streamed token's path:
+        kept short)."""
         last[i] = output
-        fields = answer.output_fields(i, output) if answer.output_fields else None
+        fields = output_fields(i, output) if output_fields else None
         batch = []
         for c in output.outputs:
             key = (i, c.index)
             count = generated[key] = generated.get(key, 0) + len(c.token_ids)
-            usage = streams.usage(lengths[i], count) if continuous else None
-            choice = answer.stream_choice(i, output, c)
-            if isinstance(choice, streams.TextChoice):
-                if usage is None and not fields and text_choice is not None:
-                    batch.append(chunk.text(choice, text_choice))
+            choice = stream_choice(i, output, c)
+            if type(choice) is streams.TextChoice:
+                if text is not None and not fields:
+                    batch.append(text(choice, text_choice))  # type: ignore[arg-type]
                     continue
                 choice = text_choice(*choice)  # type: ignore[misc]
+            usage = streams.usage(lengths[i], count) if continuous else None
             batch.append(chunk([choice], usage, fields))
             fields = None
         return batch[0] if len(batch) == 1 else b"".join(batch)
@@ -126,6 +135,8 @@ async def _stream(
         """Each output's events in one write (the one source read directly, the usual case);
         returns the end: usage when asked (or the error event), then ``[DONE]``."""
         end: list[bytes] = []
+        streamed = 0  # the tokens of the chunks written from the template
+        json_text = streams.json_text
         try:
             opening = [
                 chunk(
@@ -142,7 +153,19 @@ async def _stream(
                 data = events(0, source.first) if source.first is not None else b""
                 if data:
                     await write(data)
+                template = (
+                    chunk.template(0, text_choice)  # type: ignore[arg-type]
+                    if answer.text_only and text is not None
+                    else None
+                )
                 async for output in source.rest:
+                    outputs = output.outputs
+                    if template is not None and len(outputs) == 1:
+                        c = outputs[0]
+                        if c.finish_reason is None:  # a streamed token's path: text alone
+                            streamed += len(c.token_ids)
+                            await write(template[0] + json_text(c.text) + template[1])
+                            continue
                     data = events(0, output)
                     if data:
                         await write(data)
@@ -152,7 +175,7 @@ async def _stream(
                     if data:
                         await write(data)
             if include_usage:
-                end.append(chunk([], answer.usage(last, sum(generated.values()))))
+                end.append(chunk([], answer.usage(last, sum(generated.values()) + streamed)))
         except Exception as exc:
             end.append(streams.error_event(exc, raw.state.request_id))
         finally:

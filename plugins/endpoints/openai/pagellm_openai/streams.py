@@ -64,13 +64,6 @@ _MARK = "\x00pagellm-text\x00"  # where a template's text goes; JSON writes it a
 _MARK_JSON = _encoder.encode(_MARK)
 
 
-def _json_text(text: str) -> bytes:
-    payload = _encoder.encode(text)
-    if b"\xc2\x85" in payload or b"\xe2\x80" in payload:
-        payload = payload.decode().translate(_LINE_BREAKING).encode()
-    return payload
-
-
 class ChunkWriter:
     """Frames one stream's chunks as events: the response's fields (``CompletionResponse``,
     ``ChatCompletionChunk``) as a dict, no model per chunk; ``created`` is the stream's start.
@@ -84,7 +77,8 @@ class ChunkWriter:
             "created": int(time.time()),
             "model": model,
         }
-        self._templates: dict[int, tuple[bytes, bytes] | None] = {}
+        self._templates: dict[int, tuple[bytes, bytes]] = {}
+        self._no_template: set[int] = set()
 
     def __call__(
         self,
@@ -101,15 +95,33 @@ class ChunkWriter:
 
     def text(self, choice: TextChoice, render: Callable[[int, str], dict[str, Any]]) -> bytes:
         """The event of a text-only choice, ``render`` making its dict."""
-        templates = self._templates
-        if choice.index not in templates:
-            whole = self([render(choice.index, _MARK)])
-            parts = whole.split(_MARK_JSON)  # a model name holding the mark: no template
-            templates[choice.index] = (parts[0], parts[1]) if len(parts) == 2 else None
-        template = templates[choice.index]
+        template = self._templates.get(choice.index) or self.template(choice.index, render)
         if template is None:
             return self([render(choice.index, choice.text)])
-        return template[0] + _json_text(choice.text) + template[1]
+        return template[0] + json_text(choice.text) + template[1]
+
+    def template(
+        self, index: int, render: Callable[[int, str], dict[str, Any]]
+    ) -> tuple[bytes, bytes] | None:
+        """The two ends of choice ``index``'s text-only events, around the text's JSON; None when
+        a field other than the text holds the mark (a model name, say): then every event is
+        encoded whole."""
+        if index in self._templates or index in self._no_template:
+            return self._templates.get(index)
+        parts = self([render(index, _MARK)]).split(_MARK_JSON)
+        if len(parts) != 2:
+            self._no_template.add(index)
+            return None
+        self._templates[index] = (parts[0], parts[1])
+        return self._templates[index]
+
+
+def json_text(text: str) -> bytes:
+    """A string's JSON as `sse` writes it (line separators escaped)."""
+    payload = _encoder.encode(text)
+    if b"\xc2\x85" in payload or b"\xe2\x80" in payload:  # U+0085, or U+2028/U+2029 maybe
+        payload = payload.decode().translate(_LINE_BREAKING).encode()
+    return payload
 
 
 def usage(
