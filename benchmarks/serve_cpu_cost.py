@@ -193,6 +193,9 @@ def main() -> int:
         action="store_true",
         help="Serve without a tokenizer (token ids only, empty texts), as W2 is served.",
     )
+    parser.add_argument(
+        "--stream-interval", type=int, default=1, help="The server's --stream-interval."
+    )
     parser.add_argument("--py-spy", default=None, help="Sample the first run's API server here.")
     args = parser.parse_args()
 
@@ -222,6 +225,8 @@ def main() -> int:
         ]
         if args.skip_tokenizer_init:
             cmd.append("--skip-tokenizer-init")
+        if args.stream_interval != 1:
+            cmd += ["--stream-interval", str(args.stream_interval)]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         with open(log, "w") as log_file:
             proc = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT)
@@ -244,6 +249,7 @@ def main() -> int:
             "input_len_range": list(args.input_len_range),
             "output_len_range": list(args.output_len_range),
             "skip_tokenizer_init": args.skip_tokenizer_init,
+            "stream_interval": args.stream_interval,
             "stream": "/v1/completions, all at once, ignore_eos, temperature 0",
         },
         "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count()},

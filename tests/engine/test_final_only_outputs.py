@@ -215,3 +215,31 @@ def test_plain_delta_path_is_taken_and_skipped_when_logprobs_are_asked(tokenizer
         processor = OutputProcessor(tokenizer)
         processor.add_request("r", ProcessedPrompt(None, [HELLO], params), fan_out("r", params))
         assert [c.plain_delta for c in processor.requests["r"].completions][0] == plain
+
+
+def run_interval(tokenizer, params: SamplingParams, steps, interval: int) -> list[RequestOutput]:
+    processor = OutputProcessor(tokenizer, stream_interval=interval)
+    processor.add_request("r", ProcessedPrompt(None, [HELLO], params), fan_out("r", params))
+    results = []
+    for outputs in steps:
+        results += processor.process_outputs(EngineCoreOutputs(outputs=outputs))[0]
+    return results
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"stop": ["\x07"]}, {"n": 2}])  # plain path, general
+def test_stream_interval_sends_its_first_token_then_chunks_of_that_many(tokenizer, kwargs):
+    n = kwargs.get("n", 1)
+    steps = engine_steps(tokenizer, n, 11, False, 1)
+    params = SamplingParams(output_kind=DELTA, **kwargs)
+    every_step = run_interval(tokenizer, params, steps, 1)
+    chunked = run_interval(tokenizer, params, steps, 4)
+    assert len(every_step) == 11
+    assert [len(o.outputs[0].token_ids) for o in chunked] == [1, 4, 4, 2]
+    for index in range(n):
+
+        def joined(outputs, index=index):
+            parts = [c for o in outputs for c in o.outputs if c.index == index]
+            return "".join(c.text for c in parts), [t for c in parts for t in c.token_ids]
+
+        assert joined(chunked) == joined(every_step)
+    assert chunked[-1].finished and chunked[-1].outputs[0].finish_reason == "stop"

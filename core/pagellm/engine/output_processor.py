@@ -40,8 +40,11 @@ from pagellm.scheduler.output import EngineCoreOutputs, SampleLogprobs
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, stream_interval: int = 1) -> None:
+        """``stream_interval``: a DELTA request's outputs, but its first and last, wait until
+        they carry this many new tokens (fewer, larger stream chunks; 1: one per step)."""
         self.tokenizer = tokenizer
+        self.stream_interval = stream_interval
         self.requests: dict[str, RequestState] = {}
         self.engine_to_request: dict[str, tuple[RequestState, CompletionState]] = {}
         self.token_texts: dict[int, str] = {}
@@ -129,7 +132,9 @@ class OutputProcessor:
                 and completion.finish_reason is None
             ):
                 state.num_cached_tokens = out.num_cached_tokens
-                results.append(self._plain_delta_output(state, completion, out.new_token_ids))
+                output = self._plain_delta_output(state, completion, out.new_token_ids)
+                if output is not None:
+                    results.append(output)
                 continue
             if completion.finish_reason is not None:
                 continue
@@ -174,16 +179,27 @@ class OutputProcessor:
             if len(state.completions) == 1:  # its output is complete for this step: emit now
                 if completion.finish_reason is not None:
                     results.append(self._finish(state))
-                elif state.params.output_kind != final_only:
+                elif state.params.output_kind != final_only and self._due(state):
                     results.append(self._make_output(state))
             else:  # n > 1: wait until every completion of the step is in
                 touched[state.request_id] = state
         for state in touched.values():
             if state.finished:
                 results.append(self._finish(state))
-            elif state.params.output_kind != final_only:
+            elif state.params.output_kind != final_only and self._due(state):
                 results.append(self._make_output(state))
         return results, to_abort
+
+    def _due(self, state: RequestState) -> bool:
+        """Whether an unfinished request's output goes out now: always, but for a DELTA request
+        under a `stream_interval`, whose first output does and later ones once a completion has
+        that many new tokens."""
+        interval = self.stream_interval
+        if interval == 1 or state.params.output_kind != RequestOutputKind.DELTA:
+            return True
+        return not state.output_sent or any(
+            len(c.token_ids) - c.sent_tokens >= interval for c in state.completions
+        )
 
     def _add_tokens(
         self,
@@ -217,20 +233,28 @@ class OutputProcessor:
         completion.finish_reason = str(FinishReason.STOP)
         return True
 
-    @staticmethod
     def _plain_delta_output(
-        state: RequestState, completion: CompletionState, token_ids: list[int]
-    ) -> RequestOutput:
+        self, state: RequestState, completion: CompletionState, token_ids: list[int]
+    ) -> RequestOutput | None:
         """A streamed token's path (`CompletionState.plain_delta`, not finishing): what
-        `_add_tokens` and `_make_output` give there, without their checks. Nothing is held back,
-        so everything before these tokens went out already."""
+        `_add_tokens` and `_make_output` give there, without their checks (nothing is held
+        back); None while a `stream_interval` keeps the tokens waiting."""
+        sent_tokens = completion.sent_tokens
+        caught_up = sent_tokens == len(completion.token_ids)  # all before these went out
         completion.token_ids += token_ids
         detokenizer = completion.detokenizer
         text = detokenizer.update(token_ids) if detokenizer is not None else ""
         if text:
             completion.text += text
-            completion.sent_chars = len(completion.text)
+        interval = self.stream_interval
+        if interval > 1 and sent_tokens and len(completion.token_ids) - sent_tokens < interval:
+            return None
+        if not caught_up:
+            text = completion.text[completion.sent_chars :]
+            token_ids = completion.token_ids[sent_tokens:]
+        completion.sent_chars = len(completion.text)
         completion.sent_tokens = len(completion.token_ids)
+        state.output_sent = True
         return RequestOutput(
             state.request_id,
             state.prompt,
@@ -328,9 +352,9 @@ class OutputProcessor:
                 )
             )
         prompt_logprobs = state.prompt_logprobs
-        if delta and state.prompt_logprobs_sent:
+        if delta and state.output_sent:
             prompt_logprobs = None
-        state.prompt_logprobs_sent = True
+        state.output_sent = True
         return RequestOutput(
             request_id=state.request_id,
             prompt=state.prompt,

@@ -75,7 +75,8 @@ class RequestState:
     params: SamplingParams
     completions: list[CompletionState]
     prompt_logprobs: list[PositionLogprobs | None] | None = None
-    prompt_logprobs_sent: bool = False
+    output_sent: bool = False
+    """An output went out (a DELTA request's prompt logprobs go with its first only)."""
     num_cached_tokens: int = 0
     pooling: PoolingParams | None = None
     """A pooling request: it ends with one pooled vector, ``pooled`` (float32 bytes)."""
