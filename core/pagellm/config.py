@@ -177,6 +177,9 @@ class SchedulerConfig(_Config):
     async_scheduling: bool = False
     """Plan step N+1 while the device runs step N (`EngineCore`), resolved from the user's
     choice or the platform's `async_scheduling_default`."""
+    stream_interval: int = Field(default=1, ge=1)
+    """A streamed (DELTA) request's outputs, but its first and last, carry at least this many
+    new tokens (the front end's `OutputProcessor`): fewer, larger chunks; 1: every step's."""
 
 
 ExecutorBackend = Literal["uni", "mp", "ray"]

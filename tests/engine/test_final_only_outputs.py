@@ -185,3 +185,61 @@ def test_engine_final_outputs_equal_cumulative_ones(engine_dir):
     assert final[-1].outputs[0].finish_reason == "stop"
     assert final[-1].outputs[0].stop_reason in ("e", "a")
     assert len(final[1].outputs) == 3 and final[1].outputs[0].logprobs
+
+
+DELTA = RequestOutputKind.DELTA
+
+
+def test_plain_delta_stream_gives_the_outputs_of_the_general_path(tokenizer):
+    """A DELTA request without stop strings or logprobs takes the short path per token
+    (``plain_delta``); the general path (here: with a stop string that never matches) gives the
+    same outputs, texts held back inside a character included."""
+    for prompt in ([HELLO], [HELLO, E_ACUTE_FIRST]):
+        for seed in range(4):
+            steps = engine_steps(tokenizer, 1, 8 + seed, False, seed)
+            plain = run(tokenizer, SamplingParams(output_kind=DELTA), prompt, steps)
+            general = run(
+                tokenizer, SamplingParams(output_kind=DELTA, stop=["\x07"]), prompt, steps
+            )
+            assert plain == general
+            assert "".join(o.outputs[0].text for o in plain)
+
+
+def test_plain_delta_path_is_taken_and_skipped_when_logprobs_are_asked(tokenizer):
+    for params, plain in (
+        (SamplingParams(output_kind=DELTA), True),
+        (SamplingParams(output_kind=DELTA, logprobs=1), False),
+        (SamplingParams(output_kind=DELTA, n=2), False),
+        (SamplingParams(output_kind=CUMULATIVE), False),
+    ):
+        processor = OutputProcessor(tokenizer)
+        processor.add_request("r", ProcessedPrompt(None, [HELLO], params), fan_out("r", params))
+        assert [c.plain_delta for c in processor.requests["r"].completions][0] == plain
+
+
+def run_interval(tokenizer, params: SamplingParams, steps, interval: int) -> list[RequestOutput]:
+    processor = OutputProcessor(tokenizer, stream_interval=interval)
+    processor.add_request("r", ProcessedPrompt(None, [HELLO], params), fan_out("r", params))
+    results = []
+    for outputs in steps:
+        results += processor.process_outputs(EngineCoreOutputs(outputs=outputs))[0]
+    return results
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"stop": ["\x07"]}, {"n": 2}])  # plain path, general
+def test_stream_interval_sends_its_first_token_then_chunks_of_that_many(tokenizer, kwargs):
+    n = kwargs.get("n", 1)
+    steps = engine_steps(tokenizer, n, 11, False, 1)
+    params = SamplingParams(output_kind=DELTA, **kwargs)
+    every_step = run_interval(tokenizer, params, steps, 1)
+    chunked = run_interval(tokenizer, params, steps, 4)
+    assert len(every_step) == 11
+    assert [len(o.outputs[0].token_ids) for o in chunked] == [1, 4, 4, 2]
+    for index in range(n):
+
+        def joined(outputs, index=index):
+            parts = [c for o in outputs for c in o.outputs if c.index == index]
+            return "".join(c.text for c in parts), [t for c in parts for t in c.token_ids]
+
+        assert joined(chunked) == joined(every_step)
+    assert chunked[-1].finished and chunked[-1].outputs[0].finish_reason == "stop"

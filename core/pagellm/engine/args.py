@@ -131,6 +131,9 @@ class EngineArgs:
     async_scheduling: bool | None = None
     """Schedule the next step while the device runs the current one (same tokens, less idle
     device time); default: the platform's choice (off everywhere for now)."""
+    stream_interval: PositiveInt = 1
+    """Streamed outputs carry at least this many new tokens, but the first and the last (fewer,
+    larger chunks, less front-end work per token; 1: a chunk per step)."""
     io_processor: str | None = None
     """An IO processor by registered name (pagellm.io_processor_plugins), in the front end
     (default: config.json's io_processor_plugin, else its architecture's, else none)."""
@@ -275,6 +278,7 @@ class EngineArgs:
                 async_scheduling=platform.async_scheduling_default
                 if self.async_scheduling is None
                 else self.async_scheduling,
+                stream_interval=self.stream_interval,
             ),
             parallel=parallel,
             device=DeviceConfig(device=platform.device_type),

@@ -12,7 +12,6 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable
-from contextlib import aclosing
 from typing import Any, cast
 
 from pagellm.config import EngineConfig
@@ -67,40 +66,39 @@ class AsyncLLM(RequestFrontend):
 
     # ---------------------------------------------------------------- requests
 
-    async def generate(
+    def generate(
         self, prompt: PromptType, params: SamplingParams, request_id: str, priority: int = 0
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream the request's outputs (in ``params.output_kind``), the last one finished.
 
-        Bad input raises ``ValueError`` before anything is queued; more requests than
-        ``max_waiting_requests`` allows raise `EngineOverloadedError`. If the consumer stops
-        iterating or is cancelled, the request is aborted in the engine (its KV blocks freed).
-        Raises `EngineDeadError` if the engine process dies.
+        Bad input raises ``ValueError`` (when the stream is first read) before anything is
+        queued; more requests than ``max_waiting_requests`` allows raise
+        `EngineOverloadedError`. If the consumer stops iterating or is cancelled, the request is
+        aborted in the engine (its KV blocks freed). Raises `EngineDeadError` if the engine
+        process dies.
         """
-        arrival = time.monotonic()  # the metrics' latencies include the tokenization
-        self.core_client.raise_if_dead()
-        processed = self.processor.process(prompt, params)
-        async with aclosing(self._run(processed, request_id, priority, arrival)) as outputs:
-            async for output in outputs:
-                yield cast(RequestOutput, output)
+        outputs = self._run(lambda: self.processor.process(prompt, params), request_id, priority)
+        return cast(AsyncGenerator[RequestOutput, None], outputs)
 
-    async def encode(
+    def encode(
         self, prompt: PromptType, params: PoolingParams, request_id: str, priority: int = 0
     ) -> AsyncGenerator[EmbeddingRequestOutput, None]:
         """A pooling request's one output (its pooled vector): as `generate`, for a model
         served by the pooling runner."""
-        arrival = time.monotonic()
-        self.core_client.raise_if_dead()
-        processed = self.processor.process_pooling(prompt, params)
-        async with aclosing(self._run(processed, request_id, priority, arrival)) as outputs:
-            async for output in outputs:
-                yield cast(EmbeddingRequestOutput, output)
+        outputs = self._run(
+            lambda: self.processor.process_pooling(prompt, params), request_id, priority
+        )
+        return cast(AsyncGenerator[EmbeddingRequestOutput, None], outputs)
 
     async def _run(
-        self, processed: ProcessedPrompt, request_id: str, priority: int, arrival: float
+        self, process: Callable[[], ProcessedPrompt], request_id: str, priority: int
     ) -> AsyncGenerator[AnyRequestOutput, None]:
-        """Send a processed request and stream its outputs; aborted if the consumer stops
-        (`aclosing` in the callers: their own close reaches this ``finally`` at once)."""
+        """Process the prompt, send the request and stream its outputs; aborted if the consumer
+        stops. The one generator between the collector and the consumer: a stream's tokens
+        pass through no other layer here."""
+        arrival = time.monotonic()  # the metrics' latencies include the tokenization
+        self.core_client.raise_if_dead()
+        processed = process()
         self._start_background_tasks()
         engine_ids = self._add_request(request_id, processed, priority)
         queue = self._streams[request_id] = RequestOutputCollector(processed.params.output_kind)
@@ -115,7 +113,10 @@ class AsyncLLM(RequestFrontend):
         finished = False
         try:
             while not finished:
-                item = await queue.get()
+                waiter = queue.wait()
+                if waiter is not None:
+                    await waiter
+                item = queue.take()
                 if isinstance(item, Exception):
                     raise type(item)(*item.args)  # one instance per request: its own traceback
                 finished = item.finished

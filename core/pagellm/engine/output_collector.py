@@ -38,35 +38,51 @@ class RequestOutputCollector:
     """The outputs of one request not yet taken by its consumer: at most one, merged.
 
     DELTA outputs are merged (texts and token ids appended); for the other kinds the newer output
-    supersedes the older. An error is handed out after the output that came before it.
+    supersedes the older. An error is handed out after the output that came before it. A
+    waiting consumer is woken through one future (put for every token of a stream: lighter
+    than an ``asyncio.Event``).
     """
 
-    __slots__ = ("delta", "output", "error", "ready")
+    __slots__ = ("delta", "output", "error", "waiter")
 
     def __init__(self, output_kind: RequestOutputKind) -> None:
         self.delta = output_kind == RequestOutputKind.DELTA
         self.output: AnyRequestOutput | None = None
         self.error: Exception | None = None
-        self.ready = asyncio.Event()
+        self.waiter: asyncio.Future[None] | None = None
 
     def put(self, output: AnyRequestOutput) -> None:
         if self.output is None or not self.delta:
             self.output = output
         elif isinstance(self.output, RequestOutput) and isinstance(output, RequestOutput):
             merge_delta(self.output, output)
-        self.ready.set()
+        self._wake()
 
     def put_error(self, error: Exception) -> None:
         self.error = error
-        self.ready.set()
+        self._wake()
 
-    async def get(self) -> AnyRequestOutput | Exception:
+    def _wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None:
+            self.waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def wait(self) -> asyncio.Future[None] | None:
+        """None when an output or the error waits to be taken (`take`); else a future done when
+        one does (a future, not a coroutine: one frame less per streamed token)."""
+        if self.output is not None or self.error is not None:
+            return None
+        self.waiter = asyncio.get_running_loop().create_future()
+        return self.waiter  # a cancelled wait leaves a done future, which `_wake` skips
+
+    def take(self) -> AnyRequestOutput | Exception:
         """The pending output, else the error (it stays: every later call returns it)."""
-        while self.output is None:
-            if self.error is not None:
-                return self.error
-            await self.ready.wait()
-        output, self.output = self.output, None
-        if self.error is None:
-            self.ready.clear()
+        output = self.output
+        if output is None:
+            if self.error is None:
+                raise RuntimeError("take() with nothing to take: wait() first")
+            return self.error
+        self.output = None
         return output

@@ -7,6 +7,9 @@ ever holds the start of a stop string that later matches. Per user request: the 
 gathered into one `RequestOutput` in the requested output kind. A pooling request ends with one
 `EmbeddingRequestOutput`, its pooled vector normalized here when it asks for it.
 
+The only completion of a DELTA request without stop strings or logprobs (a plain stream, the
+usual served one) takes a short path per step: its tokens and their text go straight out.
+
 A ``FINAL_ONLY`` completion without stop strings only gathers its tokens (and sampled logprobs)
 while it runs: its text is decoded and its logprob entries built once, when it ends (`_settle`),
 into the same output the token-by-token path gives.
@@ -14,12 +17,12 @@ into the same output the token-by-token path gives.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from pagellm.engine.detokenizer import Detokenizer, make_detokenizer
+from pagellm.engine.detokenizer import make_detokenizer
+from pagellm.engine.output_state import CompletionState, RequestState, find_stop_string
 from pagellm.engine.processor import ProcessedPrompt
 from pagellm.outputs import (
     AnyRequestOutput,
@@ -36,82 +39,12 @@ from pagellm.sampling_params import RequestOutputKind, SamplingParams
 from pagellm.scheduler.output import EngineCoreOutputs, SampleLogprobs
 
 
-def find_stop_string(
-    text: str, new_chars: int, stops: list[str], include: bool
-) -> tuple[str, int] | None:
-    """The stop string that ends earliest in ``text`` among those touching its last ``new_chars``
-    characters, and where the text is cut (after it if ``include``, else before it)."""
-    best: tuple[int, int, str] | None = None
-    for stop in stops:
-        start = text.find(stop, max(0, len(text) - new_chars - len(stop) + 1))
-        if start != -1 and (best is None or start + len(stop) < best[0]):
-            best = (start + len(stop), start, stop)
-    if best is None:
-        return None
-    end, start, stop = best
-    return stop, end if include else start
-
-
-@dataclass
-class CompletionState:
-    """One engine request: one completion of a user request."""
-
-    engine_id: str
-    index: int
-    params: SamplingParams
-    detokenizer: Detokenizer | None
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    logprobs: list[PositionLogprobs] | None = None
-    cumulative_logprob: float | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    sent_tokens: int = 0
-    sent_chars: int = 0
-    sent_logprobs: int = 0
-    sent_finish: bool = False
-    """Its finish reason went out (in a DELTA output): later outputs of the request omit it."""
-    deferred: bool = False
-    """Text and logprob entries wait for the end (``FINAL_ONLY`` without stop strings)."""
-    samples: list[SampleLogprobs] = field(default_factory=list)
-    """A deferred completion's sampled logprobs, not yet made into ``logprobs``."""
-
-    @property
-    def holdback(self) -> int:
-        """Characters kept back from an unfinished stream: a stop string may still complete there."""
-        stops = self.params.stop
-        if self.finish_reason is not None or not stops:
-            return 0
-        return max(len(s) for s in ([stops] if isinstance(stops, str) else stops)) - 1
-
-
-@dataclass
-class RequestState:
-    """One user request and its completions."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    completions: list[CompletionState]
-    prompt_logprobs: list[PositionLogprobs | None] | None = None
-    prompt_logprobs_sent: bool = False
-    num_cached_tokens: int = 0
-    pooling: PoolingParams | None = None
-    """A pooling request: it ends with one pooled vector, ``pooled`` (float32 bytes)."""
-    pooled: bytes = b""
-
-    @property
-    def finished(self) -> bool:
-        completions = self.completions
-        if len(completions) == 1:
-            return completions[0].finish_reason is not None
-        return all(c.finish_reason is not None for c in completions)
-
-
 class OutputProcessor:
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, stream_interval: int = 1) -> None:
+        """``stream_interval``: a DELTA request's outputs, but its first and last, wait until
+        they carry this many new tokens (fewer, larger stream chunks; 1: one per step)."""
         self.tokenizer = tokenizer
+        self.stream_interval = stream_interval
         self.requests: dict[str, RequestState] = {}
         self.engine_to_request: dict[str, tuple[RequestState, CompletionState]] = {}
         self.token_texts: dict[int, str] = {}
@@ -149,6 +82,14 @@ class OutputProcessor:
         )
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = [None]
+        if len(completions) == 1 and state.pooling is None:
+            only = completions[0]
+            only.plain_delta = (
+                params.output_kind == RequestOutputKind.DELTA
+                and not only.params.stop
+                and only.logprobs is None
+                and state.prompt_logprobs is None
+            )
         self.requests[request_id] = state
         for completion in completions:
             self.engine_to_request[completion.engine_id] = (state, completion)
@@ -184,6 +125,17 @@ class OutputProcessor:
             if entry is None:
                 continue  # aborted meanwhile
             state, completion = entry
+            if (
+                completion.plain_delta
+                and out.finish_reason is None
+                and out.new_token_ids
+                and completion.finish_reason is None
+            ):
+                state.num_cached_tokens = out.num_cached_tokens
+                output = self._plain_delta_output(state, completion, out.new_token_ids)
+                if output is not None:
+                    results.append(output)
+                continue
             if completion.finish_reason is not None:
                 continue
             state.num_cached_tokens = out.num_cached_tokens
@@ -227,16 +179,27 @@ class OutputProcessor:
             if len(state.completions) == 1:  # its output is complete for this step: emit now
                 if completion.finish_reason is not None:
                     results.append(self._finish(state))
-                elif state.params.output_kind != final_only:
+                elif state.params.output_kind != final_only and self._due(state):
                     results.append(self._make_output(state))
             else:  # n > 1: wait until every completion of the step is in
                 touched[state.request_id] = state
         for state in touched.values():
             if state.finished:
                 results.append(self._finish(state))
-            elif state.params.output_kind != final_only:
+            elif state.params.output_kind != final_only and self._due(state):
                 results.append(self._make_output(state))
         return results, to_abort
+
+    def _due(self, state: RequestState) -> bool:
+        """Whether an unfinished request's output goes out now: always, but for a DELTA request
+        under a `stream_interval`, whose first output does and later ones once a completion has
+        that many new tokens."""
+        interval = self.stream_interval
+        if interval == 1 or state.params.output_kind != RequestOutputKind.DELTA:
+            return True
+        return not state.output_sent or any(
+            len(c.token_ids) - c.sent_tokens >= interval for c in state.completions
+        )
 
     def _add_tokens(
         self,
@@ -269,6 +232,38 @@ class OutputProcessor:
         completion.text = completion.text[:cut]
         completion.finish_reason = str(FinishReason.STOP)
         return True
+
+    def _plain_delta_output(
+        self, state: RequestState, completion: CompletionState, token_ids: list[int]
+    ) -> RequestOutput | None:
+        """A streamed token's path (`CompletionState.plain_delta`, not finishing): what
+        `_add_tokens` and `_make_output` give there, without their checks (nothing is held
+        back); None while a `stream_interval` keeps the tokens waiting."""
+        sent_tokens = completion.sent_tokens
+        caught_up = sent_tokens == len(completion.token_ids)  # all before these went out
+        completion.token_ids += token_ids
+        detokenizer = completion.detokenizer
+        text = detokenizer.update(token_ids) if detokenizer is not None else ""
+        if text:
+            completion.text += text
+        interval = self.stream_interval
+        if interval > 1 and sent_tokens and len(completion.token_ids) - sent_tokens < interval:
+            return None
+        if not caught_up:
+            text = completion.text[completion.sent_chars :]
+            token_ids = completion.token_ids[sent_tokens:]
+        completion.sent_chars = len(completion.text)
+        completion.sent_tokens = len(completion.token_ids)
+        state.output_sent = True
+        return RequestOutput(
+            state.request_id,
+            state.prompt,
+            state.prompt_token_ids,
+            [CompletionOutput(completion.index, text, list(token_ids), None, None)],
+            False,
+            None,
+            state.num_cached_tokens,
+        )
 
     def _position_logprobs(self, sample: SampleLogprobs) -> PositionLogprobs:
         position: PositionLogprobs = {}
@@ -357,9 +352,9 @@ class OutputProcessor:
                 )
             )
         prompt_logprobs = state.prompt_logprobs
-        if delta and state.prompt_logprobs_sent:
+        if delta and state.output_sent:
             prompt_logprobs = None
-        state.prompt_logprobs_sent = True
+        state.output_sent = True
         return RequestOutput(
             request_id=state.request_id,
             prompt=state.prompt,

@@ -36,7 +36,7 @@ class RequestFrontend:
         self.io_processor: IOProcessor[Any, Any] | None = build_io_processor(config, self.tokenizer)
         """The model's IO processor (``config.model.io_processor``), or None."""
         self.processor = InputProcessor(config, self.tokenizer, self.io_processor)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, config.scheduler.stream_interval)
         self.max_waiting_requests = max_waiting_requests
 
     def _add_request(self, request_id: str, prompt: ProcessedPrompt, priority: int) -> list[str]:

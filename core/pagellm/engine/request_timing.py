@@ -132,6 +132,8 @@ class RequestTimings:
             if request is None:
                 continue
             engine_ids = request.engine_ids
+            if not output.finished and len(engine_ids) == 1:
+                continue  # a streamed token's output: nothing of it ended
             ends = (
                 [(c.index, c.finish_reason) for c in output.outputs]
                 if isinstance(output, RequestOutput)

@@ -12,6 +12,7 @@ shutdown deadline): `http_server`.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import multiprocessing
 import sys
@@ -185,6 +186,10 @@ async def _serve(args: ServerArgs, engine_args: EngineArgs) -> None:
         loop.call_later(timeout - shutdown_margin(timeout), engine.fail_all, error)
 
     server = make_server(app, args, on_shutdown)
+    # What is built by now (the app, the tokenizer, every import) lives as long as the server:
+    # out of the garbage collector's full scans, which the objects of streamed tokens set off.
+    gc.collect()
+    gc.freeze()
     # From here the app's lifespan owns the engine: uvicorn runs it even when it fails to bind.
     await server.serve()
 

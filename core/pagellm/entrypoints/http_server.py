@@ -94,13 +94,33 @@ class Server(uvicorn.Server):
         await super().shutdown(sockets)
 
 
+BODY_SEND = "pagellm.body_send"
+"""The scope key of the server's own ``send`` (uvicorn's), for a long stream's body chunks: they
+skip the middlewares' wrappers of ``send`` (Starlette's error handlers, the request guard), which
+only look at a response's start, and a token stream would otherwise go through each for every
+token. The start must go through the ``send`` the response was given, so every middleware sees
+it; a middleware that rewrites bodies would be skipped (none here does)."""
+
+
+class _WithBodySend:
+    """The app, with `BODY_SEND` in every HTTP scope."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            scope[BODY_SEND] = send
+        await self.app(scope, receive, send)
+
+
 def make_server(app: Any, args: ServerArgs, on_shutdown: Callable[[], None]) -> Server:
     protocol = timed_protocol_class(args.header_timeout)
     timeout = shutdown_timeout(args)
     # uvicorn waits with asyncio.wait_for, which takes fractions of a second too.
     graceful: Any = max(0.0, timeout - shutdown_margin(timeout) / 2)
     config = uvicorn.Config(
-        app,
+        _WithBodySend(app),
         host=args.host,
         port=args.port,
         log_config=None,

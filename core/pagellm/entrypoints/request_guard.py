@@ -42,9 +42,14 @@ class RequestGuard:
         request_id = headers.get("x-request-id") or uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = request_id
         id_header = (b"x-request-id", request_id.encode("latin-1"))
+        started = False
 
+        # One wrapper of ``send`` (a stream calls it for every chunk): the request id on the
+        # response's start, and whether the response has started.
         async def send_with_id(message: Message) -> None:
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 message["headers"] = [*message.get("headers", ()), id_header]
             await send(message)
 
@@ -81,15 +86,8 @@ class RequestGuard:
                 return {"type": "http.request", "body": body, "more_body": False}
             return await receive()
 
-        started = False
-
-        async def send_tracked(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send_with_id(message)
-
         try:
-            await self.app(scope, replay, send_tracked)
+            await self.app(scope, replay, send_with_id)
         except Exception as exc:
             # Whatever no handler took: logged with the request id, answered without details
             # (and the connection stays usable: nothing reaches uvicorn).

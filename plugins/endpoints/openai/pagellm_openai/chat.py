@@ -24,6 +24,7 @@ from pagellm_openai.protocol import (
     UsageInfo,
 )
 from pagellm_openai.serving import ServingContext
+from pagellm_openai.streams import TextChoice
 
 
 def _logprobs(
@@ -97,8 +98,17 @@ async def create_chat_completion(
             choice["token_ids"] = c.token_ids
         return choice
 
-    def delta_choice(_: int, output: RequestOutput, c: CompletionOutput) -> dict[str, Any]:
+    plain = not request.logprobs and not token_ids
+
+    def delta_choice(
+        _: int, output: RequestOutput, c: CompletionOutput
+    ) -> dict[str, Any] | TextChoice:
+        if plain and c.finish_reason is None and c.stop_reason is None:
+            return TextChoice(c.index, c.text)  # the chunk `text_choice` makes, from a template
         return stream_choice(c.index, {"role": None, "content": c.text}, c)
+
+    def text_choice(index: int, text: str) -> dict[str, Any]:
+        return stream_choice(index, {"role": None, "content": text})
 
     def output_fields(_: int, output: RequestOutput) -> dict[str, Any]:
         """The prompt's logprobs, with the first output (a stream's first chunk after its roles)."""
@@ -144,5 +154,7 @@ async def create_chat_completion(
         ],
         opening_fields={"prompt_token_ids": prompt.token_ids} if token_ids else {},
         output_fields=output_fields,
+        text_choice=text_choice,
+        text_only=request.n == 1 and plain and request.prompt_logprobs is None,
     )
     return await respond(raw, request, [ctx.generate(prompt, params, request_id, request)], answer)

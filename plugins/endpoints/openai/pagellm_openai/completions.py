@@ -19,6 +19,7 @@ from pagellm_openai.protocol import (
     UsageInfo,
 )
 from pagellm_openai.serving import Prompt, ServingContext
+from pagellm_openai.streams import TextChoice
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions API
 
@@ -85,6 +86,27 @@ class _Choice:
         self.echo_pending = echo
         self.token_ids = token_ids
         self.first = True
+        self.plain = logprobs is None and not token_ids
+        """Unfinished, its chunks after the first carry only their text (`TextChoice`)."""
+
+    def stream_fields(
+        self,
+        index: int,
+        output: RequestOutput,
+        completion: CompletionOutput,
+        prompt_logprobs: list[PositionLogprobs | None] | None,
+    ) -> dict[str, Any] | TextChoice:
+        """`fields`, or a `TextChoice` when the chunk carries nothing but the new text."""
+        if (
+            self.plain
+            and not self.echo_pending
+            and completion.finish_reason is None
+            and completion.stop_reason is None
+            and not (self.first and prompt_logprobs is not None)
+        ):
+            self.first = False
+            return TextChoice(index, completion.text)
+        return self.fields(index, output, completion, prompt_logprobs)
 
     def fields(
         self,
@@ -158,10 +180,15 @@ async def create_completion(
     # Streamed, prompt logprobs come with a prompt's first output only; every choice echoes them.
     prompt_logprobs: dict[int, list[PositionLogprobs | None] | None] = {}
 
-    def stream_choice(i: int, output: RequestOutput, c: CompletionOutput) -> dict[str, Any]:
-        prompt_logprobs.setdefault(i, output.prompt_logprobs)
+    def stream_choice(
+        i: int, output: RequestOutput, c: CompletionOutput
+    ) -> dict[str, Any] | TextChoice:
         index = i * n + c.index
-        return choices[index].fields(index, output, c, prompt_logprobs[i])
+        choice = choices[index]
+        if choice.plain and not choice.first and c.finish_reason is None:
+            return TextChoice(index, c.text)  # the token path: only the text is new
+        prompt_logprobs.setdefault(i, output.prompt_logprobs)
+        return choice.stream_fields(index, output, c, prompt_logprobs[i])
 
     def final_choice(i: int, output: RequestOutput, c: CompletionOutput) -> CompletionChoice:
         index = i * n + c.index
@@ -181,5 +208,18 @@ async def create_completion(
         final_choice=final_choice,
         final_body=final_body,
         prompt_tokens_details=ctx.enable_prompt_tokens_details,
+        text_choice=_text_choice,
+        text_only=len(choices) == 1 and choices[0].plain,
     )
     return await respond(raw, request, generators, answer)
+
+
+def _text_choice(index: int, text: str) -> dict[str, Any]:
+    """What `_Choice.fields` gives for a chunk of text only (a `TextChoice`)."""
+    return {
+        "index": index,
+        "text": text,
+        "logprobs": None,
+        "finish_reason": None,
+        "stop_reason": None,
+    }

@@ -14,14 +14,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from pydantic import BaseModel
 
 from pagellm.outputs import CompletionOutput, RequestOutput
 from pagellm_openai import streams
+from pagellm_openai.event_stream import EventStream, EventWriter
 from pagellm_openai.protocol import SamplingRequest, UsageInfo
 
-# (index of the prompt, its output, one completion of it) -> a choice
+# (index of the prompt, its output, one completion of it) -> a choice (a dict, a TextChoice, or
+# the final body's model)
 ChoiceMaker = Callable[[int, RequestOutput, CompletionOutput], Any]
 
 
@@ -47,6 +49,12 @@ class Answer:
     """Fields beside the choices of the first opening chunk."""
     output_fields: Callable[[int, RequestOutput], dict[str, Any]] | None = None
     """Fields beside the choices of the first chunk made from an output."""
+    text_choice: Callable[[int, str], dict[str, Any]] | None = None
+    """The dict of a `streams.TextChoice` (index, text), which ``stream_choice`` may return for
+    a choice whose chunk varies only by its text: such chunks are written from a template."""
+    text_only: bool = False
+    """One prompt, one choice (index 0), and every chunk after its first output's, until it
+    finishes, is ``text_choice(0, text)``: a stream then skips ``stream_choice`` for them."""
 
     def usage(self, outputs: dict[int, RequestOutput], generated: int) -> dict[str, Any]:
         cached = sum(o.num_cached_tokens for o in outputs.values())
@@ -87,36 +95,93 @@ async def _stream(
     request: SamplingRequest,
     generators: list[AsyncGenerator[RequestOutput, None]],
     answer: Answer,
-) -> StreamingResponse:
+) -> Response:
     options = request.stream_options
     include_usage = options is not None and options.include_usage
     continuous = options is not None and options.continuous_usage_stats
-    chunk = streams.chunk_writer(answer.request_id, answer.object_name, answer.model)
+    chunk = streams.ChunkWriter(answer.request_id, answer.object_name, answer.model)
     lengths = answer.prompt_lengths
-    merged = streams.merge(await streams.start(generators))
+    sources = await streams.start(generators)
+    stream_choice, text_choice, output_fields = (
+        answer.stream_choice,
+        answer.text_choice,
+        answer.output_fields,
+    )
+    text = chunk.text if text_choice is not None and not continuous else None
+    generated: dict[tuple[int, int], int] = {}  # (prompt, choice) -> its tokens so far
+    last: dict[int, RequestOutput] = {}
 
-    async def events() -> AsyncGenerator[bytes, None]:
-        generated: dict[tuple[int, int], int] = {}  # (prompt, choice) -> its tokens so far
-        last: dict[int, RequestOutput] = {}
+    def events(i: int, output: RequestOutput) -> bytes:
+        """The events of one output: a chunk per completion in it (a streamed token's path:
+        kept short)."""
+        last[i] = output
+        fields = output_fields(i, output) if output_fields else None
+        batch = []
+        for c in output.outputs:
+            key = (i, c.index)
+            count = generated[key] = generated.get(key, 0) + len(c.token_ids)
+            choice = stream_choice(i, output, c)
+            if type(choice) is streams.TextChoice:
+                if text is not None and not fields:
+                    batch.append(text(choice, text_choice))  # type: ignore[arg-type]
+                    continue
+                choice = text_choice(*choice)  # type: ignore[misc]
+            usage = streams.usage(lengths[i], count) if continuous else None
+            batch.append(chunk([choice], usage, fields))
+            fields = None
+        return batch[0] if len(batch) == 1 else b"".join(batch)
+
+    async def write_events(write: EventWriter) -> bytes:
+        """Each output's events in one write (the one source read directly, the usual case);
+        returns the end: usage when asked (or the error event), then ``[DONE]``."""
+        end: list[bytes] = []
+        streamed = 0  # the tokens of the chunks written from the template
+        json_text = streams.json_text
         try:
-            for n, choice in enumerate(answer.opening):
-                usage = streams.usage(lengths[0], 0) if continuous else None
-                yield chunk([choice], usage, answer.opening_fields if n == 0 else None)
-            async for i, output in merged:
-                last[i] = output
-                fields = answer.output_fields(i, output) if answer.output_fields else None
-                for c in output.outputs:
-                    key = (i, c.index)
-                    count = generated[key] = generated.get(key, 0) + len(c.token_ids)
-                    usage = streams.usage(lengths[i], count) if continuous else None
-                    yield chunk([answer.stream_choice(i, output, c)], usage, fields)
-                    fields = None
+            opening = [
+                chunk(
+                    [choice],
+                    streams.usage(lengths[0], 0) if continuous else None,
+                    answer.opening_fields if n == 0 else None,
+                )
+                for n, choice in enumerate(answer.opening)
+            ]
+            if opening:
+                await write(b"".join(opening))
+            if len(sources) == 1:
+                source = sources[0]
+                data = events(0, source.first) if source.first is not None else b""
+                if data:
+                    await write(data)
+                template = (
+                    chunk.template(0, text_choice)  # type: ignore[arg-type]
+                    if answer.text_only and text is not None
+                    else None
+                )
+                async for output in source.rest:
+                    outputs = output.outputs
+                    if template is not None and len(outputs) == 1:
+                        c = outputs[0]
+                        if c.finish_reason is None:  # a streamed token's path: text alone
+                            streamed += len(c.token_ids)
+                            await write(template[0] + json_text(c.text) + template[1])
+                            continue
+                    data = events(0, output)
+                    if data:
+                        await write(data)
+            else:
+                async for i, output in streams.merge(sources):
+                    data = events(i, output)
+                    if data:
+                        await write(data)
             if include_usage:
-                yield chunk([], answer.usage(last, sum(generated.values())))
+                end.append(chunk([], answer.usage(last, sum(generated.values()) + streamed)))
         except Exception as exc:
-            yield streams.error_event(exc, raw.state.request_id)
+            end.append(streams.error_event(exc, raw.state.request_id))
         finally:
-            await merged.aclose()
-        yield streams.DONE
+            for source in sources:
+                await source.aclose()
+        end.append(streams.DONE)
+        return b"".join(end)
 
-    return StreamingResponse(events(), media_type="text/event-stream")
+    return EventStream(raw, write_events)

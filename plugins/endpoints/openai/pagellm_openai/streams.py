@@ -12,7 +12,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
 
 import msgspec
 from fastapi import Request
@@ -51,30 +51,77 @@ def sse(event: BaseModel | dict) -> bytes:
     return b"data: " + payload + b"\n\n"
 
 
-def chunk_writer(request_id: str, object_name: str, model: str) -> Callable[..., bytes]:
-    """Frames one stream's chunks as events: the response's fields (``CompletionResponse``,
-    ``ChatCompletionChunk``) as a dict, no model per chunk; ``created`` is the stream's start;
-    ``fields``: more top-level fields (vLLM's ``prompt_token_ids``, ...)."""
-    created = int(time.time())
+class TextChoice(NamedTuple):
+    """A stream choice in which only the text varies (no logprobs, token ids or finish reason):
+    the route's ``render(index, text)`` makes it a dict, and its events are written from a byte
+    template of that dict (`ChunkWriter.text`), the text alone encoded per chunk."""
 
-    def chunk(
+    index: int
+    text: str
+
+
+_MARK = "\x00pagellm-text\x00"  # where a template's text goes; JSON writes it as \u0000...
+_MARK_JSON = _encoder.encode(_MARK)
+
+
+class ChunkWriter:
+    """Frames one stream's chunks as events: the response's fields (``CompletionResponse``,
+    ``ChatCompletionChunk``) as a dict, no model per chunk; ``created`` is the stream's start.
+    A `TextChoice` chunk is a template's two ends around the encoded text: the same bytes as
+    the dict, without building and encoding it for every token."""
+
+    def __init__(self, request_id: str, object_name: str, model: str) -> None:
+        self._head = {
+            "id": request_id,
+            "object": object_name,
+            "created": int(time.time()),
+            "model": model,
+        }
+        self._templates: dict[int, tuple[bytes, bytes]] = {}
+        self._no_template: set[int] = set()
+
+    def __call__(
+        self,
         choices: list[dict[str, Any]],
         usage: dict[str, Any] | None = None,
         fields: dict[str, Any] | None = None,
     ) -> bytes:
-        event = {
-            "id": request_id,
-            "object": object_name,
-            "created": created,
-            "model": model,
-            "choices": choices,
-            "usage": usage,
-        }
+        """An event of ``choices``; ``fields``: more top-level fields (vLLM's
+        ``prompt_token_ids``, ...)."""
+        event = {**self._head, "choices": choices, "usage": usage}
         if fields:
             event.update(fields)
         return sse(event)
 
-    return chunk
+    def text(self, choice: TextChoice, render: Callable[[int, str], dict[str, Any]]) -> bytes:
+        """The event of a text-only choice, ``render`` making its dict."""
+        template = self._templates.get(choice.index) or self.template(choice.index, render)
+        if template is None:
+            return self([render(choice.index, choice.text)])
+        return template[0] + json_text(choice.text) + template[1]
+
+    def template(
+        self, index: int, render: Callable[[int, str], dict[str, Any]]
+    ) -> tuple[bytes, bytes] | None:
+        """The two ends of choice ``index``'s text-only events, around the text's JSON; None when
+        a field other than the text holds the mark (a model name, say): then every event is
+        encoded whole."""
+        if index in self._templates or index in self._no_template:
+            return self._templates.get(index)
+        parts = self([render(index, _MARK)]).split(_MARK_JSON)
+        if len(parts) != 2:
+            self._no_template.add(index)
+            return None
+        self._templates[index] = (parts[0], parts[1])
+        return self._templates[index]
+
+
+def json_text(text: str) -> bytes:
+    """A string's JSON as `sse` writes it (line separators escaped)."""
+    payload = _encoder.encode(text)
+    if b"\xc2\x85" in payload or b"\xe2\x80" in payload:  # U+0085, or U+2028/U+2029 maybe
+        payload = payload.decode().translate(_LINE_BREAKING).encode()
+    return payload
 
 
 def usage(
@@ -93,24 +140,21 @@ def usage(
 
 
 class Started(Generic[T]):
-    """An engine output stream whose first item has already been received."""
+    """An engine output stream whose first item has already been received: ``first`` (None if
+    the stream ended without any), then the items of ``rest``."""
 
-    def __init__(self, first: T | None, rest: AsyncGenerator[T, None], empty: bool) -> None:
-        self._first = first
-        self._pending_first = not empty
-        self._rest = rest
+    def __init__(self, first: T | None, rest: AsyncGenerator[T, None]) -> None:
+        self.first = first
+        self.rest = rest
 
-    def __aiter__(self) -> Started[T]:
-        return self
-
-    async def __anext__(self) -> T:
-        if self._pending_first:
-            self._pending_first = False
-            return self._first  # type: ignore[return-value]
-        return await anext(self._rest)
+    async def items(self) -> AsyncGenerator[T, None]:
+        if self.first is not None:
+            yield self.first
+        async for item in self.rest:
+            yield item
 
     async def aclose(self) -> None:
-        await self._rest.aclose()
+        await self.rest.aclose()
 
 
 async def start(generators: list[AsyncGenerator[T, None]]) -> list[Started[T]]:
@@ -133,9 +177,7 @@ async def start(generators: list[AsyncGenerator[T, None]]) -> list[Started[T]]:
             raise bad_request(str(error), param=getattr(error, "param", None)) from error
         raise error
     return [
-        Started(None, g, empty=True)
-        if isinstance(first, StopAsyncIteration)
-        else Started(first, g, empty=False)  # type: ignore[arg-type]
+        Started(None if isinstance(first, StopAsyncIteration) else first, g)  # type: ignore[arg-type]
         for first, g in zip(firsts, generators, strict=True)
     ]
 
@@ -143,16 +185,9 @@ async def start(generators: list[AsyncGenerator[T, None]]) -> list[Started[T]]:
 async def merge(iterators: list[Started[T]]) -> AsyncGenerator[tuple[int, T], None]:
     """Items of several iterators as they come, each tagged with its iterator's index. Closing
     the merged stream (or cancelling its consumer) cancels and closes every source."""
-    if len(iterators) == 1:
-        source = iterators[0]
-        try:
-            async for item in source:
-                yield 0, item
-        finally:
-            await source.aclose()
-        return
+    sources = [it.items() for it in iterators]
     pending: dict[asyncio.Future[T], int] = {
-        asyncio.ensure_future(anext(it)): i for i, it in enumerate(iterators)
+        asyncio.ensure_future(anext(source)): i for i, source in enumerate(sources)
     }
     try:
         while pending:
@@ -163,12 +198,14 @@ async def merge(iterators: list[Started[T]]) -> AsyncGenerator[tuple[int, T], No
                     item = future.result()
                 except StopAsyncIteration:
                     continue
-                pending[asyncio.ensure_future(anext(iterators[i]))] = i
+                pending[asyncio.ensure_future(anext(sources[i]))] = i
                 yield i, item
     finally:
         for future in pending:
             future.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
+        for source in sources:
+            await source.aclose()
         for it in iterators:
             await it.aclose()
 
