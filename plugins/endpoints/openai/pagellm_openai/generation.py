@@ -125,7 +125,7 @@ async def _stream(
                 if text is not None and not fields:
                     batch.append(text(choice, text_choice))  # type: ignore[arg-type]
                     continue
-                choice = text_choice(*choice)  # type: ignore[misc]
+                choice = text_choice(choice.index, choice.text)  # type: ignore[misc]
             usage = streams.usage(lengths[i], count) if continuous else None
             batch.append(chunk([choice], usage, fields))
             fields = None

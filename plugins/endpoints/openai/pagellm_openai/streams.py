@@ -12,7 +12,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from typing import Any, Generic, NamedTuple, TypeVar
+from typing import Any, Generic, TypeVar
 
 import msgspec
 from fastapi import Request
@@ -51,13 +51,16 @@ def sse(event: BaseModel | dict) -> bytes:
     return b"data: " + payload + b"\n\n"
 
 
-class TextChoice(NamedTuple):
+class TextChoice:
     """A stream choice in which only the text varies (no logprobs, token ids or finish reason):
     the route's ``render(index, text)`` makes it a dict, and its events are written from a byte
     template of that dict (`ChunkWriter.text`), the text alone encoded per chunk."""
 
-    index: int
-    text: str
+    __slots__ = ("index", "text")
+
+    def __init__(self, index: int, text: str) -> None:
+        self.index = index
+        self.text = text
 
 
 _MARK = "\x00pagellm-text\x00"  # where a template's text goes; JSON writes it as \u0000...
