@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
 
-from .target import warp_size
+from .rotary import check_rotary_inputs, launch_shape
 
 
 @triton.jit
@@ -102,14 +102,6 @@ def _qk_norm_rotary_kernel(
     )
 
 
-def _check_rows(name: str, t: torch.Tensor, tokens: int, head_size: int) -> None:
-    if t.dim() != 2 or t.shape[0] != tokens or t.shape[1] % head_size or t.stride(1) != 1:
-        raise ValueError(
-            f"qk_norm_rotary {name} must be [{tokens} tokens, heads * {head_size}] with unit "
-            f"column stride (written in place), got shape {tuple(t.shape)} strides {t.stride()}."
-        )
-
-
 def qk_norm_rotary(
     positions: torch.Tensor,
     q: torch.Tensor,
@@ -129,8 +121,7 @@ def qk_norm_rotary(
     GPU to size the launch for, when not ``q``'s own (`warp_size`)."""
     positions = positions.reshape(-1)
     tokens = positions.shape[0]
-    _check_rows("q", q, tokens, head_size)
-    _check_rows("k", k, tokens, head_size)
+    check_rotary_inputs("qk_norm_rotary", q, k, tokens, head_size, cos_sin_cache)
     if q.dtype != k.dtype:
         raise ValueError(f"qk_norm_rotary needs q and k of one dtype, got {q.dtype}, {k.dtype}.")
     if q_weight.numel() != head_size or k_weight.numel() != head_size:
@@ -138,21 +129,10 @@ def qk_norm_rotary(
             f"qk_norm_rotary weights must have head_size ({head_size}) elements, got "
             f"{q_weight.numel()} (q) and {k_weight.numel()} (k)."
         )
-    if head_size % 2 or cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != head_size:
-        raise ValueError(
-            f"qk_norm_rotary needs an even head_size and a [max_position, {head_size}] "
-            f"cos_sin_cache, got head_size {head_size} and cache {tuple(cos_sin_cache.shape)}."
-        )
-    if cos_sin_cache.dtype != torch.float32 or cos_sin_cache.stride(1) != 1:
-        raise ValueError("qk_norm_rotary needs a float32 cos_sin_cache with unit column stride.")
     if tokens == 0:
         return
-    n_q_heads, n_k_heads = q.shape[1] // head_size, k.shape[1] // head_size
-    block_half = triton.next_power_of_2(head_size // 2)
-    block_q_heads = triton.next_power_of_2(n_q_heads)
-    # About eight elements of each half per thread, as the rotary kernel (whose tile this is).
-    threads = warp_size(q.device, target)
-    num_warps = min(8, max(1, block_q_heads * block_half // (8 * threads)))
+    # The rotary kernel's tile and warps (this kernel is built on its tile).
+    n_q_heads, n_k_heads, tile = launch_shape(q, k, head_size, target)
     _qk_norm_rotary_kernel[(tokens,)](
         positions,
         positions.stride(0),
@@ -167,9 +147,5 @@ def qk_norm_rotary(
         cos_sin_cache.stride(0),
         n_q_heads,
         n_k_heads,
-        HEAD_SIZE=head_size,
-        BLOCK_Q_HEADS=block_q_heads,
-        BLOCK_K_HEADS=triton.next_power_of_2(n_k_heads),
-        BLOCK_HALF=block_half,
-        num_warps=num_warps,
+        **tile,
     )

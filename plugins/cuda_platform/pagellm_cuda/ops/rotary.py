@@ -71,12 +71,47 @@ def _rotary_kernel(
     )
 
 
-def _check_rows(name: str, t: torch.Tensor, tokens: int, head_size: int) -> None:
-    if t.dim() != 2 or t.shape[0] != tokens or t.shape[1] % head_size or t.stride(1) != 1:
+def check_rotary_inputs(
+    op: str, q: torch.Tensor, k: torch.Tensor, tokens: int, head_size: int, cache: torch.Tensor
+) -> None:
+    """The shapes ``op`` (this kernel, or one built on its tile) needs: ``q`` and ``k`` rows of
+    whole heads with unit column stride (written in place), an even ``head_size`` and a float32
+    [max_position, head_size] ``cache``."""
+    for name, t in (("q", q), ("k", k)):
+        if t.dim() != 2 or t.shape[0] != tokens or t.shape[1] % head_size or t.stride(1) != 1:
+            raise ValueError(
+                f"{op} {name} must be [{tokens} tokens, heads * {head_size}] with unit column "
+                f"stride (written in place), got shape {tuple(t.shape)} strides {t.stride()}."
+            )
+    if head_size % 2 or cache.dim() != 2 or cache.shape[1] != head_size:
         raise ValueError(
-            f"rotary_embedding {name} must be [{tokens} tokens, heads * {head_size}] with unit "
-            f"column stride (rotated in place), got shape {tuple(t.shape)} strides {t.stride()}."
+            f"{op} needs an even head_size and a [max_position, {head_size}] "
+            f"cos_sin_cache, got head_size {head_size} and cache {tuple(cache.shape)}."
         )
+    if cache.dtype != torch.float32 or cache.stride(1) != 1:
+        raise ValueError(f"{op} needs a float32 cos_sin_cache with unit column stride.")
+
+
+def launch_shape(
+    q: torch.Tensor, k: torch.Tensor, head_size: int, target: GPUTarget | None
+) -> tuple[int, int, dict[str, int]]:
+    """Heads of ``q`` and ``k``, and the tile constants and warps of one program per token over
+    all of them (about eight elements of each half per thread)."""
+    n_q_heads, n_k_heads = q.shape[1] // head_size, k.shape[1] // head_size
+    block_half = triton.next_power_of_2(head_size // 2)
+    block_q_heads = triton.next_power_of_2(n_q_heads)
+    threads = warp_size(q.device, target)
+    return (
+        n_q_heads,
+        n_k_heads,
+        {
+            "HEAD_SIZE": head_size,
+            "BLOCK_Q_HEADS": block_q_heads,
+            "BLOCK_K_HEADS": triton.next_power_of_2(n_k_heads),
+            "BLOCK_HALF": block_half,
+            "num_warps": min(8, max(1, block_q_heads * block_half // (8 * threads))),
+        },
+    )
 
 
 def rotary_embedding(
@@ -94,22 +129,10 @@ def rotary_embedding(
     GPU to size the launch for, when not ``q``'s own (`warp_size`)."""
     positions = positions.reshape(-1)
     tokens = positions.shape[0]
-    _check_rows("q", q, tokens, head_size)
-    _check_rows("k", k, tokens, head_size)
-    if head_size % 2 or cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != head_size:
-        raise ValueError(
-            f"rotary_embedding needs an even head_size and a [max_position, {head_size}] "
-            f"cos_sin_cache, got head_size {head_size} and cache {tuple(cos_sin_cache.shape)}."
-        )
-    if cos_sin_cache.dtype != torch.float32 or cos_sin_cache.stride(1) != 1:
-        raise ValueError("rotary_embedding needs a float32 cos_sin_cache with unit column stride.")
+    check_rotary_inputs("rotary_embedding", q, k, tokens, head_size, cos_sin_cache)
     if tokens == 0:
         return
-    n_q_heads, n_k_heads = q.shape[1] // head_size, k.shape[1] // head_size
-    block_half = triton.next_power_of_2(head_size // 2)
-    block_q_heads = triton.next_power_of_2(n_q_heads)
-    threads = warp_size(q.device, target)
-    num_warps = min(8, max(1, block_q_heads * block_half // (8 * threads)))
+    n_q_heads, n_k_heads, tile = launch_shape(q, k, head_size, target)
     _rotary_kernel[(tokens,)](
         positions,
         positions.stride(0),
@@ -121,9 +144,5 @@ def rotary_embedding(
         cos_sin_cache.stride(0),
         n_q_heads,
         n_k_heads,
-        HEAD_SIZE=head_size,
-        BLOCK_Q_HEADS=block_q_heads,
-        BLOCK_K_HEADS=triton.next_power_of_2(n_k_heads),
-        BLOCK_HALF=block_half,
-        num_warps=num_warps,
+        **tile,
     )
