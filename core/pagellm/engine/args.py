@@ -15,16 +15,13 @@ import typing
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-import torch
 from pydantic import ConfigDict, Field, TypeAdapter, ValidationError, with_config
 
 from pagellm.attention.selector import select_attention_backend
 from pagellm.config import (
-    DTYPES,
     CacheConfig,
     ConfigError,
     DeviceConfig,
-    DTypeName,
     EngineConfig,
     ExecutorBackend,
     LoadConfig,
@@ -37,6 +34,7 @@ from pagellm.config import (
     resolve_kv_cache_dtype,
 )
 from pagellm.engine import compilation
+from pagellm.engine.model_limits import resolve_dtype, resolve_max_model_len
 from pagellm.engine.runners import pooler_config, resolve_runner
 from pagellm.io_processors.selection import resolve_io_processor_name
 from pagellm.model_loader.formats import get_model_format
@@ -50,13 +48,6 @@ from pagellm.scheduler.policy import scheduling_policies
 
 _DEFAULT_MAX_NUM_SEQS = 256
 _DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
-_DTYPE_ALIASES: dict[str, DTypeName] = {
-    "float": "float32",
-    "half": "float16",
-    "fp32": "float32",
-    "fp16": "float16",
-    "bf16": "bfloat16",
-}
 
 PositiveInt = Annotated[int, Field(ge=1)]
 DTypeArg = Literal[
@@ -217,7 +208,7 @@ class EngineArgs:
             model=self.model,
             tokenizer=tokenizer,
             gguf_file=source.gguf_file,
-            dtype=self._resolve_dtype(hf_config, platform),
+            dtype=resolve_dtype(self.dtype, hf_config, platform),
             max_model_len=1,  # set below, once the config's own limit is known
             seed=self.seed,
             skip_tokenizer_init=self.skip_tokenizer_init,
@@ -229,7 +220,7 @@ class EngineArgs:
             is_causal=model_is_causal(model_cls),
             pooler=pooler_config(runner, source, model_cls),
         )
-        model_cfg.max_model_len = self._resolve_max_model_len(model_cfg)
+        model_cfg.max_model_len = resolve_max_model_len(self.max_model_len, model_cfg)
 
         pooling = runner == "pooling"
         chunked = self.enable_chunked_prefill and not pooling  # pooling: each prompt whole
@@ -368,37 +359,6 @@ class EngineArgs:
         if refusal is not None:  # judged here too, not first in every worker process
             raise ConfigError(refusal)
         return name
-
-    def _resolve_dtype(self, hf_config: Any, platform: Any) -> DTypeName:
-        names = {dtype: name for name, dtype in DTYPES.items()}
-        if self.dtype == "auto":
-            declared = getattr(hf_config, "dtype", None)
-            if isinstance(declared, str):
-                declared = getattr(torch, declared, None)
-            return names[platform.default_dtype(declared)]
-        requested = _DTYPE_ALIASES.get(self.dtype) or typing.cast(DTypeName, self.dtype)
-        if DTYPES[requested] not in platform.supported_dtypes:
-            supported = [names[d] for d in platform.supported_dtypes]
-            raise ConfigError(
-                f"dtype={self.dtype!r} is not supported on {platform.name}; use auto or one of "
-                f"{supported}."
-            )
-        return requested
-
-    def _resolve_max_model_len(self, model_cfg: ModelConfig) -> int:
-        limit = getattr(model_cfg.text_config, "max_position_embeddings", None)
-        if self.max_model_len is None:
-            if limit is None:
-                raise ConfigError(
-                    "The model config has no max_position_embeddings; pass max_model_len."
-                )
-            return int(limit)
-        if limit is not None and self.max_model_len > limit:
-            raise ConfigError(
-                f"max_model_len={self.max_model_len} is larger than the model's "
-                f"max_position_embeddings={limit}."
-            )
-        return self.max_model_len
 
 
 _VALIDATOR = TypeAdapter(EngineArgs)
