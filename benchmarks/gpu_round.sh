@@ -141,7 +141,7 @@ for stage in "$@"; do
       tcache=$(mktemp -d)
       t0=$SECONDS
       TRITON_CACHE_DIR=$tcache pagellm serve benchmarks/configs/qwen3-0.6b --load-format dummy \
-        --dtype bfloat16 --skip-tokenizer-init --max-model-len 2049 --port 8300 >"$OUT/w2_server.log" 2>&1 &
+        --dtype bfloat16 --skip-tokenizer-init --max-model-len 2049 --port 8300 ${SERVE_FLAGS:-} >"$OUT/w2_server.log" 2>&1 &
       server=$!
       for _ in $(seq 1 240); do curl -sf 127.0.0.1:8300/health >/dev/null && break; sleep 1; done
       curl -sf 127.0.0.1:8300/health >/dev/null || { echo "server did not start"; tail -30 "$OUT/w2_server.log"; }
@@ -149,7 +149,7 @@ for stage in "$@"; do
       echo "server ready in $((SECONDS - t0)) s, $n0 Triton kernels compiled"
       run w2_serve 300 pagellm bench serve --port 8300 --num-prompts 256 \
         --input-len-range 100 1024 --output-len-range 100 1024 --random-token-range 0 10000 \
-        --temperature 0 --seed 0 --output-json "$OUT/w2_serve.json"
+        --temperature 0 --seed 0 --output-json "$OUT/${SERVE_NAME:-w2_serve}.json"
       echo "Triton kernels compiled while serving: $(( $(ls "$tcache" | wc -l) - n0 ))"
       python3 - "$tcache" "$OUT/.ready" <<'PY'
 import json, os, sys

@@ -228,7 +228,7 @@ def test_cuda_graphs_are_captured_and_replayed(gpu_models) -> None:
         kv_cache_memory=1 << 30,
     )
     config = llm.llm_engine.config
-    assert config.compilation.cudagraph_mode == "decode"
+    assert config.compilation.cudagraph_mode == "decode_and_piecewise"  # the default
     runner = llm.llm_engine.engine_core.executor.worker.model_runner
     assert runner.graphs.sizes and runner.graphs.sizes[-1] == 16
     replays = 0

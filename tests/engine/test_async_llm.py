@@ -430,3 +430,41 @@ def test_a_completion_ending_before_its_sibling_is_reported_once_when_it_ends(ki
     # The user request is reported once, when its last completion ends.
     assert user_requests_per_step == [[], [], [], [(2, 4)]]
     assert timings.abort("r") is None  # nothing left behind
+
+
+def test_a_shutdown_from_the_running_loop_is_not_logged_as_the_engine_dying(
+    model, caplog, monkeypatch
+):
+    """`shutdown_async` (the API server's on SIGTERM) while the output task still watches the
+    process: its exit is the one asked for, so no error is logged, and a request after it is
+    refused with the shutdown's own error. The output task is made to see the exit first (no
+    drain wait; `shutdown_async` polls the exit code slowly), the order that logged the exit as
+    a death when the server's loop was busy."""
+    from pagellm.engine import async_core_client
+
+    real_sleep = asyncio.sleep
+
+    class SlowPolls:  # `asyncio` as the client module sees it, its sleeps at least 0.5 s
+        def __getattr__(self, name):
+            return getattr(asyncio, name)
+
+        @staticmethod
+        async def sleep(delay):
+            await real_sleep(max(delay, 0.5))
+
+    monkeypatch.setattr(async_core_client, "DRAIN_MS", 0)
+    monkeypatch.setattr(async_core_client, "asyncio", SlowPolls())
+    llm = AsyncLLM.from_engine_args(EngineArgs(model, **ENGINE_KWARGS))
+
+    async def main():
+        await collect(llm, "a", GREEDY, "before")
+        await llm.shutdown_async(timeout=10)
+        with pytest.raises(EngineDeadError, match="shut down"):
+            await collect(llm, "a", GREEDY, "after")
+
+    with caplog.at_level("INFO", logger="pagellm"):
+        asyncio.run(main())
+    assert llm.core_client.proc.exitcode == 0
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert errors == [], errors
+    assert not os.path.exists(llm.core_client.ipc_dir)

@@ -67,8 +67,9 @@ def test_the_flags_take_the_mode_names_and_a_list_of_sizes(capsys):
         ({"cudagraph_mode": "decode_and_piecewise", "piecewise_capture_sizes": [0]}, "0"),
         ({"enforce_eager": True, "cudagraph_mode": "decode_and_piecewise"}, "--enforce-eager"),
         ({"enforce_eager": True, "cudagraph_mode": "decode"}, "drop one of them"),
-        ({"piecewise_capture_sizes": [64]}, "only with --cudagraph-mode decode_and_piecewise"),
-        ({"cudagraph_mode": "decode", "piecewise_capture_sizes": [64]}, "is 'decode'"),
+        ({"cudagraph_mode": "none", "piecewise_capture_sizes": [64]}, "and it is 'none'"),
+        ({"cudagraph_mode": "decode", "piecewise_capture_sizes": [64]}, "and it is 'decode'"),
+        ({"enforce_eager": True, "piecewise_capture_sizes": [64]}, "--enforce-eager) is set"),
     ],
 )
 def test_contradictory_or_unknown_requests_are_refused(tiny_models, graph_platform, kwargs, text):
@@ -87,19 +88,30 @@ def test_a_platform_that_records_no_graphs_refuses_graph_modes(tiny_models, mode
     assert "--cudagraph-mode auto or none" in message
 
 
-def test_auto_and_none_leave_the_cpu_eager(tiny_models):
+def test_auto_and_none_leave_the_cpu_eager(tiny_models, caplog):
     for mode in ("auto", "none"):
         comp = config(tiny_models["llama3"], cudagraph_mode=mode).compilation
         assert comp.cudagraph_mode == "none" and comp.piecewise_capture_sizes == []
+    with caplog.at_level("INFO", logger="pagellm"):
+        comp = config(tiny_models["llama3"], piecewise_capture_sizes=[32]).compilation
+    assert comp.cudagraph_mode == "none" and comp.piecewise_capture_sizes == []
+    assert "--piecewise-capture-sizes) unused: platform cpu left CUDA graphs off" in caplog.text
 
 
-def test_piecewise_is_off_by_default_and_added_on_request(tiny_models, graph_platform):
-    comp = config(tiny_models["llama3"]).compilation
+def test_piecewise_joins_the_decode_graphs_by_default_and_decode_keeps_them_alone(
+    tiny_models, graph_platform
+):
+    budget = 8192
+    defaults = [s for s in DEFAULT_PIECEWISE_CAPTURE_SIZES if s <= budget]
+    for mode in ("auto", "decode_and_piecewise"):
+        comp = config(
+            tiny_models["llama3"], cudagraph_mode=mode, max_num_batched_tokens=budget
+        ).compilation
+        assert comp.cudagraph_mode == "decode_and_piecewise"
+        assert comp.cudagraph_capture_sizes == [1, 2, 4]  # the platform's decode graphs stay
+        assert comp.piecewise_capture_sizes == defaults and defaults[-1] == budget
+    comp = config(tiny_models["llama3"], cudagraph_mode="decode").compilation
     assert comp.cudagraph_mode == "decode" and comp.piecewise_capture_sizes == []
-    comp = config(tiny_models["llama3"], cudagraph_mode="decode_and_piecewise").compilation
-    assert comp.cudagraph_mode == "decode_and_piecewise"
-    assert comp.cudagraph_capture_sizes == [1, 2, 4]  # the platform's decode graphs stay
-    assert comp.piecewise_capture_sizes == list(DEFAULT_PIECEWISE_CAPTURE_SIZES)
     comp = config(
         tiny_models["llama3"],
         cudagraph_mode="decode_and_piecewise",
@@ -107,6 +119,8 @@ def test_piecewise_is_off_by_default_and_added_on_request(tiny_models, graph_pla
         max_num_batched_tokens=256,
     ).compilation
     assert comp.piecewise_capture_sizes == [32, 256]
+    comp = config(tiny_models["llama3"], piecewise_capture_sizes=[64]).compilation  # auto
+    assert comp.cudagraph_mode == "decode_and_piecewise" and comp.piecewise_capture_sizes == [64]
 
 
 def test_none_turns_graphs_off_like_enforce_eager(tiny_models, graph_platform):
@@ -136,8 +150,11 @@ def test_a_pooling_model_refuses_graph_modes(minilm_path, graph_platform):
 
 
 def test_default_sizes_stop_at_the_token_budget_which_is_captured_itself():
-    assert piecewise_capture_sizes(None, 8192) == list(DEFAULT_PIECEWISE_CAPTURE_SIZES)
-    assert piecewise_capture_sizes(None, 1024) == list(DEFAULT_PIECEWISE_CAPTURE_SIZES)
+    assert piecewise_capture_sizes(None, 16384) == list(DEFAULT_PIECEWISE_CAPTURE_SIZES)
+    assert piecewise_capture_sizes(None, 8192)[-4:] == [3072, 4096, 6144, 8192]
+    assert piecewise_capture_sizes(None, 5000)[-3:] == [3072, 4096, 5000]
+    # Above the largest default size, larger steps run eagerly: no graph of their size.
+    assert piecewise_capture_sizes(None, 65536) == list(DEFAULT_PIECEWISE_CAPTURE_SIZES)
     assert piecewise_capture_sizes(None, 600) == [16, 32, 64, 128, 256, 384, 512, 600]
     assert piecewise_capture_sizes(None, 64) == [16, 32, 64]
     assert piecewise_capture_sizes(None, 10) == [10]

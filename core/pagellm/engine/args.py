@@ -113,15 +113,17 @@ class EngineArgs:
     enforce_eager: bool = False
     """Never capture CUDA graphs: every step runs eagerly."""
     cudagraph_mode: compilation.RequestedCudaGraphMode = "auto"
-    """CUDA graphs: auto (the platform's: decode-only batches where it can), none (as
-    --enforce-eager), decode, or decode_and_piecewise (also other steps up to the largest
-    --piecewise-capture-sizes, as graphs between eager attention calls; off by default)."""
+    """CUDA graphs: auto (where the platform records graphs: decode graphs, and piecewise
+    graphs for the other steps up to the largest --piecewise-capture-sizes, as graphs between
+    eager attention calls), none (as --enforce-eager), decode (decode graphs only), or
+    decode_and_piecewise (as auto, refused where the platform records no graphs)."""
     piecewise_capture_sizes: list[PositiveInt] | None = None
-    """Token counts with piecewise graphs (default: 16 32 64 128 256 384 512 768 1024, capped
-    by max_num_batched_tokens); a step is padded up to the next."""
+    """Token counts with piecewise graphs (default: 16 32 64 128 256 384 512 768 1024 1536 2048
+    3072 4096 6144 8192 12288 16384 up to max_num_batched_tokens, and that budget); a step is
+    padded up to the next."""
     async_scheduling: bool | None = None
     """Schedule the next step while the device runs the current one (same tokens, less idle
-    device time); default: the platform's choice (off everywhere for now)."""
+    device time); default: the platform's choice (on for CUDA, off on the CPU)."""
     stream_interval: PositiveInt = 1
     """Streamed outputs carry at least this many new tokens, but the first and the last (fewer,
     larger chunks, less front-end work per token; 1: a chunk per step)."""

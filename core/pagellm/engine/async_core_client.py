@@ -135,6 +135,7 @@ class AsyncMPClient(MPClientBase):
         sends never block), then kill it if it has not."""
         if self._closed:
             return
+        self._stopping = True
         if self.proc.exitcode is None:
             send_shutdown(self.input_socket)
             loop = asyncio.get_running_loop()

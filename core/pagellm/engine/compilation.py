@@ -4,8 +4,10 @@ graphs on where it records graphs and the attention backend can be captured), ma
 `CompilationConfig`: `compilation_config` before the platform's look, `apply_cudagraph_mode`
 after it.
 
-Piecewise graphs (`pagellm.worker.piecewise`) are off by default until they are measured on a
-GPU: ``--cudagraph-mode decode_and_piecewise`` turns them on beside the decode graphs.
+Piecewise graphs (`pagellm.worker.piecewise`) come with the decode graphs by default
+(``auto``) wherever the platform turns those on: measured on the H200 (docs/benchmarks.md), they
+took the prefill-heavy run from 2.32 to 1.92 s and W2 from 24,430 to 25,527 output tok/s with the
+same tokens. ``--cudagraph-mode decode`` keeps decode graphs alone.
 """
 
 from __future__ import annotations
@@ -20,19 +22,24 @@ from pagellm.platforms.interface import Platform
 logger = logging.getLogger(__name__)
 
 RequestedCudaGraphMode = Literal["auto", "none", "decode", "decode_and_piecewise"]
-"""auto: the platform's choice (decode graphs where it records graphs); none: the same as
+"""auto: the platform's choice (decode graphs where it records graphs), with piecewise graphs
+beside them; none: the same as
 ``--enforce-eager``; decode: decode graphs, refused where the platform captures none;
 decode_and_piecewise: decode graphs and piecewise graphs, refused likewise."""
 
 _GRAPH_MODES = ("decode", "decode_and_piecewise")
 
-DEFAULT_PIECEWISE_CAPTURE_SIZES = (16, 32, 64, 128, 256, 384, 512, 768, 1024)
-"""Token counts with piecewise graphs by default: powers of two up to 256, where a step is
-bound by reading the weights and padding rows cost little, then steps of at most half the size
-below, so that no step above 256 tokens computes more than 1.5 times its rows. Steps of more
-than 1,024 tokens run eagerly: their kernels take long enough to hide the launches. Each size
-costs one graph per attention layer plus one, and their capture time; the default is a first
-choice, to be tuned by measurement (`--piecewise-capture-sizes`)."""
+DEFAULT_PIECEWISE_CAPTURE_SIZES = (
+    16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384
+)  # fmt: skip
+"""Token counts with piecewise graphs by default (those up to ``max_num_batched_tokens``, and
+that budget itself unless it is above the largest: such huge steps run eagerly): powers of two up to 256, where a step is bound by reading the weights and
+padding rows cost little, then steps of at most half the size below, so that no step above 256
+tokens computes more than 1.5 times its rows. Full 8,192-token steps gain too: on the H200 a
+prefill step of W2's model (Qwen3-0.6B shapes) runs its ~470 kernels in 26 ms, and launched one
+by one from Python they left the device idle for part of it. Each size costs one graph per
+attention layer plus one; on the H200, 290 graphs (10 sizes of W2's model) took 0.4 s to capture
+and 330 MiB (`--piecewise-capture-sizes` to choose others)."""
 
 
 def compilation_config(args: Any, pooling: bool) -> CompilationConfig:
@@ -44,10 +51,13 @@ def compilation_config(args: Any, pooling: bool) -> CompilationConfig:
             f"cudagraph_mode={mode!r} (--cudagraph-mode) asks for CUDA graphs, which "
             "enforce_eager (--enforce-eager) turns off; drop one of them."
         )
-    if args.piecewise_capture_sizes is not None and mode != "decode_and_piecewise":
+    if args.piecewise_capture_sizes is not None and (
+        mode not in ("auto", "decode_and_piecewise") or enforce_eager
+    ):
+        why = "enforce_eager (--enforce-eager) is set" if enforce_eager else f"it is {mode!r}"
         raise ConfigError(
-            "piecewise_capture_sizes (--piecewise-capture-sizes) applies only with "
-            f"--cudagraph-mode decode_and_piecewise (cudagraph_mode is {mode!r})."
+            "piecewise_capture_sizes (--piecewise-capture-sizes) applies only with piecewise "
+            f"graphs (--cudagraph-mode auto or decode_and_piecewise), and {why}."
         )
     if pooling and mode in _GRAPH_MODES:
         raise ConfigError(
@@ -78,6 +88,14 @@ def apply_cudagraph_mode(config: EngineConfig, args: Any, platform: Any) -> None
             f"cudagraph_mode={mode!r} (--cudagraph-mode) needs CUDA graphs, but {why}; "
             "use --cudagraph-mode auto or none."
         )
+    if mode == "auto" and comp.cudagraph_mode == "decode":
+        mode = "decode_and_piecewise"  # the default beside the platform's decode graphs
+    elif mode == "auto" and args.piecewise_capture_sizes is not None:
+        logger.info(
+            "piecewise_capture_sizes (--piecewise-capture-sizes) unused: platform %s left CUDA "
+            "graphs off, so every step runs eagerly.",
+            platform.name,
+        )
     if mode != "decode_and_piecewise":
         return
     budget = config.scheduler.max_num_batched_tokens
@@ -99,8 +117,8 @@ def piecewise_capture_sizes(requested: list[int] | None, max_num_batched_tokens:
     needs no padding."""
     if requested is None:
         sizes = {s for s in DEFAULT_PIECEWISE_CAPTURE_SIZES if s <= max_num_batched_tokens}
-        if max_num_batched_tokens < DEFAULT_PIECEWISE_CAPTURE_SIZES[-1]:
-            sizes.add(max_num_batched_tokens)
+        if max_num_batched_tokens <= DEFAULT_PIECEWISE_CAPTURE_SIZES[-1]:
+            sizes.add(max_num_batched_tokens)  # larger steps run eagerly
         return sorted(sizes)
     if not requested:
         raise ConfigError(

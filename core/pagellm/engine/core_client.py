@@ -113,6 +113,9 @@ class MPClientBase:
             self.ipc_dir,
         )
         self._closed = False
+        self._stopping = False
+        """Set once this side asked the engine to stop: its exit is then expected, not logged
+        as a death."""
         self._dead: EngineDeadError | None = None
         self._call_ids = itertools.count()
         self.proc.start()
@@ -158,6 +161,10 @@ class MPClientBase:
             message = "The engine-core process died" + (
                 f" (exit code {code})" if code is not None else ""
             )
+            if self._stopping and error is None:
+                self._dead = EngineDeadError("The engine core was shut down.")
+                logger.info("The engine-core process stopped (exit code %s)", code)
+                return self._dead
             self._dead = EngineDeadError(message)
             if error is not None:
                 message += f": {error.message}\n{error.traceback}"

@@ -66,9 +66,13 @@ def test_piecewise_graphs_join_the_decode_graphs(tiny_models, capable_backend):
     assert comp.piecewise_capture_sizes == [16, 32, 64, 128, 256, 384, 512]
 
 
-def test_piecewise_is_off_unless_asked(tiny_models, capable_backend):
-    comp = on_cuda(tiny_models["llama3"], capable_backend)[0].compilation
-    assert comp.cudagraph_mode == "decode" and comp.piecewise_capture_sizes == []
+def test_piecewise_is_on_by_default_and_off_with_decode(tiny_models, capable_backend):
+    comp = on_cuda(tiny_models["llama3"], capable_backend, max_num_batched_tokens=512)[0]
+    assert comp.compilation.cudagraph_mode == "decode_and_piecewise"
+    assert comp.compilation.piecewise_capture_sizes == [16, 32, 64, 128, 256, 384, 512]
+    comp = on_cuda(tiny_models["llama3"], capable_backend, cudagraph_mode="decode")[0]
+    assert comp.compilation.cudagraph_mode == "decode"
+    assert comp.compilation.piecewise_capture_sizes == []
 
 
 def test_a_backend_without_graph_support_refuses_the_mode_and_says_which(tiny_models):
