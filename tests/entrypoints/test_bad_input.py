@@ -35,6 +35,9 @@ def assert_engine_clean_and_usable(llm):
         ([5] * 200, "max_model_len"),
         ([5, 1024, 6], "prompt_token_ids"),
         ([5, -1, 6], "prompt_token_ids"),
+        ([5, True, 6], "prompt_token_ids"),
+        ([5, 6.0, 7], "prompt_token_ids"),
+        ([5, "6", 7], "prompt_token_ids"),
         # The tiny model has 1024 tokens but SmolLM2's tokenizer: this text tokenizes past them.
         ("The capital of France is Paris", "vocabulary"),
     ],

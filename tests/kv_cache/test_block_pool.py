@@ -288,6 +288,40 @@ def test_cache_salt_changes_the_first_block_hash():
     assert other_salt.block_hashes[0] != salted.block_hashes[0]
 
 
+def test_the_block_hasher_equals_the_per_block_chain_with_salt_and_items():
+    """The hasher converts a request's new blocks in one go; its hashes are the chain of
+    `hash_block_tokens` over each block, with the salt in block 0 and each item's key in the
+    blocks its span overlaps, also as output tokens fill blocks one by one."""
+    import torch
+
+    from pagellm.kv_cache.hashing import _extra_keys
+    from pagellm.multimodal.inputs import MultiModalItem
+
+    tokens = [
+        int(t) for t in torch.randint(0, 50_000, (37,), generator=torch.Generator().manual_seed(0))
+    ]
+    item = MultiModalItem.from_tensor("image", torch.ones(2, 3), offset=6, length=7)
+    request = Request(
+        "r",
+        tokens,
+        SamplingParams(temperature=0, max_tokens=8),
+        eos_token_id=None,
+        cache_salt="salt",
+        mm_items=[item],
+        block_hasher=make_block_hasher(4),
+    )
+    for token in (7, 70_000, 3):
+        request.append_output_token(token)
+    expected, parent = [], None
+    all_ids = tokens + [7, 70_000, 3]
+    for i in range(len(all_ids) // 4):
+        parent = hash_block_tokens(parent, all_ids[4 * i : 4 * i + 4], _extra_keys(request, i, 4))
+        expected.append(parent)
+    assert request.block_hashes == expected and len(expected) == 10
+    assert _extra_keys(request, 0, 4) == ("salt:salt",)
+    assert [len(_extra_keys(request, i, 4)) for i in range(1, 5)] == [1, 1, 1, 0]  # span 6..13
+
+
 # ---------------------------------------------------------------------------- KVCacheManager
 
 

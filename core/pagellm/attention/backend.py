@@ -78,6 +78,11 @@ class AttentionMetadataBuilder(ABC):
 
 
 class AttentionImpl(ABC):
+    writes_into_output: bool = False
+    """Whether ``forward`` takes an ``output`` keyword (a contiguous [T, num_heads * head_size]
+    tensor of the query's dtype) and writes its result there, returning it. Piecewise graphs
+    hand attention such a buffer; an implementation without it has its result copied there."""
+
     def __init__(
         self,
         num_heads: int,

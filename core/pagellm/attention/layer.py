@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -40,9 +42,23 @@ class Attention(nn.Module):
         """Scales of a quantized KV cache (stored = value / scale), from the checkpoint."""
         self.impl.k_scale, self.impl.v_scale = k_scale, v_scale
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        output: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The attention of the step's tokens; written into ``output`` (contiguous, shaped like
+        ``query``) when given, in place where the backend can (`AttentionImpl.writes_into_output`)."""
         ctx = get_forward_context()
+        impl = self.impl
         if ctx.attn_metadata is None:
             # Profiling run (no KV cache yet): the shapes flow on, attention itself is skipped.
-            return query.contiguous()
-        return self.impl.forward(query, key, value, self.kv_cache, ctx.attn_metadata)
+            return query.contiguous() if output is None else output.copy_(query)
+        if output is None:
+            return impl.forward(query, key, value, self.kv_cache, ctx.attn_metadata)
+        if impl.writes_into_output:
+            forward: Any = impl.forward  # its signature has the ``output`` keyword
+            return forward(query, key, value, self.kv_cache, ctx.attn_metadata, output=output)
+        return output.copy_(impl.forward(query, key, value, self.kv_cache, ctx.attn_metadata))

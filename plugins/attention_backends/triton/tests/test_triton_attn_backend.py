@@ -72,6 +72,25 @@ def test_builder_picks_the_decode_kernel_for_decode_only_steps(backend):
         assert_close_to_reference(out.view(mixed.query.shape), mixed, impl.scale, None)
 
 
+def test_a_given_output_buffer_gets_the_rows_in_place_and_nothing_past_them(backend):
+    """Piecewise graphs hand attention the first rows of a longer buffer: both kernels (a mixed
+    batch with decode rows) write there, the padding rows after them stay as they were."""
+    kwargs = dict(num_heads=4, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    batch = make_batch([(40, 9), (90, 1), (0, 5), (17, 1), (33, 1)], **kwargs)
+    builder = backend.TritonAttentionMetadataBuilder(spec_for(batch), torch.device("cpu"))
+    builder.min_decodes_for_decode_kernel = 2
+    meta = builder.build(batch.common())
+    assert meta.run_mixed_kernel and meta.run_decode_kernel
+    impl = make_impl(backend, batch)
+    assert backend.TritonAttentionImpl.writes_into_output
+    n, width = batch.num_tokens, batch.query.shape[1] * batch.query.shape[2]
+    buffer = torch.full((n + 7, width), 5.0)
+    out = impl.forward(*flat(batch), batch.kv_cache, meta, output=buffer[:n])
+    assert out.data_ptr() == buffer.data_ptr()
+    assert_close_to_reference(buffer[:n].view(batch.query.shape), batch, impl.scale, None)
+    assert torch.equal(buffer[n:], torch.full((7, width), 5.0))
+
+
 def test_cudagraph_metadata_is_replayed_with_new_batch_contents(backend):
     """Capture-and-replay without a GPU: metadata built once over persistent buffers, the
     buffers rewritten in place between "replays", the same metadata reused each time."""
