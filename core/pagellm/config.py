@@ -214,8 +214,9 @@ class CompilationConfig(_Config):
     enforce_eager: bool = False
     """Never capture CUDA graphs (the user's ``--enforce-eager``)."""
     cudagraph_mode: CudaGraphMode = "none"
-    """The platform turns ``decode`` on where it records graphs; the user's ``--cudagraph-mode
-    decode_and_piecewise`` then adds piecewise graphs (`pagellm.engine.compilation`)."""
+    """The platform turns ``decode`` on where it records graphs; piecewise graphs are then added
+    (``decode_and_piecewise``) unless the user asked for ``--cudagraph-mode decode``
+    (`pagellm.engine.compilation`)."""
     cudagraph_capture_sizes: list[int] = Field(default_factory=list)
     """Decode batch sizes with a captured graph, ascending (a batch is padded up to the next)."""
     piecewise_capture_sizes: list[int] = Field(default_factory=list)
