@@ -168,6 +168,13 @@ def test_segments_hand_over_in_place_where_the_ops_write_in_place(
     after = decoder.next_segment(1, positions, buffers.attn_output, buffers.residual)
     in_place = after.residual.data_ptr() == buffers.residual.data_ptr()
     assert in_place == (platform is InPlaceOpsPlatform)
+    # The projection written into the buffer (as captured segments do): v is its slice, and
+    # q and k too where the ops rotate in place, so storing them copies nothing.
+    into = decoder.first_segment(ids, positions, buffers.qkv[: len(ids)])
+    assert into.v.data_ptr() == buffers.v.data_ptr()
+    assert (into.q.data_ptr() == buffers.qkv.data_ptr()) == packed
+    assert torch.equal(into.q, first.q) and torch.equal(into.k, first.k)
+    assert torch.equal(into.v, first.v)
 
 
 @pytest.mark.parametrize("kind", ["llama3", "qwen3"])

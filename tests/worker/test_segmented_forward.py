@@ -15,12 +15,18 @@ from segment_steps import BLOCK_SIZE, STEPS, step_inputs, step_metadata
 
 
 def segmented(
-    decoder: SegmentedDecoder, ids: torch.Tensor, positions: torch.Tensor, num_tokens: int
+    decoder: SegmentedDecoder,
+    ids: torch.Tensor,
+    positions: torch.Tensor,
+    num_tokens: int,
+    qkv_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The segments in order over all rows of ``ids``, attention on the first ``num_tokens``;
-    the attention output's other rows are garbage, as a padded graph replay leaves them."""
+    the attention output's other rows are garbage, as a padded graph replay leaves them. With
+    ``qkv_out``, each layer's q/k/v projection is written there (as piecewise graphs ask), and
+    v at least comes back as its slice."""
     layers = decoder.attention_layers()
-    inputs = decoder.first_segment(ids, positions)
+    inputs = decoder.first_segment(ids, positions, qkv_out)
     generator = torch.Generator().manual_seed(0)
     for index, attention in enumerate(layers):
         output = torch.randn(inputs.q.shape, generator=generator) * 100
@@ -28,7 +34,10 @@ def segmented(
         output[:n] = attention(inputs.q[:n], inputs.k[:n], inputs.v[:n])
         if index + 1 == len(layers):
             return decoder.last_segment(output, inputs.residual)
-        inputs = decoder.next_segment(index + 1, positions, output, inputs.residual)
+        inputs = decoder.next_segment(index + 1, positions, output, inputs.residual, qkv_out)
+        if qkv_out is not None:
+            width = qkv_out.shape[1]
+            assert inputs.v.data_ptr() == qkv_out.data_ptr() + (width - inputs.v.shape[1]) * 4
     raise AssertionError("a decoder has at least one attention layer")
 
 
@@ -55,7 +64,12 @@ def test_segments_with_attention_between_are_the_forward_pass_bit_for_bit(runner
         with set_forward_context(meta):
             expected = model(ids, positions)
             actual = segmented(decoder, ids, positions, len(ids))
+            first = decoder.first_segment(ids, positions)
+            width = first.q.shape[1] + first.k.shape[1] + first.v.shape[1]
+            buffer = torch.full((len(ids), width), float("nan"))
+            into_buffer = segmented(decoder, ids, positions, len(ids), buffer)
         assert torch.equal(actual, expected)
+        assert torch.equal(into_buffer, expected)  # the projection written in place: same bits
 
 
 @pytest.mark.parametrize("padded_to", [64, 128])

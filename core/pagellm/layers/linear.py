@@ -67,6 +67,22 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_method.apply(self, x)
 
+    def forward_into(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``forward(x)`` written into ``out`` (contiguous, [tokens, out_features]) and returned:
+        by the matmul itself for unquantized weights of a 2-D input (the same ``mm`` / ``addmm``
+        as ``F.linear``), else copied there. Piecewise graphs give their q/k/v buffer."""
+        if (
+            type(self.linear_method) is UnquantizedLinearMethod
+            and x.dim() == 2
+            and not getattr(self, "gather_output", False)
+        ):
+            weight = self.get_parameter("weight").t()
+            bias = self.bias
+            if bias is None:
+                return torch.mm(x, weight, out=out)
+            return torch.addmm(bias, x, weight, out=out)  # type: ignore[arg-type]
+        return out.copy_(self.forward(x))
+
     def rank_part(
         self, param_name: str, tensor: CheckpointTensor, name: str, shard: int | None
     ) -> torch.Tensor:

@@ -94,10 +94,17 @@ class LlamaAttention(nn.Module):
         )
 
     def project_qkv(
-        self, positions: torch.Tensor, hidden_states: torch.Tensor
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        qkv_out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The attention's inputs: q, k and v of each token, q and k normed (Qwen3) and rotated."""
-        qkv = self.qkv_proj(hidden_states)
+        """The attention's inputs: q, k and v of each token, q and k normed (Qwen3) and rotated;
+        the projection written into ``qkv_out`` when given (`Linear.forward_into`)."""
+        if qkv_out is None:
+            qkv = self.qkv_proj(hidden_states)
+        else:
+            qkv = self.qkv_proj.forward_into(hidden_states, qkv_out)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self._qk_norm_rotary_op is not None:  # q and k, views of qkv, written in place
             self._qk_norm_rotary_op(
@@ -154,16 +161,21 @@ class LlamaDecoderLayer(nn.Module):
         return self.post_attention(attn_output, inputs.residual)
 
     def pre_attention(
-        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+        qkv_out: torch.Tensor | None = None,
     ) -> AttentionInputs:
         """The layer up to its attention call: the residual add (``residual`` None: the first
-        layer, whose input is the residual stream), the norm, q, k and v."""
+        layer, whose input is the residual stream), the norm, q, k and v (their projection
+        written into ``qkv_out`` when given)."""
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        q, k, v = self.self_attn.project_qkv(positions, hidden_states)
+        q, k, v = self.self_attn.project_qkv(positions, hidden_states, qkv_out)
         return AttentionInputs(q, k, v, residual)
 
     def post_attention(
@@ -214,9 +226,12 @@ class LlamaModel(nn.Module):
     def attention_layers(self) -> list[Attention]:
         return [self._layer(i).self_attn.attn for i in range(len(self.layers))]
 
-    def first_segment(self, input_ids: torch.Tensor, positions: torch.Tensor) -> AttentionInputs:
+    def first_segment(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, qkv_out: torch.Tensor | None = None
+    ) -> AttentionInputs:
         self.rotary_emb.set_positions(positions)
-        return self._layer(0).pre_attention(positions, self.embed_tokens(input_ids), None)
+        embeds = self.embed_tokens(input_ids)
+        return self._layer(0).pre_attention(positions, embeds, None, qkv_out)
 
     def next_segment(
         self,
@@ -224,10 +239,11 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         attn_output: torch.Tensor,
         residual: torch.Tensor,
+        qkv_out: torch.Tensor | None = None,
     ) -> AttentionInputs:
         self.rotary_emb.set_positions(positions)
         hidden_states, residual = self._layer(index - 1).post_attention(attn_output, residual)
-        return self._layer(index).pre_attention(positions, hidden_states, residual)
+        return self._layer(index).pre_attention(positions, hidden_states, residual, qkv_out)
 
     def last_segment(self, attn_output: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         hidden_states, residual = self._layer(-1).post_attention(attn_output, residual)

@@ -44,8 +44,12 @@ class SegmentedDecoder(Protocol):
         ...
 
     def first_segment(
-        self, input_ids: torch.Tensor, positions: torch.Tensor
-    ) -> AttentionInputs: ...
+        self, input_ids: torch.Tensor, positions: torch.Tensor, qkv_out: torch.Tensor | None = None
+    ) -> AttentionInputs:
+        """The embedding and layer 0 up to its attention inputs. ``qkv_out`` (optional, a
+        contiguous [tokens, q + k + v] buffer): where the fused q/k/v projection may be written,
+        so that q, k and v come back as its column slices and need no copy into it."""
+        ...
 
     def next_segment(
         self,
@@ -53,8 +57,10 @@ class SegmentedDecoder(Protocol):
         positions: torch.Tensor,
         attn_output: torch.Tensor,
         residual: torch.Tensor,
+        qkv_out: torch.Tensor | None = None,
     ) -> AttentionInputs:
-        """From attention layer ``index - 1``'s output to attention layer ``index``'s inputs."""
+        """From attention layer ``index - 1``'s output to attention layer ``index``'s inputs
+        (``qkv_out`` as in `first_segment`)."""
         ...
 
     def last_segment(self, attn_output: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:

@@ -89,7 +89,8 @@ class SegmentBuffers:
         the segment updated these rows in place (the platform's fused add + norm)."""
         packed = _packed(inputs)
         if packed is not None:
-            self.qkv[:size].copy_(packed)
+            if packed.data_ptr() != self.qkv.data_ptr():  # else already there (`qkv_out`)
+                self.qkv[:size].copy_(packed)
         else:
             for buffer, tensor in ((self.q, inputs.q), (self.k, inputs.k), (self.v, inputs.v)):
                 buffer[:size].copy_(tensor)
@@ -193,14 +194,15 @@ class PiecewiseGraphs:
         assert buffers is not None  # set by `capture` first
         ids, pos = input_ids[:size], positions[:size]
         attn_output, residual = buffers.attn_output[:size], buffers.residual[:size]
+        qkv = buffers.qkv[:size]  # the projection is written there, and normed/rotated in place
         if index == len(self._layers):
             return lambda: decoder.last_segment(attn_output, residual)
 
         def run() -> torch.Tensor:
             if index == 0:
-                inputs = decoder.first_segment(ids, pos)
+                inputs = decoder.first_segment(ids, pos, qkv)
             else:
-                inputs = decoder.next_segment(index, pos, attn_output, residual)
+                inputs = decoder.next_segment(index, pos, attn_output, residual, qkv)
             buffers.store(inputs, size)
             return residual  # a static buffer: the graph's output is unused
 
