@@ -23,9 +23,9 @@ logger = logging.getLogger(__name__)
 
 RequestedCudaGraphMode = Literal["auto", "none", "decode", "decode_and_piecewise"]
 """auto: the platform's choice (decode graphs where it records graphs), with piecewise graphs
-beside them; none: the same as
-``--enforce-eager``; decode: decode graphs, refused where the platform captures none;
-decode_and_piecewise: decode graphs and piecewise graphs, refused likewise."""
+beside them; none: the same as ``--enforce-eager``; decode: decode graphs alone, refused where
+the platform captures none; decode_and_piecewise: decode graphs and piecewise graphs, refused
+likewise."""
 
 _GRAPH_MODES = ("decode", "decode_and_piecewise")
 
@@ -33,9 +33,10 @@ DEFAULT_PIECEWISE_CAPTURE_SIZES = (
     16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384
 )  # fmt: skip
 """Token counts with piecewise graphs by default (those up to ``max_num_batched_tokens``, and
-that budget itself unless it is above the largest: such huge steps run eagerly): powers of two up to 256, where a step is bound by reading the weights and
-padding rows cost little, then steps of at most half the size below, so that no step above 256
-tokens computes more than 1.5 times its rows. Full 8,192-token steps gain too: on the H200 a
+that budget itself unless it is above the largest: such huge steps run eagerly): powers of two
+up to 256, where a step is bound by reading the weights and padding rows cost little, then
+steps of at most half the size below, so that no step above 256 tokens computes more than 1.5
+times its rows. Full 8,192-token steps gain too: on the H200 a
 prefill step of W2's model (Qwen3-0.6B shapes) runs its ~470 kernels in 26 ms, and launched one
 by one from Python they left the device idle for part of it. Each size costs one graph per
 attention layer plus one; on the H200, 290 graphs (10 sizes of W2's model) took 0.4 s to capture

@@ -25,8 +25,14 @@ ROOT_HASH = hashlib.sha256(b"pagellm-prefix-cache-root").digest()
 def hash_block_tokens(
     parent_hash: bytes | None, token_ids: list[int], extra_keys: tuple[str, ...] = ()
 ) -> bytes:
-    h = hashlib.sha256(parent_hash if parent_hash is not None else ROOT_HASH)
-    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    token_bytes = np.asarray(token_ids, dtype=np.int64).tobytes()
+    return _chain(parent_hash if parent_hash is not None else ROOT_HASH, token_bytes, extra_keys)
+
+
+def _chain(parent_hash: bytes, token_bytes: bytes, extra_keys: tuple[str, ...]) -> bytes:
+    """A block's hash: its parent's, its tokens as int64 bytes, then each extra key."""
+    h = hashlib.sha256(parent_hash)
+    h.update(token_bytes)
     for key in extra_keys:
         h.update(b"\x00" + key.encode())
     return h.digest()
@@ -51,8 +57,8 @@ def make_block_hasher(block_size: int) -> Callable[[Request], list[bytes]]:
             return []
         parent = request.block_hashes[-1] if start else ROOT_HASH
         # The new blocks' tokens as int64 bytes in one conversion (a prompt's 128 blocks
-        # hashed in ~60 us rather than ~600): block i's bytes are the slice of its tokens, the
-        # same bytes `hash_block_tokens` hashes, so the hashes are the same.
+        # hashed in ~60 us rather than ~600): block i's bytes are the slice of its tokens, as
+        # `hash_block_tokens` would convert them.
         data = np.asarray(
             request.all_token_ids[start * block_size : num_full * block_size], dtype=np.int64
         ).tobytes()
@@ -60,12 +66,8 @@ def make_block_hasher(block_size: int) -> Callable[[Request], list[bytes]]:
         any_extra = bool(request.cache_salt) or bool(request.mm_items)
         new_hashes = []
         for j, i in enumerate(range(start, num_full)):
-            h = hashlib.sha256(parent)
-            h.update(data[j * width : (j + 1) * width])
-            if any_extra:
-                for key in _extra_keys(request, i, block_size):
-                    h.update(b"\x00" + key.encode())
-            parent = h.digest()
+            extra = _extra_keys(request, i, block_size) if any_extra else ()
+            parent = _chain(parent, data[j * width : (j + 1) * width], extra)
             new_hashes.append(parent)
         return new_hashes
 
