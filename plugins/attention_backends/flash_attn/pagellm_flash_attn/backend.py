@@ -36,6 +36,10 @@ class FlashAttnImpl(AttentionImpl):
         # The platform's kernel (on CUDA, a Triton one), else torch's index_copy_.
         self.write_kv = get_custom_op("write_paged_kv") or write_paged_kv
 
+    writes_into_output = True
+    """Piecewise graphs' buffer: kernels that take an output tensor (FA4 past a step's first
+    layer, FA3, the TRITON decode kernel) write there; others' results are copied there."""
+
     def forward(
         self,
         query: torch.Tensor,
@@ -43,23 +47,31 @@ class FlashAttnImpl(AttentionImpl):
         value: torch.Tensor,
         kv_cache: torch.Tensor,
         attn_metadata: FlashAttnMetadata,
+        output: torch.Tensor | None = None,
     ) -> torch.Tensor:
         meta, layer = attn_metadata, self.layer
         n = meta.num_actual_tokens
         q = query[:n].view(n, self.num_heads, self.head_size)
         k = key[:n].view(n, self.num_kv_heads, self.head_size)
         v = value[:n].view(n, self.num_kv_heads, self.head_size)
+        into = None if output is None else output[:n].view(n, self.num_heads, self.head_size)
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         self.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
         prefill, decode = meta.prefill_kernel, meta.decode_kernel
         if prefill is None:
             if decode is None:
                 raise ValueError("FlashAttnMetadata names no kernel for the step")
-            out = decode.decode(q, key_cache, value_cache, meta, layer, None)
+            out = decode.decode(q, key_cache, value_cache, meta, layer, into)
         else:
-            out = prefill.prefill(q, key_cache, value_cache, meta, layer, meta.prefill_query_lens)
+            out = prefill.prefill(
+                q, key_cache, value_cache, meta, layer, meta.prefill_query_lens, out=into
+            )
             if decode is not None:  # the one-token rows prefill left, written into its output
                 decode.decode(q, key_cache, value_cache, meta, layer, out)
+        if into is not None and out.data_ptr() != into.data_ptr():
+            into.copy_(out)  # a kernel without an output argument (FA2, FA4's entry call)
+        if output is not None:
+            return output
         return out.reshape(n, self.num_heads * self.head_size)
 
 

@@ -28,6 +28,8 @@ class Recorder:
     calls: list[dict[str, Any]] = field(default_factory=list)
     launches: int = 0
     """FA4's compiled kernel launches (through its entry point, or replayed by the backend)."""
+    last_out: torch.Tensor | None = None
+    """The output tensor FA4's last kernel launch wrote."""
     allow_float32: bool = False
     """Accept float32 (the real builds take half precision only), for exact engine tests."""
 
@@ -117,6 +119,7 @@ def fake_fa4(recorder: Recorder) -> dict[str, types.ModuleType]:
         def kernel(q, k, v, out, lse, scale, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
                    page_table, window_left, window_right, *rest):  # fmt: skip
             recorder.launches += 1
+            recorder.last_out = out
             q_lens = (seqused_q if seqused_q is not None else cu_seqlens_q.diff()).tolist()
             paged_attention(
                 q, k, v, cu_seqlens_q, q_lens, seqused_k.tolist(), page_table, scale, causal,

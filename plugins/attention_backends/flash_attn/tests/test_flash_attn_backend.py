@@ -187,10 +187,19 @@ def make_impl(step: Step, window: int | None = None):
     return impl_cls(num_heads, head_size, head_size**-0.5, step.kv_cache.shape[3], window)
 
 
-def run_layer(step: Step, builder, window: int | None = None, meta=None) -> torch.Tensor:
+def run_layer(
+    step: Step, builder, window: int | None = None, meta=None, output: torch.Tensor | None = None
+) -> torch.Tensor:
+    """One attention layer over ``step``, checked against the reference; with ``output`` (a
+    piecewise graph's buffer, possibly longer than the step), the result must be written there."""
     impl = make_impl(step, window)
     meta = meta or builder.build(step.common())
-    out = impl.forward(*step.flat(), step.kv_cache, meta)
+    if output is None:
+        out = impl.forward(*step.flat(), step.kv_cache, meta)
+    else:
+        out = impl.forward(*step.flat(), step.kv_cache, meta, output=output)
+        assert out is output
+        out = out[: step.query.shape[0]]
     assert_new_kv_written(step)
     out = out.view(step.query.shape)
     assert torch.isfinite(out).all(), "some outputs were never written"
@@ -494,3 +503,44 @@ def test_the_entry_point_registers_flash_attn():
     records = {r["name"]: r for r in json.loads(proc.stdout)["pagellm.attention_backends"]}
     assert records["flash_attn"]["status"] == "loaded"
     assert records["flash_attn"]["distribution"] == "pagellm-flash-attn"
+
+
+def _buffer(step: Step, extra_rows: int = 3) -> torch.Tensor:
+    """A piecewise graph's output buffer for ``step``: padded past its tokens, poisoned."""
+    tokens, heads, size = step.query.shape
+    return torch.full((tokens + extra_rows, heads * size), float("nan"), dtype=step.query.dtype)
+
+
+def test_every_kernel_writes_into_a_piecewise_graphs_buffer(monkeypatch, gpu):
+    """Given the output buffer, the layer's result lands there, whether the kernel writes into
+    it (FA4's replays, FA3, TRITON's decode rows) or its own result is copied (FA4's entry
+    call, FA2); the padding rows past the step are left alone."""
+    assert FlashAttnBackend.get_impl_cls().writes_into_output
+    recorder = install(monkeypatch, {"FA4": "4.0.0b36", "FA3": None, "FA2": None})
+    monkeypatch.setattr(FA4Kernel, "replays_layers", True)
+    monkeypatch.setattr(FlashAttnMetadataBuilder, "min_decodes_apart", 2)
+    rows = [(40, 3), (90, 1), (0, 4), (17, 1)]
+    first = make_step(rows, **KW)
+    builder = FlashAttnMetadataBuilder(spec_for(first), torch.device("cpu"))
+    meta = builder.build(first.common())
+    assert meta.decode_kernel is builder.decode_kernel  # FA4, then TRITON for the decode rows
+    for step in (first, _a_later_layer(rows)):
+        buffer = _buffer(step)
+        run_layer(step, builder, meta=meta, output=buffer)
+        assert torch.isnan(buffer[step.query.shape[0] :]).all()
+    assert (len(recorder.calls), recorder.launches) == (1, 2)
+    # The replayed launch wrote into the buffer itself, not into a tensor copied there.
+    assert recorder.last_out is not None and recorder.last_out.data_ptr() == buffer.data_ptr()
+
+    decodes = make_step([(400, 1), (90, 1)], **KW, seed=3)  # TRITON's decode-only step
+    run_layer(decodes, builder, output=_buffer(decodes))
+
+    install(monkeypatch, {"FA4": None, "FA3": "0.25.1", "FA2": None})
+    builder = FlashAttnMetadataBuilder(spec_for(first), torch.device("cpu"))
+    run_layer(first, builder, output=_buffer(first))
+
+    install(monkeypatch, {"FA4": None, "FA3": None, "FA2": "2.8.3"})
+    gpu["capability"] = (8, 0)
+    paged256 = make_step([(300, 9), (90, 1), (0, 5)], **KW, block_size=256)
+    builder = FlashAttnMetadataBuilder(spec_for(paged256), torch.device("cpu"))
+    run_layer(paged256, builder, output=_buffer(paged256))

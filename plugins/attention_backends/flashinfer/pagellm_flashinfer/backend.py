@@ -32,6 +32,9 @@ class FlashInferImpl(AttentionImpl):
         # [block_size, num_kv_heads, head_size]: token-major, as the op takes them.
         self.write_kv = get_custom_op("write_paged_kv") or write_paged_kv
 
+    writes_into_output = True
+    """FlashInfer's wrappers take ``out``: piecewise graphs' buffer is written, not copied."""
+
     def forward(
         self,
         query: torch.Tensor,
@@ -39,6 +42,7 @@ class FlashInferImpl(AttentionImpl):
         value: torch.Tensor,
         kv_cache: torch.Tensor,
         attn_metadata: FlashInferMetadata,
+        output: torch.Tensor | None = None,
     ) -> torch.Tensor:
         meta = attn_metadata
         meta.ensure_planned(self.params)
@@ -48,14 +52,19 @@ class FlashInferImpl(AttentionImpl):
         v = value[:n].view(n, self.num_kv_heads, self.head_size)
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         self.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
-        out = torch.empty(n, self.num_heads, self.head_size, dtype=query.dtype, device=query.device)
+        if output is None:
+            out = torch.empty(
+                n, self.num_heads, self.head_size, dtype=query.dtype, device=query.device
+            )
+        else:
+            out = output[:n].view(n, self.num_heads, self.head_size)
         if len(meta.parts) == 1:
             meta.parts[0].wrapper.run(q, (key_cache, value_cache), out=out)
         else:
             for part in meta.parts:
                 rows = slice(part.start, part.end)
                 part.wrapper.run(q[rows], (key_cache, value_cache), out=out[rows])
-        return out.view(n, self.num_heads * self.head_size)
+        return out.view(n, self.num_heads * self.head_size) if output is None else output
 
 
 class FlashInferBackend(AttentionBackend):

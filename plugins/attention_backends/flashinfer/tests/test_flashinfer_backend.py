@@ -333,6 +333,25 @@ def test_forward_matches_reference(fake, rows, num_kv_heads, window):
     torch.testing.assert_close(out.double(), reference(step, impl.scale, window))
 
 
+@pytest.mark.parametrize("rows", [[(13, 1), (1, 1), (0, 9), (22, 1), (4, 4)], [(13, 1), (31, 1)]])
+def test_forward_writes_into_a_piecewise_graphs_buffer(fake, rows):
+    """Given the output buffer (padded past the step's tokens), each wrapper's rows are written
+    there, the decode part's and the prefill part's alike, and the padding is left alone."""
+    assert FlashInferImpl.writes_into_output
+    step = make_step(rows, num_heads=4, num_kv_heads=2, block_size=4, seed=7)
+    builder = FlashInferMetadataBuilder(spec_of(step), torch.device("cpu"))
+    meta = builder.build(step.common)
+    impl = impl_for(step)
+    tokens = step.query.shape[0]
+    buffer = torch.full(
+        (tokens + 5, step.num_heads * step.head_size), float("nan"), dtype=step.query.dtype
+    )
+    out = impl.forward(step.query, step.key, step.value, step.kv_cache, meta, output=buffer)
+    assert out is buffer and torch.isnan(buffer[tokens:]).all()
+    result = buffer[:tokens].view(-1, step.num_heads, step.head_size)
+    torch.testing.assert_close(result.double(), reference(step, impl.scale, None))
+
+
 def test_layers_must_share_heads_scale_and_window(fake):
     step = make_step([(3, 2)], num_heads=4, num_kv_heads=2)
     builder = FlashInferMetadataBuilder(spec_of(step), torch.device("cpu"))

@@ -165,9 +165,12 @@ class AttentionKernel(ABC):
         meta: FlashAttnMetadata,
         layer: LayerParams,
         seqused_q: torch.Tensor | None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention of every row of the step (rows of several tokens only, when ``seqused_q``
-        gives the one-token rows 0 tokens); returns ``[num_tokens, num_heads, head_size]``."""
+        gives the one-token rows 0 tokens); returns ``[num_tokens, num_heads, head_size]``:
+        ``out`` where given and the kernel can write there, else a tensor of its own (the
+        caller copies it)."""
         raise NotImplementedError(f"{self.name} is a decode-only kernel")
 
     @abstractmethod
@@ -182,4 +185,5 @@ class AttentionKernel(ABC):
     ) -> torch.Tensor:
         """Attention of the rows of one query token: every row of a decode-only step, or (with
         ``out``, for a kernel that `decodes_into`) the one-token rows of a mixed step, written
-        into ``out``. Returns the output."""
+        into ``out``. Returns the output: in a decode-only step a kernel may ignore ``out`` and
+        return a tensor of its own (the caller copies it)."""

@@ -95,7 +95,9 @@ class FA2Kernel(AttentionKernel):
         meta: FlashAttnMetadata,
         layer: LayerParams,
         seqused_q: torch.Tensor | None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        # FA2's varlen call has no output argument: the caller copies into ``out``.
         if seqused_q is not None:
             raise ValueError("FA2 cannot leave rows to another kernel (it has no seqused_q)")
         return self.lib.flash_attn_varlen_func(

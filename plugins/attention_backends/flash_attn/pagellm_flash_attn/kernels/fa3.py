@@ -80,8 +80,10 @@ class FA3Kernel(AttentionKernel):
         value_cache: torch.Tensor,
         meta: FlashAttnMetadata,
         layer: LayerParams,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        if out is None:
+            out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         window = None if layer.window_left is None else [layer.window_left, 0]
         self.lib.flash_attn_varlen_func(
             query,
@@ -109,10 +111,11 @@ class FA3Kernel(AttentionKernel):
         meta: FlashAttnMetadata,
         layer: LayerParams,
         seqused_q: torch.Tensor | None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if seqused_q is not None:
             raise ValueError("FA3 cannot leave rows to another kernel (it has no seqused_q)")
-        return self._attend(query, key_cache, value_cache, meta, layer)
+        return self._attend(query, key_cache, value_cache, meta, layer, out)
 
     def decode(
         self,
@@ -123,4 +126,4 @@ class FA3Kernel(AttentionKernel):
         layer: LayerParams,
         out: torch.Tensor | None,
     ) -> torch.Tensor:
-        return self._attend(query, key_cache, value_cache, meta, layer)
+        return self._attend(query, key_cache, value_cache, meta, layer, out)

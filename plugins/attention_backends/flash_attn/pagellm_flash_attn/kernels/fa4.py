@@ -184,7 +184,10 @@ class FA4Kernel(AttentionKernel):
         seqused_q: torch.Tensor | None,
         num_splits: int,
         what: str,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """The call's output: ``out`` where the kernel is replayed (given an output tensor),
+        else FA4's own (its entry point takes none)."""
         # FA4 takes q as it is when contiguous and 16-byte aligned, else a contiguous copy.
         if not query.is_contiguous() or query.data_ptr() % 16:
             query = query.contiguous()
@@ -199,9 +202,10 @@ class FA4Kernel(AttentionKernel):
         launch = self._replays.launches.get(variant) if replayable else None
         if launch is not None:
             kernel, recorded = launch
-            out = torch.empty(
-                *query.shape[:2], value_cache.shape[-1], dtype=query.dtype, device=query.device
-            )
+            if out is None:
+                out = torch.empty(
+                    *query.shape[:2], value_cache.shape[-1], dtype=query.dtype, device=query.device
+                )
             args = list(recorded)
             args[_Q], args[_K], args[_V], args[_OUT] = query, key_cache, value_cache, out
             kernel(*args)
@@ -212,7 +216,7 @@ class FA4Kernel(AttentionKernel):
             kernels.last = None
         log = self._jit_log
         entries, started = (log.entries(), time.perf_counter()) if log else (0, 0.0)
-        out, _ = self.lib.flash_attn_varlen_func(
+        result, _ = self.lib.flash_attn_varlen_func(
             query,
             key_cache,
             value_cache,
@@ -229,6 +233,7 @@ class FA4Kernel(AttentionKernel):
         )
         if log is not None:
             log.after_call(entries, started, what)
+        out = result
         if replayable and kernels is not None and kernels.last is not None:
             kernel, launched = kernels.last
             if _launched_with(launched, query, key_cache, value_cache, out):
@@ -250,11 +255,12 @@ class FA4Kernel(AttentionKernel):
         meta: FlashAttnMetadata,
         layer: LayerParams,
         seqused_q: torch.Tensor | None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         what = f"a step of {meta.num_reqs} rows, up to {meta.max_query_len} query tokens"
         if seqused_q is not None:
             what += " (decode rows left to another kernel)"
-        return self._attend(query, key_cache, value_cache, meta, layer, seqused_q, 1, what)
+        return self._attend(query, key_cache, value_cache, meta, layer, seqused_q, 1, what, out)
 
     def decode(
         self,
@@ -267,7 +273,7 @@ class FA4Kernel(AttentionKernel):
     ) -> torch.Tensor:
         what = f"a decode step of {meta.num_reqs} rows"
         out = self._attend(
-            query, key_cache, value_cache, meta, layer, None, self._decode_splits, what
+            query, key_cache, value_cache, meta, layer, None, self._decode_splits, what, out
         )
         if meta.padded_slots:
             # A graph's padding rows (no keys) get zeros, as from every other kernel: FA4 gave
