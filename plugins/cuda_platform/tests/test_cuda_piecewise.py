@@ -98,7 +98,12 @@ def test_piecewise_graphs_leave_the_kv_cache_less_memory(tiny_models, capable_ba
     taken off the KV cache's share."""
     CudaPlatform.device(0)
     budget = 512
-    decode, _ = on_cuda(tiny_models["llama3"], capable_backend, max_num_batched_tokens=budget)
+    decode, _ = on_cuda(
+        tiny_models["llama3"],
+        capable_backend,
+        cudagraph_mode="decode",  # the default (auto) adds piecewise graphs
+        max_num_batched_tokens=budget,
+    )
     both, _ = on_cuda(
         tiny_models["llama3"],
         capable_backend,
