@@ -131,8 +131,12 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
     is rescheduled before each replay (few rows, possibly long); a larger one fills the GPU
     unsplit and is planned once (`GraphDecode.replans`): no host scheduling before its replays."""
     graph_int_workspace_bytes: ClassVar[int] = 1 << 20
-    """The schedule buffer shared by the graphs' decode wrappers (each is planned right before
-    its replay); a schedule of 512 rows takes tens of KB."""
+    """The schedule buffer shared by the graphs' decode wrappers that are rescheduled right
+    before each replay (`GraphDecode.replans`); a schedule of 512 rows takes tens of KB."""
+    graph_own_schedule_bytes: ClassVar[int] = 256 << 10
+    """The schedule buffer of each graph planned once: FlashInfer keeps a plan's schedule (work
+    units, chunk size) in the wrapper's int workspace, where its kernel reads it at every
+    replay, so a graph that is not rescheduled must not share it with any other wrapper."""
 
     def __init__(self, kv_cache_spec: KVCacheSpec, device: torch.device) -> None:
         super().__init__(kv_cache_spec, device)
@@ -307,13 +311,20 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
 
             storage = _GraphStorage(zeros(num_rows + 1), zeros(max_pages), zeros(num_rows))
             self._graph_storage = storage
-        if self._graph_int_workspace is None:
-            self._graph_int_workspace = torch.zeros(
-                self.graph_int_workspace_bytes, dtype=torch.uint8, device=self.device
-            )
         work_units = num_rows * self.kv_cache_spec.num_kv_heads
+        replans = work_units < self.graph_split_kv_below_ctas * self._num_sms
+        if replans:
+            if self._graph_int_workspace is None:
+                self._graph_int_workspace = torch.zeros(
+                    self.graph_int_workspace_bytes, dtype=torch.uint8, device=self.device
+                )
+            schedule = self._graph_int_workspace
+        else:
+            schedule = torch.zeros(
+                self.graph_own_schedule_bytes, dtype=torch.uint8, device=self.device
+            )
         graph = GraphDecode(
-            replans=work_units < self.graph_split_kv_below_ctas * self._num_sms,
+            replans=replans,
             wrapper=self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 self._workspace,
                 KV_LAYOUT,
@@ -327,6 +338,6 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
             kv_indices=storage.kv_indices[:max_pages],
             kv_last_page_len=storage.kv_last_page_len[:num_rows],
         )
-        graph.wrapper.reset_workspace_buffer(self._workspace, self._graph_int_workspace)
+        graph.wrapper.reset_workspace_buffer(self._workspace, schedule)
         self._graphs[num_rows] = graph
         return graph

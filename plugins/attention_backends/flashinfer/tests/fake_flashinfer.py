@@ -120,6 +120,10 @@ def attend(plan: Plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     return out
 
 
+_plans = 0
+"""Plans made so far in the process (each plan's schedule gets its number)."""
+
+
 class _Wrapper:
     kind = "wrapper"
 
@@ -129,6 +133,9 @@ class _Wrapper:
         log.record(f"{self.kind}.__init__", float_workspace_buffer, kv_layout, **kwargs)
         self.kwargs = kwargs
         self.plan_args: Plan | None = None
+        # As FlashInfer's: the wrapper's own int workspace until `reset_workspace_buffer`.
+        self.int_workspace = torch.zeros(64, dtype=torch.uint8)
+        self.schedule_id: int | None = None
 
     def reset_workspace_buffer(self, float_workspace_buffer, int_workspace_buffer) -> None:
         log.record(
@@ -136,10 +143,23 @@ class _Wrapper:
         )
         self.int_workspace = int_workspace_buffer
 
+    def _write_schedule(self) -> None:
+        """FlashInfer writes a plan's schedule into the int workspace, where the kernel reads
+        it at every run: here a number unique to the plan, checked by `run`."""
+        global _plans
+        _plans += 1
+        self.schedule_id = _plans
+        self.int_workspace[:8].view(torch.int64)[0] = _plans
+
     def run(self, q: torch.Tensor, paged_kv_cache, *, out: torch.Tensor) -> torch.Tensor:
         log.record(f"{self.kind}.run", q.shape, out.shape)
         if self.plan_args is None:
             raise RuntimeError("run before plan")
+        if int(self.int_workspace[:8].view(torch.int64)[0]) != self.schedule_id:
+            raise RuntimeError(
+                "the schedule in this wrapper's int workspace is another plan's (a wrapper "
+                "sharing the buffer was planned since): the real kernel would read garbage"
+            )
         k_cache, v_cache = paged_kv_cache
         return attend(self._arrays(), q, k_cache, v_cache, out)
 
@@ -204,6 +224,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
             window_left,
             sm_scale,
         )
+        self._write_schedule()
 
 
 class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
@@ -290,6 +311,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
         )
 
     def _planned(self, indptr, indices, last, heads, kv_heads, dim, page, window, scale) -> None:
+        self._write_schedule()
         self.plan_args = Plan(
             None,
             indptr.clone(),

@@ -443,7 +443,12 @@ def test_graph_metadata_is_planned_at_capture_and_replanned_before_each_replay(
     indptr_buf, indices_buf, last_buf = meta.wrapper.buffers
     assert (indptr_buf.shape[0], indices_buf.shape[0], last_buf.shape[0]) == (5, 32, 4)
     (reset,) = fake.log.named("decode.reset_workspace_buffer")
-    assert reset.args[1].numel() == FlashInferMetadataBuilder.graph_int_workspace_bytes
+    schedule_bytes = (
+        FlashInferMetadataBuilder.graph_int_workspace_bytes
+        if replans
+        else FlashInferMetadataBuilder.graph_own_schedule_bytes
+    )
+    assert reset.args[1].numel() == schedule_bytes
     impl = impl_for(first)
     zeros = torch.zeros(rows, first.num_heads * 8)
     for _ in range(2):  # the warm-up passes before capture plan it
@@ -484,12 +489,43 @@ def test_graph_metadata_is_planned_at_capture_and_replanned_before_each_replay(
     assert first_plan.args[0].tolist() == [0, 3, 4, 6, 6]
 
 
-def test_graphs_of_every_size_share_their_buffers_and_schedule_workspace(fake):
-    builder = FlashInferMetadataBuilder(KVCacheSpec(4, 2, 8, torch.bfloat16), torch.device("cpu"))
-    metas = [builder.build_for_cudagraph(PersistentBuffers(n, 6).common(24)) for n in (8, 4, 1)]
-    storage = [m.wrapper.buffers[1].data_ptr() for m in metas]
-    assert storage[0] == storage[1] == storage[2]
-    assert len({m.wrapper.int_workspace.data_ptr() for m in metas}) == 1
+def test_graphs_share_index_storage_and_only_rescheduled_ones_share_a_schedule(fake, monkeypatch):
+    """Every captured size takes views of one index storage. FlashInfer keeps a plan's schedule
+    in the wrapper's int workspace and its kernel reads it at every replay: graphs rescheduled
+    before each replay may share one, but each graph planned once needs its own, or the plans
+    of the sizes captured after it overwrite the schedule it replays with (on the H200 a W2
+    run's 256-row decode graph then never finished)."""
+    monkeypatch.setattr(FlashInferMetadataBuilder, "graph_split_kv_below_ctas", 4)
+    builder = FlashInferMetadataBuilder(KVCacheSpec(4, 2, 8, torch.float32), torch.device("cpu"))
+    builder._num_sms = 1  # rows x 2 KV heads >= 4: planned once (8 and 4 rows), 1 row replans
+    block_cols = 6
+    sizes = (8, 4, 1)  # captured largest first, as the runner does
+    buffers = {n: PersistentBuffers(n, block_cols) for n in sizes}
+    metas = {n: builder.build_for_cudagraph(buffers[n].common(24)) for n in sizes}
+    graphs = {n: builder._graphs[n] for n in sizes}
+    assert [graphs[n].replans for n in sizes] == [False, False, True]
+    assert len({m.wrapper.buffers[1].data_ptr() for m in metas.values()}) == 1
+    schedules = {n: m.wrapper.int_workspace.data_ptr() for n, m in metas.items()}
+    assert len(set(schedules.values())) == 3
+    assert metas[1].wrapper.int_workspace.numel() == builder.graph_int_workspace_bytes
+
+    impl = FlashInferImpl(4, 8, 8**-0.5, 2, None)
+    kv_cache = torch.zeros(2, 40, 4, 2, 8)
+    for n in sizes:  # each capture's warm-up pass plans its graph
+        zeros = torch.zeros(n, 4 * 8)
+        impl.forward(zeros, zeros[:, :16], zeros[:, :16], kv_cache, metas[n])
+
+    # Replays of the first graph captured, after the others were planned: its own schedule.
+    for seed in (1, 2):
+        step = make_step([(9, 1), (0, 1), (4, 1)], padding_rows=5, block_cols=block_cols, seed=seed)
+        step.query, step.key, step.value = step.query.float(), step.key.float(), step.value.float()
+        kv_cache.fill_(float("nan"))
+        kv_cache[:, : step.kv_cache.shape[1]] = step.kv_cache
+        step.kv_cache = kv_cache
+        common = buffers[8].stage(step)
+        builder.prepare_cudagraph_replay(metas[8], common)
+        out = attend(impl, step, metas[8])
+        torch.testing.assert_close(out[:3].double(), reference(step, impl.scale, None)[:3])
 
 
 # ---------------------------------------------------------------------------- JIT
