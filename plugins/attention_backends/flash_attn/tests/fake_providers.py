@@ -22,6 +22,9 @@ import torch
 from pagellm_flash_attn.kernels import base, fa2, fa3, fa4
 from pagellm_flash_attn.kernels.fa4_setup import CACHE_ENABLED_VAR
 
+FA4_COPIES_STRIDED_QUERY = False
+"""Make the fake FA4 copy every non-contiguous query (as a release without strided reads would)."""
+
 
 @dataclass
 class Recorder:
@@ -167,7 +170,18 @@ def fake_fa4(recorder: Recorder) -> dict[str, types.ModuleType]:
         cache = interface._flash_attn_fwd.compile_cache  # looked up per call, as FA4 does
         if variant not in cache:
             cache[variant] = compile_kernel(causal)
-        q = q if q.is_contiguous() else q.contiguous()
+        # As FA4's `maybe_contiguous`: an aligned layout as it is, anything else copied.
+        size = q.element_size()
+        aligned = (
+            q.stride(-1) == 1
+            and q.data_ptr() % 16 == 0
+            and all(stride * size % 16 == 0 for stride in q.stride()[:-1])
+        )
+        q = (
+            q
+            if aligned and not (FA4_COPIES_STRIDED_QUERY and not q.is_contiguous())
+            else q.contiguous()
+        )
         out = torch.full(q.shape, float("nan"), dtype=q.dtype)  # rows left alone stay NaN
         scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
         cache[variant](

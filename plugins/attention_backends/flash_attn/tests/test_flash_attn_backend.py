@@ -16,6 +16,7 @@ import random
 import subprocess
 import sys
 
+import fake_providers
 import pytest
 import torch
 from fake_providers import Recorder, install
@@ -544,3 +545,57 @@ def test_every_kernel_writes_into_a_piecewise_graphs_buffer(monkeypatch, gpu):
     paged256 = make_step([(300, 9), (90, 1), (0, 5)], **KW, block_size=256)
     builder = FlashAttnMetadataBuilder(spec_for(paged256), torch.device("cpu"))
     run_layer(paged256, builder, output=_buffer(paged256))
+
+
+def test_fa4_reads_the_query_in_place_from_the_fused_projection(monkeypatch, gpu):
+    """The model's q is a column slice of one [tokens, q + k + v] buffer: an aligned layout
+    that FA4 reads as it is, in its entry call and in the step's replayed launches."""
+    recorder = install(monkeypatch, {"FA4": "4.0.0b36", "FA3": None, "FA2": None})
+    monkeypatch.setattr(FA4Kernel, "replays_layers", True)
+    rows = [(40, 9), (0, 5)]
+    builder = FlashAttnMetadataBuilder(spec_for(make_step(rows, **KW)), torch.device("cpu"))
+    meta = builder.build(make_step(rows, **KW).common())
+    for step in (make_step(rows, **KW), _a_later_layer(rows)):
+        query, key, value = step.flat()
+        qkv = torch.cat([query, key, value], dim=1)
+        q_width, kv_width = query.shape[1], key.shape[1]
+        q_view = qkv[:, :q_width]
+        k_view = qkv[:, q_width : q_width + kv_width]
+        v_view = qkv[:, q_width + kv_width :]
+        impl = make_impl(step)
+        out = impl.forward(q_view, k_view, v_view, step.kv_cache, meta)
+        torch.testing.assert_close(
+            out.view(step.query.shape).double(),
+            reference(step, impl.scale, None),
+            atol=BF16_TOL,
+            rtol=BF16_TOL,
+        )
+    (call,) = recorder.calls  # the second layer replayed the first one's kernel
+    assert call["q"].data_ptr() != query.data_ptr() and not call["q"].is_contiguous()
+    assert recorder.launches == 2
+
+
+def test_an_fa4_that_copies_a_strided_query_gets_a_copy_and_keeps_its_replays(monkeypatch, gpu):
+    recorder = install(monkeypatch, {"FA4": "4.0.0b36", "FA3": None, "FA2": None})
+    monkeypatch.setattr(FA4Kernel, "replays_layers", True)
+    monkeypatch.setattr(FA4Kernel, "reads_strided_query", True)
+    monkeypatch.setattr(fake_providers, "FA4_COPIES_STRIDED_QUERY", True)
+    rows = [(40, 9), (0, 5)]
+    builder = FlashAttnMetadataBuilder(spec_for(make_step(rows, **KW)), torch.device("cpu"))
+    meta = builder.build(make_step(rows, **KW).common())
+    for _ in range(3):
+        step = make_step(rows, **KW)
+        query, key, value = step.flat()
+        qkv = torch.cat([query, key, value], dim=1)
+        q_view = qkv[:, : query.shape[1]]
+        out = make_impl(step).forward(q_view, key, value, step.kv_cache, meta)
+        torch.testing.assert_close(
+            out.view(step.query.shape).double(),
+            reference(step, make_impl(step).scale, None),
+            atol=BF16_TOL,
+            rtol=BF16_TOL,
+        )
+    assert not FA4Kernel.reads_strided_query and FA4Kernel.replays_layers
+    # First call: through the entry point (which copied); second: again, with a contiguous
+    # copy made here, recorded; third: replayed.
+    assert (len(recorder.calls), recorder.launches) == (2, 3)

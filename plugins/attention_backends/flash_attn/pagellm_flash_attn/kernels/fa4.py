@@ -113,6 +113,9 @@ class FA4Kernel(AttentionKernel):
     _jit_log: ClassVar[JitLog | None] = None
     """Shared by every FA4 kernel of the process, as FA4's compile caches are."""
     _kernels: ClassVar[_KernelRecorder | None] = None
+    reads_strided_query: ClassVar[bool] = True
+    """Whether FA4 reads an aligned, non-contiguous query in place (4.0.0b36 does); turned off
+    when a launch shows it copied one."""
     replays_layers: ClassVar[bool] = True
     """Whether a step's later layers launch the kernel its first layer's call chose (off: every
     layer goes through FA4's entry point; an A/B switch)."""
@@ -188,8 +191,10 @@ class FA4Kernel(AttentionKernel):
     ) -> torch.Tensor:
         """The call's output: ``out`` where the kernel is replayed (given an output tensor),
         else FA4's own (its entry point takes none)."""
-        # FA4 takes q as it is when contiguous and 16-byte aligned, else a contiguous copy.
-        if not query.is_contiguous() or query.data_ptr() % 16:
+        # FA4 reads q in place where its layout is aligned (the model's q, a column slice of
+        # the fused q/k/v projection, is); else it would copy q itself, and a copy made here
+        # keeps the replayed launches' arguments the caller's.
+        if not (_aligned_layout(query) and (self.reads_strided_query or query.is_contiguous())):
             query = query.contiguous()
         # A split launch adds a combine after the kernel: only single launches are replayed.
         replayable = num_splits == 1 and self.replays_layers and self._kernels is not None
@@ -238,6 +243,12 @@ class FA4Kernel(AttentionKernel):
             kernel, launched = kernels.last
             if _launched_with(launched, query, key_cache, value_cache, out):
                 self._replays.launches[variant] = (kernel, launched)
+            elif not query.is_contiguous() and _launched_with(
+                launched, query, key_cache, value_cache, out, skip=(_Q,)
+            ):
+                # This FA4 copied the strided query itself: from now on a copy is made here,
+                # which the replays then take the place of.
+                type(self).reads_strided_query = False
             else:
                 logger.warning(
                     "FLASH_ATTN: FA4 %s launches its kernel with arguments laid out otherwise "
@@ -283,19 +294,34 @@ class FA4Kernel(AttentionKernel):
         return out
 
 
+def _aligned_layout(tensor: torch.Tensor) -> bool:
+    """Whether FA4 takes ``tensor`` without a copy (flash_attn.cute's `maybe_contiguous`, 16-byte
+    alignment): its last dimension contiguous, its pointer and its other strides in bytes
+    multiples of 16."""
+    size = tensor.element_size()
+    return (
+        tensor.stride(-1) == 1
+        and tensor.data_ptr() % 16 == 0
+        and all(stride * size % 16 == 0 for stride in tensor.stride()[:-1])
+    )
+
+
 def _launched_with(
     args: tuple[Any, ...],
     query: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     out: torch.Tensor,
+    skip: tuple[int, ...] = (),
 ) -> bool:
     """Whether FA4 launched its kernel with this call's query, caches and output in the places
-    a replay puts another layer's."""
+    a replay puts another layer's (but for the places in ``skip``)."""
     if len(args) <= _OUT:
         return False
     expected = {_Q: query, _K: key_cache, _V: value_cache, _OUT: out}
     for index, tensor in expected.items():
+        if index in skip:
+            continue
         arg = args[index]
         if not (
             isinstance(arg, torch.Tensor)
