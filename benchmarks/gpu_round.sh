@@ -52,15 +52,17 @@ run() {  # run NAME SECONDS CMD...
 
 # FlashInfer's compiled kernels from an earlier machine (stage fi-cache-save wrote them to $OUT;
 # kept here as the ignored .ficache/ and carried), so that a new machine skips the first JIT.
-if [ -f .ficache/ficache.tar.gz ] && [ ! -d "$FLASHINFER_WORKSPACE_BASE/.cache" ]; then
-  mkdir -p "$FLASHINFER_WORKSPACE_BASE" && tar -xzf .ficache/ficache.tar.gz -C "$FLASHINFER_WORKSPACE_BASE" \
+# It comes back in parts of 15 MiB (a file from the machine is at most 16 MiB).
+if ls .ficache/ficache.tar.gz.part-* >/dev/null 2>&1 && [ ! -d "$FLASHINFER_WORKSPACE_BASE/.cache" ]; then
+  mkdir -p "$FLASHINFER_WORKSPACE_BASE" \
+    && cat .ficache/ficache.tar.gz.part-* | tar -xz -C "$FLASHINFER_WORKSPACE_BASE" \
     && echo "FlashInfer JIT cache restored from .ficache ($(du -sh "$FLASHINFER_WORKSPACE_BASE" | cut -f1))"
 fi
 
 for stage in "$@"; do
   case $stage in
-    fi-cache-save) tar -czf "$OUT/ficache.tar.gz" -C "$FLASHINFER_WORKSPACE_BASE" .cache \
-        && ls -l "$OUT/ficache.tar.gz" ;;
+    fi-cache-save) tar -cz -C "$FLASHINFER_WORKSPACE_BASE" .cache \
+        | split -b 15m - "$OUT/ficache.tar.gz.part-" && ls -l "$OUT"/ficache.tar.gz.part-* ;;
     # Every gpu-marked test, wherever it lives (pyproject testpaths: tests/ and plugins/*/tests).
     tests) run gpu_tests 560 python3 -m pytest -m gpu -q -s -p no:cacheprovider --timeout 200 ;;
     # FLASHINFER's GPU tests first: their fixture compiles, in one parallel build, the kernel
