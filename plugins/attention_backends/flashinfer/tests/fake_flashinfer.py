@@ -18,7 +18,9 @@ recorded calls show how it planned.
 from __future__ import annotations
 
 import math
+import shutil
 import sys
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -397,8 +399,22 @@ def fast_decode_plan(
 
 @dataclass
 class FakeSpec:
+    """A JIT spec: built by its own ninja file (`build`), whose log in ``build_dir`` then
+    records the library, as FlashInfer's ``JitSpec`` is."""
+
     name: str
-    is_compiled: bool
+    build_dir: Path
+
+    @property
+    def is_compiled(self) -> bool:
+        return (self.build_dir / f"{self.name}.so").exists()
+
+    def build(self, verbose: bool) -> None:
+        log.record("jit.build", self.name)
+        self.build_dir.mkdir(parents=True, exist_ok=True)
+        (self.build_dir / f"{self.name}.so").write_text("")
+        with open(self.build_dir / ".ninja_log", "a") as f:
+            f.write(f"0\t1\t0\t{self.build_dir / self.name}.so\t0\n")
 
 
 class _Jit:
@@ -406,7 +422,9 @@ class _Jit:
 
     def __init__(self) -> None:
         self.env = SimpleNamespace(FLASHINFER_JIT_DIR=Path("/fake/flashinfer/cached_ops"))
-        self.compiled: set[str] = set()
+
+    def spec_dir(self, name: str) -> Path:
+        return self.env.FLASHINFER_JIT_DIR / name
 
     def gen_batch_prefill_module(self, backend, dtype_q, dtype_kv, dtype_o, dtype_idx, *rest):
         head_qk, head_vo, pos_encoding, sliding, soft_cap, fp16_qk = rest
@@ -422,11 +440,14 @@ class _Jit:
             False,
         ):
             name += "_unexpected"
-        return FakeSpec(name, name in self.compiled)
+        return FakeSpec(name, self.spec_dir(name))
 
     def build_jit_specs(self, specs: list[FakeSpec]) -> None:
+        """One ninja run over several modules, logged in the JIT directory, not in theirs."""
         log.record("jit.build_jit_specs", [s.name for s in specs])
-        self.compiled.update(s.name for s in specs)
+        for spec in specs:
+            spec.build_dir.mkdir(parents=True, exist_ok=True)
+            (spec.build_dir / f"{spec.name}.so").write_text("")
 
 
 jit = _Jit()
@@ -437,12 +458,14 @@ def installed() -> Iterator[ModuleType]:
     """This module as ``flashinfer`` in ``sys.modules``, its log and JIT cache empty."""
     module = sys.modules[__name__]
     log.calls.clear()
-    jit.compiled.clear()
+    jit_dir = tempfile.mkdtemp(prefix="fake_flashinfer_jit_")
+    jit.env.FLASHINFER_JIT_DIR = Path(jit_dir)
     previous = sys.modules.get("flashinfer")
     sys.modules["flashinfer"] = module
     try:
         yield module
     finally:
+        shutil.rmtree(jit_dir, ignore_errors=True)
         if previous is None:
             del sys.modules["flashinfer"]
         else:

@@ -536,16 +536,34 @@ def test_kernel_modules_are_compiled_once_when_the_builder_is_made(fake, caplog)
     with caplog.at_level(logging.INFO, logger="pagellm_flashinfer.jit_cache"):
         FlashInferMetadataBuilder(spec, torch.device("cpu"))
         FlashInferMetadataBuilder(spec, torch.device("cpu"))
-    (build,) = fake.log.named("jit.build_jit_specs")
-    assert build.args[0] == ["batch_prefill_fa2_bfloat16_int32_head_128_128_swa_True"]
-    assert "compiling 1 kernel modules" in caplog.text
-    assert "1 kernel modules found in the JIT cache /fake/flashinfer/cached_ops" in caplog.text
+    (build,) = fake.log.named("jit.build")  # by the module's own ninja file
+    assert build.args[0] == "batch_prefill_fa2_bfloat16_int32_head_128_128_swa_True"
+    assert "compiling 1 kernel modules" in caplog.text and "combined" not in caplog.text
+    jit_dir = fake.jit.env.FLASHINFER_JIT_DIR
+    assert f"1 kernel modules found in the JIT cache {jit_dir}" in caplog.text
     # On Hopper the prefill kernels are FA3's and decode runs FA2's: two modules, one build.
     modules = modules_for("fa3", torch.float16, 64, False)
     assert [(m.backend, m.head_size, m.sliding_window) for m in modules] == [
         ("fa3", 64, False),
         ("fa2", 64, False),
     ]
+
+
+def test_a_module_built_by_a_combined_build_is_rebuilt_once_at_start_up(fake, caplog):
+    """FlashInfer loads a module by running its own ninja file, which rebuilds what its log
+    does not record: a module compiled by ``build_jit_specs`` (one ninja run, logged in the JIT
+    directory) would be compiled again at its first load, in a warm-up or a capture. It is
+    rebuilt at start-up instead, and said to be; later builders find it."""
+    spec = KVCacheSpec(16, 8, 128, torch.bfloat16, None)
+    modules = modules_for("fa2", torch.bfloat16, 128, False)
+    fake.jit.build_jit_specs([m.spec(fake) for m in modules])
+    assert all(m.spec(fake).is_compiled for m in modules)
+    with caplog.at_level(logging.INFO, logger="pagellm_flashinfer.jit_cache"):
+        FlashInferMetadataBuilder(spec, torch.device("cpu"))
+        FlashInferMetadataBuilder(spec, torch.device("cpu"))
+    assert [c.args[0] for c in fake.log.named("jit.build")] == [m.spec(fake).name for m in modules]
+    assert "1 of them built before by a combined build" in caplog.text
+    assert "1 kernel modules found in the JIT cache" in caplog.text
 
 
 # ---------------------------------------------------------------------------- selection

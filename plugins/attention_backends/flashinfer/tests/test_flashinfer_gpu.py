@@ -54,8 +54,8 @@ CONFIGS = [
 
 @pytest.fixture(scope="module", autouse=True)
 def compiled() -> None:
-    """Every kernel module the tests use, built in one parallel ninja run (``-s`` shows how
-    long it took)."""
+    """Every kernel module the tests use, built as the builder builds them (each by its own
+    ninja file; ``-s`` shows how long it took)."""
     import flashinfer
     from pagellm_flashinfer.availability import flashinfer_unavailable_reason
     from pagellm_flashinfer.jit_cache import (
