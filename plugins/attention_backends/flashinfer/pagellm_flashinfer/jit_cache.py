@@ -136,8 +136,7 @@ def compile_missing(flashinfer: ModuleType, modules: Sequence[KernelModule | Dec
     )
     started = time.perf_counter()
     with ThreadPoolExecutor(max_workers=BUILD_WORKERS) as pool:
-        for _ in pool.map(lambda spec: spec.build(verbose=False), missing):
-            pass
+        list(pool.map(lambda spec: spec.build(verbose=False), missing))  # raises a build's error
     logger.info(
         "FlashInfer: compiled %d kernel modules in %.1f s: %s",
         len(missing),

@@ -221,7 +221,7 @@ class FA4Kernel(AttentionKernel):
             kernels.last = None
         log = self._jit_log
         entries, started = (log.entries(), time.perf_counter()) if log else (0, 0.0)
-        result, _ = self.lib.flash_attn_varlen_func(
+        out, _ = self.lib.flash_attn_varlen_func(
             query,
             key_cache,
             value_cache,
@@ -238,7 +238,6 @@ class FA4Kernel(AttentionKernel):
         )
         if log is not None:
             log.after_call(entries, started, what)
-        out = result
         if replayable and kernels is not None and kernels.last is not None:
             kernel, launched = kernels.last
             if _launched_with(launched, query, key_cache, value_cache, out):
