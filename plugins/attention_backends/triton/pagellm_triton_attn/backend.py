@@ -219,7 +219,7 @@ class TritonAttentionImpl(AttentionImpl):
         q = query[:n].view(n, self.num_heads, self.head_size)
         k = key[:n].view(n, self.num_kv_heads, self.head_size)
         v = value[:n].view(n, self.num_kv_heads, self.head_size)
-        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        key_cache, value_cache = kernels.split_kv_cache(kv_cache)
         kernels.write_kv_cache(
             k, v, key_cache, value_cache, meta.slot_mapping, self.k_scale, self.v_scale
         )
@@ -286,15 +286,20 @@ class TritonAttentionBackend(AttentionBackend):
     def get_kv_cache_shape(
         num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
     ) -> tuple[int, ...]:
-        # One block of one KV head is a contiguous block_size x head_size tile.
+        # One block of one KV head is a contiguous block_size x head_size tile (an FP8 cache's
+        # values are stored head_size x block_size: `kernels.split_kv_cache`).
         return (2, num_blocks, num_kv_heads, block_size, head_size)
 
     @staticmethod
     def allocate_kv_cache(
         shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     ) -> torch.Tensor:
-        # The kernels never use a slot at or past a row's seq_len (loads there are masked), so
-        # unwritten memory, the null block included, is never read.
+        # The kernels never use a slot at or past a row's seq_len (loads there are masked, or
+        # weighted 0), so unwritten memory, the null block included, is never used. An FP8
+        # cache is zeroed: its value tiles are loaded unmasked and 0 * NaN would be NaN
+        # (`kernels.launch.values_token_minor`).
+        if dtype == torch.float8_e4m3fn:
+            return torch.zeros(shape, dtype=dtype, device=device)
         return torch.empty(shape, dtype=dtype, device=device)
 
     @staticmethod

@@ -4,7 +4,10 @@ launches the tests make.
 A batch has shuffled block tables, unwritten cache slots poisoned with NaN and outputs poisoned
 with NaN, so a kernel that reads or leaves a slot it should not shows up as NaN. A batch with an
 FP8 cache holds its context quantized as `pagellm.kv_cache.fp8.quantize_kv` does, and the
-reference attends to the same quantized values, dequantized.
+reference attends to the same quantized values, dequantized; its unwritten value slots hold
+448, the largest finite value, instead of NaN (the kernels load value tiles unmasked, relying on
+an FP8 cache never holding a NaN: `kernels.launch.values_token_minor`), so a kernel that gives
+such a slot weight shows up as a wrong output.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}
 @dataclass
 class Batch:
     """A step's inputs: the context before the step is already in the cache, the new tokens'
-    K/V are in ``key``/``value``; every other cache slot holds NaN."""
+    K/V are in ``key``/``value``; every other cache slot holds NaN (448 in an FP8 cache's
+    values)."""
 
     query: torch.Tensor  # [T, H, D], a strided view (as a slice of a fused QKV projection)
     key: torch.Tensor  # [T, Hkv, D]
@@ -69,6 +73,13 @@ class Batch:
         )
 
 
+def cache_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The key and value caches as the kernels take them (an FP8 cache's values token-minor)."""
+    from pagellm_triton_attn.kernels.launch import split_kv_cache
+
+    return split_kv_cache(kv_cache)
+
+
 def make_batch(
     rows: list[tuple[int, int]],
     *,
@@ -93,6 +104,9 @@ def make_batch(
     block_table = torch.zeros(len(seq_lens), max(max(blocks_per_row), 1), dtype=torch.int32)
     kv_cache = torch.full((2, num_blocks, num_kv_heads, block_size, head_size), float("nan"))
     kv_cache = kv_cache.to(FP8_KV_DTYPE if fp8_scales else dtype)
+    if fp8_scales:
+        kv_cache[1] = 448.0
+    key_cache, value_cache = cache_views(kv_cache)
     k_scale, v_scale = fp8_scales or (1.0, 1.0)
 
     def as_cached(x: torch.Tensor, scale: float) -> torch.Tensor:
@@ -119,8 +133,8 @@ def make_batch(
         for pos in range(seq_len):
             block, offset = int(block_table[row, pos // block_size]), pos % block_size
             if pos < ctx:
-                kv_cache[0, block, :, offset] = cached_k[pos]
-                kv_cache[1, block, :, offset] = cached_v[pos]
+                key_cache[block, :, offset] = cached_k[pos]
+                value_cache[block, :, offset] = cached_v[pos]
             else:
                 slots.append(block * block_size + offset)
         new_k.append(k[ctx:])
@@ -193,8 +207,9 @@ def assert_new_kv_written(batch: Batch) -> None:
     live = batch.slot_mapping >= 0
     slots = batch.slot_mapping[live]
     blocks, offsets = slots // block_size, slots % block_size
-    stored_k = batch.kv_cache[0, blocks, :, offsets]
-    stored_v = batch.kv_cache[1, blocks, :, offsets]
+    key_cache, value_cache = cache_views(batch.kv_cache)
+    stored_k = key_cache[blocks, :, offsets]
+    stored_v = value_cache[blocks, :, offsets]
     expected_k, expected_v = batch.key[live], batch.value[live]
     if batch.kv_cache.dtype == FP8_KV_DTYPE:  # compare bits: rounding as quantize_kv's
         stored_k, stored_v = stored_k.view(torch.uint8), stored_v.view(torch.uint8)
@@ -215,7 +230,7 @@ def run_mixed(
     out: torch.Tensor | None = None,
     skip_decodes: bool = False,
 ) -> torch.Tensor:
-    key_cache, value_cache = batch.kv_cache[0], batch.kv_cache[1]
+    key_cache, value_cache = kernels.split_kv_cache(batch.kv_cache)
     kernels.write_kv_cache(
         batch.key, batch.value, key_cache, value_cache, batch.slot_mapping, *batch.scales
     )
@@ -250,7 +265,7 @@ def run_decode(
     out: torch.Tensor | None = None,
     row_order: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    key_cache, value_cache = batch.kv_cache[0], batch.kv_cache[1]
+    key_cache, value_cache = kernels.split_kv_cache(batch.kv_cache)
     kernels.write_kv_cache(
         batch.key, batch.value, key_cache, value_cache, batch.slot_mapping, *batch.scales
     )

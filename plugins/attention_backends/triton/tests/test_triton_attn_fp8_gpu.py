@@ -40,12 +40,14 @@ pytestmark = [
 K_SCALE, V_SCALE = 4.0 / 448, 3.0 / 448
 
 
-def fp8_batch(batch: Batch) -> Batch:
+def fp8_batch(kernels, batch: Batch) -> Batch:
     """The same step with an FP8 cache: context quantized, the reference over the dequantized
-    values (NaN poison stays NaN)."""
+    values. The keys' NaN poison stays NaN; the values' becomes 448, the largest finite value
+    (an FP8 cache never holds a NaN, and the kernels load value tiles unmasked)."""
     cache = torch.empty_like(batch.kv_cache, dtype=FP8_KV_DTYPE)
-    cache[0] = quantize_kv(batch.kv_cache[0], K_SCALE)
-    cache[1] = quantize_kv(batch.kv_cache[1], V_SCALE)
+    key_cache, value_cache = kernels.split_kv_cache(cache)
+    key_cache.copy_(quantize_kv(batch.kv_cache[0], K_SCALE))
+    value_cache.copy_(quantize_kv(batch.kv_cache[1].nan_to_num(448 * V_SCALE), V_SCALE))
     return dataclasses.replace(
         batch,
         kv_cache=cache,
@@ -58,8 +60,7 @@ def write_fp8(kernels, batch: Batch) -> None:
     kernels.write_kv_cache(
         batch.key,
         batch.value,
-        batch.kv_cache[0],
-        batch.kv_cache[1],
+        *kernels.split_kv_cache(batch.kv_cache),
         batch.slot_mapping,
         K_SCALE,
         V_SCALE,
@@ -69,6 +70,7 @@ def write_fp8(kernels, batch: Batch) -> None:
 def test_fp8_write_quantizes_as_quantize_kv_bit_for_bit(pkg):  # noqa: F811
     kernels, _ = pkg
     batch = fp8_batch(
+        kernels,
         make_batch(
             [(1000, 300), (0, 2000), (77, 1)],
             num_heads=32,
@@ -76,13 +78,14 @@ def test_fp8_write_quantizes_as_quantize_kv_bit_for_bit(pkg):  # noqa: F811
             head_size=128,
             dtype=torch.bfloat16,
             padding_rows=5,
-        )
+        ),
     )
     write_fp8(kernels, batch)
     live = batch.slot_mapping >= 0
     slots = batch.slot_mapping[live]
+    caches = kernels.split_kv_cache(batch.kv_cache)
     for i, scale in enumerate((K_SCALE, V_SCALE)):
-        stored = batch.kv_cache[i][slots // BLOCK_SIZE, :, slots % BLOCK_SIZE]
+        stored = caches[i][slots // BLOCK_SIZE, :, slots % BLOCK_SIZE]
         expected = quantize_kv((batch.key, batch.value)[i][live], scale)
         assert torch.equal(stored.view(torch.uint8), expected.view(torch.uint8))
 
@@ -96,13 +99,14 @@ def test_fp8_mixed_batch_matches_reference(pkg, dtype, head_size, num_heads, num
     rows = [(0, 2048), (3000, 512), (6900, 1200), (0, 37), (8000, 1)]
     rows += random_decode_rows(100, 8192, seed=head_size)
     batch = fp8_batch(
+        kernels,
         make_batch(
             rows,
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_size=head_size,
             dtype=DTYPES[dtype],
-        )
+        ),
     )
     scale = head_size**-0.5
     write_fp8(kernels, batch)
@@ -116,9 +120,10 @@ def test_fp8_decode_matches_reference_split_or_not(pkg, num_rows, max_context): 
     kernels, backend = pkg
     rows = random_decode_rows(num_rows, max_context, seed=num_rows)
     batch = fp8_batch(
+        kernels,
         make_batch(
             rows, num_heads=32, num_kv_heads=8, head_size=128, dtype=torch.bfloat16, padding_rows=3
-        )
+        ),
     )
     write_fp8(kernels, batch)
     splits = auto_splits(kernels, backend, batch.num_reqs, 8, max_context)

@@ -199,7 +199,7 @@ def assert_matches_reference(out: torch.Tensor, batch: Batch, scale: float, wind
 
 def write_cache(kernels: ModuleType, batch: Batch) -> None:
     kernels.write_kv_cache(
-        batch.key, batch.value, batch.kv_cache[0], batch.kv_cache[1], batch.slot_mapping
+        batch.key, batch.value, *kernels.split_kv_cache(batch.kv_cache), batch.slot_mapping
     )
 
 
@@ -215,8 +215,7 @@ def run_mixed(
 ) -> None:
     kernels.paged_attention(
         batch.query,
-        batch.kv_cache[0],
-        batch.kv_cache[1],
+        *kernels.split_kv_cache(batch.kv_cache),
         out,
         batch.query_start_loc,
         batch.seq_lens,
@@ -252,8 +251,7 @@ def run_decode(
             buffer.fill_(float("nan"))
     kernels.paged_decode(
         batch.query,
-        batch.kv_cache[0],
-        batch.kv_cache[1],
+        *kernels.split_kv_cache(batch.kv_cache),
         out,
         batch.query_start_loc,
         batch.seq_lens,
@@ -484,8 +482,7 @@ def test_print_decode_and_prefill_timings(pkg, capsys: pytest.CaptureFixture[str
         def decode() -> None:
             kernels.paged_decode(
                 batch.query,
-                batch.kv_cache[0],
-                batch.kv_cache[1],
+                *kernels.split_kv_cache(batch.kv_cache),
                 out,
                 batch.query_start_loc,
                 batch.seq_lens,

@@ -217,7 +217,7 @@ def test_kv_write_skips_padding_slots(kernels):
         [(20, 3)], num_heads=2, num_kv_heads=2, head_size=16, dtype=torch.float16, padding_rows=3
     )
     kernels.write_kv_cache(
-        batch.key, batch.value, batch.kv_cache[0], batch.kv_cache[1], batch.slot_mapping
+        batch.key, batch.value, *kernels.split_kv_cache(batch.kv_cache), batch.slot_mapping
     )
     assert_new_kv_written(batch)
 

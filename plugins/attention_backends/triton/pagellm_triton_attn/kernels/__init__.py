@@ -2,7 +2,9 @@
 
 The KV cache of one layer is ``[2, num_blocks, num_kv_heads, block_size, head_size]``: one block
 of one KV head is a contiguous ``block_size x head_size`` tile, so a key tile of ``BLOCK_N``
-tokens is ``BLOCK_N / block_size`` contiguous runs that load as wide vectors.
+tokens is ``BLOCK_N / block_size`` contiguous runs that load as wide vectors. An FP8 cache
+stores its values token-minor within a page (``head_size x block_size``; `split_kv_cache` gives
+the view every kernel takes), since 8-bit MMA operands must be contiguous along the reduction.
 
 A step runs `write_kv_cache`, then one or both attention kernels:
 
@@ -23,6 +25,7 @@ import os
 
 from .interpreter_compat import install_interpreter_fixes
 from .kv_write import write_kv_cache
+from .launch import split_kv_cache
 from .mixed_batch import paged_attention
 from .split_kv_decode import num_decode_splits, paged_decode, rows_longest_first, split_scratch
 
@@ -35,6 +38,7 @@ __all__ = [
     "paged_attention",
     "paged_decode",
     "rows_longest_first",
+    "split_kv_cache",
     "split_scratch",
     "write_kv_cache",
 ]

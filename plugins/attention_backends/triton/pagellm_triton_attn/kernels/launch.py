@@ -35,6 +35,49 @@ def fp8_as_f16(query: torch.Tensor, cache: torch.Tensor) -> bool:
     return is_fp8_cache(cache) and query.dtype == torch.bfloat16
 
 
+def split_kv_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The key and value caches of TRITON_ATTN's ``[2, num_blocks, num_kv_heads, block_size,
+    head_size]`` cache, both indexed ``[block, kv_head, slot, dim]``.
+
+    Keys are stored as indexed (one page of one KV head is a ``block_size x head_size`` tile).
+    An FP8 cache stores each page's values token-minor (``head_size x block_size``): P @ V
+    reduces over the keys, and an 8-bit MMA operand must be contiguous along the reduced
+    dimension (there is no transposing ``ldmatrix`` for 8-bit elements, so a slot-major V tile
+    is read from shared memory a byte at a time). The value cache returned is then a transposed
+    view of the same memory, whose strides the kernels read (`values_token_minor`)."""
+    key_cache, value_cache = kv_cache[0], kv_cache[1]
+    if is_fp8_cache(kv_cache):
+        num_blocks, num_kv_heads, block_size, head_size = value_cache.shape
+        value_cache = value_cache.view(num_blocks, num_kv_heads, head_size, block_size)
+        value_cache = value_cache.transpose(2, 3)
+    return key_cache, value_cache
+
+
+def values_token_minor(key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
+    """Whether ``value_cache`` is stored token-minor within a page (an FP8 cache's values, from
+    `split_kv_cache`) rather than as ``key_cache`` is. The kernels address V with K's block and
+    head strides, so both must agree; anything else raises.
+
+    The kernels load token-minor V tiles without masking the slots past a sequence's end
+    (masking them per slot would keep the loads from being vectorized): that is safe because
+    an FP8 cache never holds a NaN, since `TritonAttentionBackend.allocate_kv_cache` zeroes it
+    and every write saturates at +-448, and such slots get softmax weight 0."""
+    shape, strides = tuple(value_cache.shape), value_cache.stride()
+    if shape != tuple(key_cache.shape) or strides[:2] != key_cache.stride()[:2]:
+        raise ValueError(
+            f"value cache {shape} with strides {strides} does not match the key cache "
+            f"{tuple(key_cache.shape)} with strides {key_cache.stride()}"
+        )
+    if strides[2:] == key_cache.stride()[2:]:
+        return False
+    if strides[2:] == (1, shape[2]) and is_fp8_cache(value_cache):
+        return True
+    raise ValueError(
+        f"value cache strides {strides}: expected those of the key cache {key_cache.stride()} "
+        f"or, for an FP8 cache, token-minor pages {(*strides[:2], 1, shape[2])}"
+    )
+
+
 def check_inner_contiguous(*tensors: torch.Tensor) -> None:
     for t in tensors:
         if t.stride(-1) != 1:

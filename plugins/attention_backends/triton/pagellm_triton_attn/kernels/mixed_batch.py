@@ -19,6 +19,7 @@ from .launch import (
     gpu_target,
     is_fp8_cache,
     mixed_tiles,
+    values_token_minor,
 )
 from .online_softmax import LOG2E, NO_MAX, attend_paged_tile, attend_tile, tile_pages
 
@@ -59,6 +60,7 @@ def _paged_attention_kernel(
     USE_WINDOW: tl.constexpr,
     KV_FP8: tl.constexpr,
     FP8_AS_F16: tl.constexpr,
+    V_TOKEN_MINOR: tl.constexpr,
     SKIP_DECODES: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -131,7 +133,7 @@ def _paged_attention_kernel(
         acc, m_i, l_i = attend_tile(
             acc, m_i, l_i, q, q_pos, k_head_ptr, v_head_ptr, bt_row_ptr, n0, seq_len, window,
             qk_scale, stride_cb, stride_cs, PAGE, BLOCK_N, BLOCK_D, HEAD_SIZE,
-            True, USE_WINDOW, DOT_PRECISION,
+            True, USE_WINDOW, DOT_PRECISION, V_TOKEN_MINOR,
         )  # fmt: skip
     # Pages one tile ahead, as in `paged_decode`: more than one K/V tile in flight.
     page = tile_pages(bt_row_ptr, full_lo, seq_len, PAGE, BLOCK_N)
@@ -140,14 +142,14 @@ def _paged_attention_kernel(
         acc, m_i, l_i = attend_paged_tile(
             acc, m_i, l_i, q, q_pos, k_head_ptr, v_head_ptr, page, n0, seq_len, window,
             qk_scale, stride_cb, stride_cs, PAGE, BLOCK_N, BLOCK_D, HEAD_SIZE,
-            False, USE_WINDOW, DOT_PRECISION,
+            False, USE_WINDOW, DOT_PRECISION, V_TOKEN_MINOR,
         )  # fmt: skip
         page = next_page
     for n0 in range(full_hi, end, BLOCK_N):
         acc, m_i, l_i = attend_tile(
             acc, m_i, l_i, q, q_pos, k_head_ptr, v_head_ptr, bt_row_ptr, n0, seq_len, window,
             qk_scale, stride_cb, stride_cs, PAGE, BLOCK_N, BLOCK_D, HEAD_SIZE,
-            True, USE_WINDOW, DOT_PRECISION,
+            True, USE_WINDOW, DOT_PRECISION, V_TOKEN_MINOR,
         )  # fmt: skip
 
     acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -193,7 +195,8 @@ def paged_attention(
         target = gpu_target(query.device)
     num_heads, head_size = query.shape[1], query.shape[2]
     num_kv_heads = key_cache.shape[1]
-    check_inner_contiguous(query, out, key_cache, value_cache)
+    check_inner_contiguous(query, out, key_cache)
+    v_token_minor = values_token_minor(key_cache, value_cache)
     gqa = num_heads // num_kv_heads
     tiles = mixed_tiles(query.dtype, head_size, gqa, max_query_len, target)
     num_virtual_tiles = num_tokens // tiles.block_q + num_reqs
@@ -230,6 +233,7 @@ def paged_attention(
         USE_WINDOW=sliding_window is not None,
         KV_FP8=is_fp8_cache(key_cache),
         FP8_AS_F16=fp8_as_f16(query, key_cache),
+        V_TOKEN_MINOR=v_token_minor,
         SKIP_DECODES=skip_decodes,
         DOT_PRECISION=dot_precision(query.dtype, target),
         num_warps=tiles.num_warps,

@@ -8,6 +8,11 @@ An FP8 cache's tiles are converted to the query's dtype after loading (exact: e4
 bfloat16 and float16 values); its key scale is folded into ``qk_scale`` by the host and its value
 scale multiplies the finished output (the kernels' ``KV_FP8``), so a tile costs no extra multiply.
 In the model dtype the conversions are no-ops and the compiled kernels unchanged.
+
+``V_TOKEN_MINOR``: the value cache stores each page token-minor (an FP8 cache's, see
+`launch.split_kv_cache`). Its tiles are then loaded unmasked along the keys, as runs of 16
+contiguous bytes the compiler is told about (a page index is a loaded value, so it cannot prove
+them): slots past the sequence end hold finite values there and get weight 0.
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ def attend_tile(
     MASKED: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    V_TOKEN_MINOR: tl.constexpr,
 ):
     """Fold keys [n0, n0 + BLOCK_N) of one sequence and KV head into the running softmax.
 
@@ -72,7 +78,7 @@ def attend_tile(
     return attend_paged_tile(
         acc, m_i, l_i, q, q_pos, k_head_ptr, v_head_ptr, page, n0, seq_len, window, qk_scale,
         stride_cb, stride_cs, PAGE, BLOCK_N, BLOCK_D, HEAD_SIZE, MASKED, USE_WINDOW,
-        DOT_PRECISION,
+        DOT_PRECISION, V_TOKEN_MINOR,
     )  # fmt: skip
 
 
@@ -106,6 +112,7 @@ def attend_paged_tile(
     MASKED: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    V_TOKEN_MINOR: tl.constexpr,
 ):
     """`attend_tile` with the tile's pages already loaded (`tile_pages`)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -126,7 +133,14 @@ def attend_paged_tile(
     l_i = l_i * alpha + tl.sum(p, 1)
     # V beyond the sequence end may be uninitialised (NaN): it must be loaded as zeros, since
     # 0 * NaN would poison the accumulator.
-    v = _load_kv_tile(v_head_ptr + offs, n_ok, d_ok, MASKED, BLOCK_D != HEAD_SIZE).to(q.dtype)
+    if V_TOKEN_MINOR:
+        # Pages are multiples of 16 slots (`block_size_multiple`), their starts 16-aligned.
+        offs_v = (page.to(tl.int64) * stride_cb + offs_n % PAGE)[:, None] + offs_d[None, :] * PAGE
+        offs_v = tl.max_contiguous(tl.multiple_of(offs_v, [16, 1]), [16, 1])
+        v = _load_kv_tile(v_head_ptr + offs_v, n_ok, d_ok, False, BLOCK_D != HEAD_SIZE)
+    else:
+        v = _load_kv_tile(v_head_ptr + offs, n_ok, d_ok, MASKED, BLOCK_D != HEAD_SIZE)
+    v = v.to(q.dtype)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(q.dtype), v, acc, input_precision=DOT_PRECISION)
     return acc, m_new, l_i

@@ -24,6 +24,7 @@ from .launch import (
     fp8_as_f16,
     gpu_target,
     is_fp8_cache,
+    values_token_minor,
 )
 from .online_softmax import LOG2E, NO_MAX, attend_paged_tile, tile_pages
 
@@ -63,6 +64,7 @@ def _paged_decode_kernel(
     USE_WINDOW: tl.constexpr,
     KV_FP8: tl.constexpr,
     FP8_AS_F16: tl.constexpr,
+    V_TOKEN_MINOR: tl.constexpr,
     SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     HAS_ORDER: tl.constexpr,
@@ -116,7 +118,7 @@ def _paged_decode_kernel(
         acc, m_i, l_i = attend_paged_tile(
             acc, m_i, l_i, q, q_pos, k_head_ptr, v_head_ptr, page, t * BLOCK_N, seq_len,
             window, qk_scale, stride_cb, stride_cs, PAGE, BLOCK_N, BLOCK_D,
-            HEAD_SIZE, True, USE_WINDOW, DOT_PRECISION,
+            HEAD_SIZE, True, USE_WINDOW, DOT_PRECISION, V_TOKEN_MINOR,
         )  # fmt: skip
         page = next_page
 
@@ -226,7 +228,8 @@ def paged_decode(
         target = gpu_target(query.device)
     num_heads, head_size = query.shape[1], query.shape[2]
     num_kv_heads = key_cache.shape[1]
-    check_inner_contiguous(query, out, key_cache, value_cache)
+    check_inner_contiguous(query, out, key_cache)
+    v_token_minor = values_token_minor(key_cache, value_cache)
     gqa = num_heads // num_kv_heads
     block_d = triton.next_power_of_2(head_size)
     tiles = tiles or decode_tiles(query.dtype, head_size, key_cache.dtype, target)
@@ -275,6 +278,7 @@ def paged_decode(
         USE_WINDOW=sliding_window is not None,
         KV_FP8=is_fp8_cache(key_cache),
         FP8_AS_F16=fp8_as_f16(query, key_cache),
+        V_TOKEN_MINOR=v_token_minor,
         SPLIT=split,
         DOT_PRECISION=dot_precision(query.dtype, target),
         HAS_ORDER=row_order is not None,
