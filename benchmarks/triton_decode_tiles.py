@@ -51,20 +51,29 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output-json", default=None)
     parser.add_argument("--default-only", action="store_true", help="time the default tiles only")
+    parser.add_argument(
+        "--caches", nargs="+", default=["bfloat16", "float8_e4m3fn"], help="cache dtypes to time"
+    )
+    for name, values in SWEEP.items():
+        flag = "--" + name.replace("_", "-")
+        parser.add_argument(flag, nargs="+", type=int, default=list(values), help="sweep values")
     args = parser.parse_args()
-    from pagellm_triton_attn.kernels.launch import Tiles, decode_tiles
+    from pagellm_triton_attn.kernels.launch import Tiles, decode_tiles, split_kv_cache
     from pagellm_triton_attn.kernels.split_kv_decode import paged_decode
 
     results: list[dict[str, Any]] = []
     for (shape, (rows, context, heads, kv_heads)), dtype in itertools.product(
-        SHAPES.items(), (torch.bfloat16, torch.float8_e4m3fn)
+        SHAPES.items(), [getattr(torch, c) for c in args.caches]
     ):
         b = batch(rows, context, heads, kv_heads, dtype)
         default = decode_tiles(torch.bfloat16, HEAD, dtype)
 
+        # The backend's view of its cache (an FP8 cache's values are stored token-minor).
+        b["k"], b["v"] = split_kv_cache(b["kv"])
+
         def run(tiles: Tiles, b: dict = b, rows: int = rows) -> None:
             paged_decode(
-                b["query"], b["kv"][0], b["kv"][1], b["out"], b["qsl"], b["seq_lens"], b["table"],
+                b["query"], b["k"], b["v"], b["out"], b["qsl"], b["seq_lens"], b["table"],
                 num_rows=rows, scale=HEAD**-0.5, sliding_window=None, tiles=tiles,
             )  # fmt: skip
 
@@ -72,7 +81,9 @@ def main() -> int:
         sweep = (
             [default]
             if args.default_only
-            else [Tiles(*t) for t in itertools.product(*SWEEP.values())]
+            else [
+                Tiles(*t) for t in itertools.product(args.block_n, args.num_warps, args.num_stages)
+            ]
         )
         for tiles in sweep:
             block_n, warps, stages = tiles.block_n, tiles.num_warps, tiles.num_stages
