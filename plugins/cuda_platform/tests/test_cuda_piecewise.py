@@ -45,6 +45,10 @@ def on_cuda(model: str, backend: str | None, **kwargs) -> tuple[EngineConfig, En
     args.cudagraph_mode = "auto"  # the CPU platform would refuse it: asked again below
     config = args.create_engine_config()
     args.cudagraph_mode = mode
+    # On a GPU machine the platform resolved above is CUDA's, whose "auto" already added
+    # piecewise graphs: start from no graphs, as the CPU platform leaves it.
+    config.compilation.cudagraph_mode = "none"
+    config.compilation.piecewise_capture_sizes = []
     if backend is not None:
         config.attention_backend = backend
     CudaPlatform.check_and_update_config(config)
