@@ -10,6 +10,13 @@ Shapes: 256 rows of 1k context with 16 query / 8 KV heads (the kernel table's), 
 (200 rows of 768 context, 32 query / 8 KV heads). Block size 16, head 128.
 
     python benchmarks/triton_decode_tiles.py [--default-only] [--output-json out.json]
+        [--caches float8_e4m3fn] [--block-n 64 128] [--num-warps 4] [--num-stages 2 3]
+        [--num-splits 1 2 3 4]
+
+``--num-splits``: W1's decode launch is 200 rows x 8 KV heads = 1,600 programs of equal length;
+at three resident programs an SM (132 SMs) that is 4.04 waves, so the fifth wave would run 16
+programs on an otherwise idle GPU. Splitting each row's keys over more programs (and merging)
+evens the waves out, at the cost of the merge; these figures say whether it pays.
 """
 
 from __future__ import annotations
@@ -57,9 +64,17 @@ def main() -> int:
     for name, values in SWEEP.items():
         flag = "--" + name.replace("_", "-")
         parser.add_argument(flag, nargs="+", type=int, default=list(values), help="sweep values")
+    parser.add_argument(
+        "--num-splits",
+        nargs="+",
+        type=int,
+        default=[1],
+        help="split-KV factors to time each tile with (keys TILE/sN beyond 1): whether splitting "
+        "a launch of equal rows into more programs evens out its last wave",
+    )
     args = parser.parse_args()
     from pagellm_triton_attn.kernels.launch import Tiles, decode_tiles, split_kv_cache
-    from pagellm_triton_attn.kernels.split_kv_decode import paged_decode
+    from pagellm_triton_attn.kernels.split_kv_decode import paged_decode, split_scratch
 
     results: list[dict[str, Any]] = []
     for (shape, (rows, context, heads, kv_heads)), dtype in itertools.product(
@@ -70,11 +85,18 @@ def main() -> int:
 
         # The backend's view of its cache (an FP8 cache's values are stored token-minor).
         b["k"], b["v"] = split_kv_cache(b["kv"])
+        # Allocated here, outside the timed calls.
+        b["scratch"] = {
+            n: split_scratch(rows, heads, HEAD, n, b["out"].device)
+            for n in args.num_splits
+            if n > 1
+        }
 
-        def run(tiles: Tiles, b: dict = b, rows: int = rows) -> None:
+        def run(tiles: Tiles, splits: int, b: dict = b, rows: int = rows) -> None:
             paged_decode(
                 b["query"], b["k"], b["v"], b["out"], b["qsl"], b["seq_lens"], b["table"],
                 num_rows=rows, scale=HEAD**-0.5, sliding_window=None, tiles=tiles,
+                num_splits=splits, scratch=b["scratch"].get(splits),
             )  # fmt: skip
 
         line: dict[str, Any] = {"shape": shape, "cache": str(dtype).split(".")[-1], "tiles": {}}
@@ -85,14 +107,17 @@ def main() -> int:
                 Tiles(*t) for t in itertools.product(args.block_n, args.num_warps, args.num_stages)
             ]
         )
-        for tiles in sweep:
-            block_n, warps, stages = tiles.block_n, tiles.num_warps, tiles.num_stages
+        for tiles, splits in itertools.product(sweep, args.num_splits):
+            key = f"{tiles.block_n}/{tiles.num_warps}/{tiles.num_stages}"
+            key += f"/s{splits}" if splits > 1 else ""
             try:
-                ms = triton.testing.do_bench(lambda t=tiles: run(t), warmup=25, rep=100)
+                ms = triton.testing.do_bench(
+                    lambda t=tiles, n=splits: run(t, n), warmup=25, rep=100
+                )
             except Exception as exc:  # out of shared memory or registers: say so, go on
-                line["tiles"][f"{block_n}/{warps}/{stages}"] = f"{type(exc).__name__}"
+                line["tiles"][key] = f"{type(exc).__name__}"
                 continue
-            line["tiles"][f"{block_n}/{warps}/{stages}"] = round(b["bytes"] / ms / 1e6, 1)
+            line["tiles"][key] = round(b["bytes"] / ms / 1e6, 1)
         measured = {k: v for k, v in line["tiles"].items() if isinstance(v, float)}
         line["default"] = f"{default.block_n}/{default.num_warps}/{default.num_stages}"
         line["best"] = max(measured, key=measured.get) if measured else None
