@@ -11,7 +11,7 @@ Shapes: 256 rows of 1k context with 16 query / 8 KV heads (the kernel table's), 
 
     python benchmarks/triton_decode_tiles.py [--default-only] [--output-json out.json]
         [--caches float8_e4m3fn] [--block-n 64 128] [--num-warps 4] [--num-stages 2 3]
-        [--num-splits 1 2 3 4]
+        [--num-splits 1 2 3 4] [--swap-ab 0 1] [--fp8-mma 0 1]
 
 ``--num-splits``: W1's decode launch is 200 rows x 8 KV heads = 1,600 programs of equal length;
 at three resident programs an SM (132 SMs) that is 4.04 waves, so the fifth wave would run 16
@@ -22,6 +22,7 @@ evens the waves out, at the cost of the merge; these figures say whether it pays
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import platform
@@ -65,6 +66,22 @@ def main() -> int:
         flag = "--" + name.replace("_", "-")
         parser.add_argument(flag, nargs="+", type=int, default=list(values), help="sweep values")
     parser.add_argument(
+        "--swap-ab",
+        nargs="+",
+        type=int,
+        default=[0],
+        choices=[0, 1],
+        help="Tiles.swap_ab values to time (1: both products transposed, keys TILE/swap)",
+    )
+    parser.add_argument(
+        "--fp8-mma",
+        nargs="+",
+        type=int,
+        default=[0],
+        choices=[0, 1],
+        help="Tiles.fp8_mma values to time with swap_ab over an FP8 cache (keys TILE/swap/fp8mma)",
+    )
+    parser.add_argument(
         "--num-splits",
         nargs="+",
         type=int,
@@ -100,15 +117,22 @@ def main() -> int:
             )  # fmt: skip
 
         line: dict[str, Any] = {"shape": shape, "cache": str(dtype).split(".")[-1], "tiles": {}}
-        sweep = (
+        base = (
             [default]
             if args.default_only
             else [
                 Tiles(*t) for t in itertools.product(args.block_n, args.num_warps, args.num_stages)
             ]
         )
+        sweep = [
+            dataclasses.replace(t, swap_ab=bool(swap), fp8_mma=bool(mma))
+            for t, swap, mma in itertools.product(base, args.swap_ab, args.fp8_mma)
+            if not mma or (swap and dtype == torch.float8_e4m3fn)
+        ]
         for tiles, splits in itertools.product(sweep, args.num_splits):
             key = f"{tiles.block_n}/{tiles.num_warps}/{tiles.num_stages}"
+            key += "/swap" if tiles.swap_ab else ""
+            key += "/fp8mma" if tiles.fp8_mma else ""
             key += f"/s{splits}" if splits > 1 else ""
             try:
                 ms = triton.testing.do_bench(

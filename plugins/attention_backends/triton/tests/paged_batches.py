@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -264,7 +265,9 @@ def run_decode(
     num_splits: int,
     out: torch.Tensor | None = None,
     row_order: torch.Tensor | None = None,
+    tiles: Any = None,
 ) -> torch.Tensor:
+    """``tiles``: a `launch.Tiles` other than the default (None)."""
     key_cache, value_cache = kernels.split_kv_cache(batch.kv_cache)
     kernels.write_kv_cache(
         batch.key, batch.value, key_cache, value_cache, batch.slot_mapping, *batch.scales
@@ -295,5 +298,6 @@ def run_decode(
         k_scale=batch.k_scale,
         v_scale=batch.v_scale,
         row_order=row_order,
+        tiles=tiles,
     )
     return out

@@ -21,8 +21,10 @@ from test_triton_attn_gpu import (
     pkg,  # noqa: F401 (fixture)
     poisoned,
     random_decode_rows,
+    reference,
     run_decode,
     run_mixed,
+    swapped_tiles,
 )
 
 from pagellm.kv_cache.fp8 import FP8_KV_DTYPE, dequantize_kv, quantize_kv
@@ -130,6 +132,37 @@ def test_fp8_decode_matches_reference_split_or_not(pkg, num_rows, max_context): 
     out = poisoned(batch)
     run_decode(kernels, batch, 128**-0.5, None, out, splits, k_scale=K_SCALE, v_scale=V_SCALE)
     assert_matches_reference(out, batch, 128**-0.5, None)
+
+
+@pytest.mark.parametrize("fp8_mma", [False, True])
+@pytest.mark.parametrize("num_splits", [1, 5])
+def test_fp8_swapped_decode_matches_reference(pkg, fp8_mma, num_splits):  # noqa: F811
+    """`Tiles.swap_ab` over an FP8 cache matches the reference as the default kernel does; with
+    `Tiles.fp8_mma` (queries and weights in e4m3 too) within 5 % of the largest output."""
+    kernels, _ = pkg
+    batch = fp8_batch(
+        kernels,
+        make_batch(
+            random_decode_rows(256, 4096, seed=5), num_heads=32, num_kv_heads=8, head_size=128,
+            dtype=torch.bfloat16, padding_rows=3,
+        ),
+    )  # fmt: skip
+    write_fp8(kernels, batch)
+    out = poisoned(batch)
+    tiles = swapped_tiles(128, fp8_mma=fp8_mma)
+    run_decode(
+        kernels, batch, 128**-0.5, None, out, num_splits, k_scale=K_SCALE, v_scale=V_SCALE,
+        tiles=tiles,
+    )  # fmt: skip
+    assert torch.equal(out[-3:], torch.zeros_like(out[-3:])), "padding rows must give zeros"
+    if not fp8_mma:
+        assert_matches_reference(out, batch, 128**-0.5, None)
+        return
+    expected = reference(batch, 128**-0.5, None)[:-3]
+    largest = expected.abs().max().item()
+    error = (out[:-3].float() - expected).abs().max().item()
+    print(f"\nFP8 products: max error {error:.4f}, outputs up to {largest:.4f}")
+    assert error < 0.05 * largest
 
 
 DECISIVE = 0.1

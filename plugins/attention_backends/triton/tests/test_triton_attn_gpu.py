@@ -240,7 +240,9 @@ def run_decode(
     num_splits: int,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    tiles: object = None,
 ) -> None:
+    """``tiles``: a `launch.Tiles` other than the default (None)."""
     num_heads, head_size = batch.query.shape[1:]
     scratch = None
     if num_splits > 1:
@@ -263,7 +265,16 @@ def run_decode(
         scratch=scratch,
         k_scale=k_scale,
         v_scale=v_scale,
+        tiles=tiles,
     )
+
+
+def swapped_tiles(head_size: int, fp8_mma: bool = False) -> object:
+    """`Tiles.swap_ab` (both decode products transposed: warpgroup MMAs on sm_90)."""
+    from pagellm_triton_attn.kernels.launch import Tiles
+
+    block_n = 64 if head_size <= 128 else 32
+    return Tiles(block_n=block_n, num_warps=4, num_stages=2, swap_ab=True, fp8_mma=fp8_mma)
 
 
 def poisoned(batch: Batch) -> torch.Tensor:
@@ -371,6 +382,28 @@ def test_decode_of_256_rows_matches_reference(
     write_cache(kernels, batch)
     out = poisoned(batch)
     run_decode(kernels, batch, scale, window, out, num_splits)
+    assert_matches_reference(out, batch, scale, window)
+    assert torch.equal(out[-8:], torch.zeros_like(out[-8:])), "padding rows must give zeros"
+
+
+@pytest.mark.parametrize("dtype, head_size, num_heads, num_kv_heads, window", CONFIGS)
+@pytest.mark.parametrize("num_splits", [1, 5])
+def test_swapped_decode_of_256_rows_matches_reference(
+    pkg, dtype, head_size, num_heads, num_kv_heads, window, num_splits
+):
+    kernels, _ = pkg
+    batch = make_batch(
+        random_decode_rows(256, 8192, seed=11),
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_size=head_size,
+        dtype=DTYPES[dtype],
+        padding_rows=8,
+    )
+    scale = head_size**-0.5
+    write_cache(kernels, batch)
+    out = poisoned(batch)
+    run_decode(kernels, batch, scale, window, out, num_splits, tiles=swapped_tiles(head_size))
     assert_matches_reference(out, batch, scale, window)
     assert torch.equal(out[-8:], torch.zeros_like(out[-8:])), "padding rows must give zeros"
 

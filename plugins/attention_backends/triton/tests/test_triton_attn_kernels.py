@@ -18,6 +18,7 @@ from paged_batches import (
     assert_close_to_reference,
     assert_new_kv_written,
     make_batch,
+    reference,
     run_decode,
     run_mixed,
 )
@@ -123,6 +124,94 @@ def test_decode_with_and_without_split_kv_matches_reference(
     assert_new_kv_written(batch)
     assert_close_to_reference(out, batch, scale, window)
     assert torch.equal(out[-2:], torch.zeros_like(out[-2:])), "padding rows must give zeros"
+
+
+def swapped_tiles(kernels: ModuleType, block_n: int, fp8_mma: bool = False):
+    from pagellm_triton_attn.kernels.launch import Tiles
+
+    return Tiles(block_n=block_n, num_warps=4, num_stages=2, swap_ab=True, fp8_mma=fp8_mma)
+
+
+@pytest.mark.parametrize(
+    "dtype, head_size, num_heads, num_kv_heads, window, num_splits, block_n",
+    [
+        ("fp32", 16, 4, 2, None, 1, 16),
+        ("bf16", 32, 8, 2, None, 8, 32),  # empty splits
+        ("fp16", 64, 4, 1, 40, 4, 32),  # sliding window
+        ("bf16", 128, 2, 2, None, 2, 64),
+        ("fp32", 80, 6, 2, 70, 5, 16),  # head size and group (3) not powers of two
+    ],
+)
+def test_swapped_decode_matches_reference(
+    kernels, dtype, head_size, num_heads, num_kv_heads, window, num_splits, block_n
+):
+    """`Tiles.swap_ab`: the decode kernel with both products transposed gives the reference's
+    attention, split or not, with padding rows at zero."""
+    rows = [(300, 1), (0, 1), (63, 1), (129, 1), (16, 1)]
+    batch = make_batch(
+        rows,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_size=head_size,
+        dtype=DTYPES[dtype],
+        padding_rows=2,
+        seed=num_splits,
+    )
+    scale = head_size**-0.5
+    tiles = swapped_tiles(kernels, block_n)
+    out = run_decode(kernels, batch, scale, window, num_splits, tiles=tiles)
+    assert_close_to_reference(out, batch, scale, window)
+    assert torch.equal(out[-2:], torch.zeros_like(out[-2:])), "padding rows must give zeros"
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_swapped_decode_over_an_fp8_cache_matches_reference(kernels, num_splits):
+    rows = [(130, 1), (0, 1), (47, 1), (300, 1)]
+    batch = make_batch(
+        rows, num_heads=8, num_kv_heads=2, head_size=32, dtype=torch.bfloat16, padding_rows=1,
+        seed=num_splits, fp8_scales=(0.8, 0.25),
+    )  # fmt: skip
+    out = run_decode(kernels, batch, 0.2, None, num_splits, tiles=swapped_tiles(kernels, 32))
+    assert_close_to_reference(out, batch, 0.2, None)
+    assert torch.equal(out[-1:], torch.zeros_like(out[-1:])), "padding rows must give zeros"
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_fp8_products_stay_within_e4m3_rounding_of_the_reference(kernels, num_splits):
+    """`Tiles.fp8_mma`: the queries and the softmax weights rounded to e4m3 as well. With logits
+    of order 1 (the batch's keys are about 300 * k_scale, so the softmax scale is chosen to
+    undo that) the outputs stay within 3 % of the values' scale of the reference's, against
+    about 0.3 % with the products in bfloat16."""
+    rows = [(130, 1), (0, 1), (47, 1), (300, 1)]
+    k_scale, v_scale, head_size = 0.8, 0.25, 32
+    batch = make_batch(
+        rows, num_heads=8, num_kv_heads=2, head_size=head_size, dtype=torch.bfloat16,
+        padding_rows=1, seed=num_splits, fp8_scales=(k_scale, v_scale),
+    )  # fmt: skip
+    scale = 1 / (300 * k_scale * head_size**0.5)
+    tiles = swapped_tiles(kernels, 32, fp8_mma=True)
+    out = run_decode(kernels, batch, scale, None, num_splits, tiles=tiles)
+    expected = reference(batch, scale, None)
+    values_scale = 300 * v_scale
+    error = (out.double() - expected)[:-1].abs().max().item()
+    assert error < 0.03 * values_scale, f"max error {error:.3f} (values' scale {values_scale})"
+    assert torch.equal(out[-1:], torch.zeros_like(out[-1:])), "padding rows must give zeros"
+
+
+def test_fp8_products_need_the_swapped_kernel_and_an_fp8_cache(kernels):
+    from pagellm_triton_attn.kernels.launch import Tiles
+
+    rows = [(20, 1)]
+    bf16 = make_batch(rows, num_heads=2, num_kv_heads=1, head_size=16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="needs swap_ab and an FP8 KV cache"):
+        run_decode(kernels, bf16, 0.25, None, 1, tiles=swapped_tiles(kernels, 16, fp8_mma=True))
+    fp8 = make_batch(
+        rows, num_heads=2, num_kv_heads=1, head_size=16, dtype=torch.bfloat16,
+        fp8_scales=(1.0, 1.0),
+    )  # fmt: skip
+    unswapped = Tiles(block_n=16, num_warps=4, num_stages=2, fp8_mma=True)
+    with pytest.raises(ValueError, match="needs swap_ab and an FP8 KV cache"):
+        run_decode(kernels, fp8, 0.25, None, 1, tiles=unswapped)
 
 
 @pytest.mark.parametrize("num_splits", [1, 4])

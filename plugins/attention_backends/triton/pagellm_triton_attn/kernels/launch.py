@@ -122,6 +122,17 @@ class Tiles:
     """Query tokens per program (`paged_attention`)."""
     block_m: int = 16
     """Rows per program: query tokens x the query heads of one KV head, at least 16 (tl.dot)."""
+    swap_ab: bool = False
+    """`paged_decode` only: both products transposed (S^T = K Q^T, O^T += V^T P^T), so the key
+    tile's rows are the MMA's M dimension rather than the 16 padded query rows; on sm_90 Triton
+    then emits warpgroup MMAs (compiled for sm_90: HGMMA.64x16x16 where the default kernel has
+    HMMA.16816). Off by default until measured faster (`benchmarks/triton_decode_tiles.py`)."""
+    fp8_mma: bool = False
+    """With ``swap_ab``, over an FP8 cache: each row's query and the softmax weights are
+    rounded to e4m3 too, so both products run as FP8 warpgroup MMAs (QGMMA.64x16x32 on sm_90)
+    on the tiles as loaded, with no conversion of K and V. Less exact: both operands of each
+    product are e4m3, against one (about 1 % of the values' scale where the logits are O(1)).
+    Off by default."""
 
 
 # IEEE float32 dots run on CUDA cores, whose layouts spill registers with most tile shapes; this

@@ -17,6 +17,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 
 from .launch import (
+    FP8_E4M3_MAX,
     Tiles,
     check_inner_contiguous,
     decode_tiles,
@@ -26,10 +27,80 @@ from .launch import (
     is_fp8_cache,
     values_token_minor,
 )
-from .online_softmax import LOG2E, NO_MAX, attend_paged_tile, tile_pages
+from .online_softmax import LOG2E, NO_MAX, _load_kv_tile, attend_paged_tile, tile_pages
 
 # Split-KV never cuts a sequence into more pieces than this (bounds the scratch and the merge).
 _MAX_SPLITS = 64
+# With FP8 products (`Tiles.fp8_mma`) the softmax weights, in [0, 1], enter P @ V times this, as
+# e4m3: weights down to 2^-14 then keep e4m3's three-bit mantissa (down to 2^-6 without it),
+# and the largest, 256, stays below e4m3's 448. The output is divided back.
+_P_FP8_SCALE: tl.constexpr = tl.constexpr(256.0)
+
+
+@triton.jit
+def _attend_tile_swapped(
+    acc_t,
+    m_i,
+    l_i,
+    q_t,
+    q_pos,
+    k_head_ptr,
+    v_head_ptr,
+    page,
+    n0,
+    seq_len,
+    window,
+    qk_scale,
+    stride_cb,
+    stride_cs,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    V_TOKEN_MINOR: tl.constexpr,
+    FP8_P: tl.constexpr,
+):
+    """`attend_paged_tile` with both products transposed (``Tiles.swap_ab``): S^T = K Q^T and
+    O^T += V^T P^T, so the key tile's BLOCK_N rows, not the 16 padded query rows, are the
+    MMA's M dimension (a warpgroup MMA on sm_90). ``acc_t`` is [BLOCK_D, rows]; ``qk_scale`` a
+    scalar or a [1, rows] tensor. ``FP8_P``: the weights enter P @ V as e4m3 times
+    `_P_FP8_SCALE` (``acc_t`` comes back that much too large)."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    n_ok = offs_n < seq_len
+    d_ok = offs_d < HEAD_SIZE
+    slots = page.to(tl.int64) * stride_cb + (offs_n % PAGE) * stride_cs
+    k = _load_kv_tile(
+        k_head_ptr + slots[:, None] + offs_d[None, :], n_ok, d_ok, True, BLOCK_D != HEAD_SIZE
+    )
+    s_t = tl.dot(k.to(q_t.dtype), q_t, input_precision=DOT_PRECISION) * qk_scale
+    visible = (offs_n[:, None] <= q_pos[None, :]) & n_ok[:, None]
+    if USE_WINDOW:
+        visible = visible & (offs_n[:, None] > q_pos[None, :] - window)
+    s_t = tl.where(visible, s_t, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s_t, 0))
+    alpha = tl.exp2(m_i - m_new)
+    p_t = tl.exp2(s_t - m_new[None, :])
+    l_i = l_i * alpha + tl.sum(p_t, 0)
+    if V_TOKEN_MINOR:  # unmasked along the keys, as `attend_paged_tile` loads it
+        offs_v = offs_d[:, None] * PAGE + (page.to(tl.int64) * stride_cb + offs_n % PAGE)[None, :]
+        offs_v = tl.max_contiguous(tl.multiple_of(offs_v, [1, 16]), [1, 16])
+        if BLOCK_D != HEAD_SIZE:
+            v_t = tl.load(v_head_ptr + offs_v, mask=d_ok[:, None], other=0.0)
+        else:
+            v_t = tl.load(v_head_ptr + offs_v)
+    else:  # V beyond the sequence end may be uninitialised (NaN): loaded as zeros
+        offs_v = slots[None, :] + offs_d[:, None]
+        v_t = tl.load(v_head_ptr + offs_v, mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+    acc_t = acc_t * alpha[None, :]
+    if FP8_P:
+        acc_t = tl.dot(v_t, (p_t * _P_FP8_SCALE).to(q_t.dtype), acc_t)
+    else:
+        p16 = p_t.to(q_t.dtype)
+        acc_t = tl.dot(v_t.to(q_t.dtype), p16, acc_t, input_precision=DOT_PRECISION)
+    return acc_t, m_new, l_i
 
 
 @triton.jit
@@ -65,6 +136,8 @@ def _paged_decode_kernel(
     KV_FP8: tl.constexpr,
     FP8_AS_F16: tl.constexpr,
     V_TOKEN_MINOR: tl.constexpr,
+    SWAP_AB: tl.constexpr,
+    FP8_MMA: tl.constexpr,
     SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     HAS_ORDER: tl.constexpr,
@@ -91,7 +164,15 @@ def _paged_decode_kernel(
         mask=m_ok[:, None] & d_ok[None, :],
         other=0.0,
     )
-    if FP8_AS_F16:
+    row_qk_scale = qk_scale
+    if FP8_MMA:
+        # Each row's query as e4m3 at its own scale (absmax to 448), which joins the softmax's:
+        # both products then run as FP8 MMAs on the tiles as loaded.
+        q_abs = tl.max(tl.abs(q.to(tl.float32)), 1)
+        q_scale = tl.where(q_abs > 0.0, q_abs / FP8_E4M3_MAX, 1.0)
+        q = (q.to(tl.float32) / q_scale[:, None]).to(k_cache_ptr.dtype.element_ty)
+        row_qk_scale = (q_scale * qk_scale)[None, :]
+    elif FP8_AS_F16:
         q = q.to(tl.float16)  # the tiles then convert in one instruction per pair, and exactly
 
     # This split's share of the sequence's key tiles, balanced to within one tile. A padding
@@ -105,7 +186,6 @@ def _paged_decode_kernel(
     bt_row_ptr = block_table_ptr + row * stride_bt
     k_head_ptr = k_cache_ptr + kv_head * stride_ch
     v_head_ptr = v_cache_ptr + kv_head * stride_ch
-    acc = tl.zeros([GQA_P, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([GQA_P], NO_MAX, dtype=tl.float32)
     l_i = tl.zeros([GQA_P], dtype=tl.float32)
     # Decode is bandwidth-bound: masking every tile costs a few integer ops per key and keeps
@@ -113,17 +193,33 @@ def _paged_decode_kernel(
     # The next tile's pages are loaded one iteration ahead: the K/V loads then depend on no load
     # of their own iteration, and the pipeliner can keep more than one tile in flight.
     page = tile_pages(bt_row_ptr, tile_lo * BLOCK_N, seq_len, PAGE, BLOCK_N)
-    for t in range(tile_lo, tile_hi):
-        next_page = tile_pages(bt_row_ptr, (t + 1) * BLOCK_N, seq_len, PAGE, BLOCK_N)
-        acc, m_i, l_i = attend_paged_tile(
-            acc, m_i, l_i, q, q_pos, k_head_ptr, v_head_ptr, page, t * BLOCK_N, seq_len,
-            window, qk_scale, stride_cb, stride_cs, PAGE, BLOCK_N, BLOCK_D,
-            HEAD_SIZE, True, USE_WINDOW, DOT_PRECISION, V_TOKEN_MINOR,
-        )  # fmt: skip
-        page = next_page
+    if SWAP_AB:
+        q_t = tl.trans(q)
+        acc_t = tl.zeros([BLOCK_D, GQA_P], dtype=tl.float32)
+        for t in range(tile_lo, tile_hi):
+            next_page = tile_pages(bt_row_ptr, (t + 1) * BLOCK_N, seq_len, PAGE, BLOCK_N)
+            acc_t, m_i, l_i = _attend_tile_swapped(
+                acc_t, m_i, l_i, q_t, q_pos, k_head_ptr, v_head_ptr, page, t * BLOCK_N,
+                seq_len, window, row_qk_scale, stride_cb, stride_cs, PAGE, BLOCK_N, BLOCK_D,
+                HEAD_SIZE, USE_WINDOW, DOT_PRECISION, V_TOKEN_MINOR, FP8_MMA,
+            )  # fmt: skip
+            page = next_page
+        acc = tl.trans(acc_t)
+    else:
+        acc = tl.zeros([GQA_P, BLOCK_D], dtype=tl.float32)
+        for t in range(tile_lo, tile_hi):
+            next_page = tile_pages(bt_row_ptr, (t + 1) * BLOCK_N, seq_len, PAGE, BLOCK_N)
+            acc, m_i, l_i = attend_paged_tile(
+                acc, m_i, l_i, q, q_pos, k_head_ptr, v_head_ptr, page, t * BLOCK_N, seq_len,
+                window, qk_scale, stride_cb, stride_cs, PAGE, BLOCK_N, BLOCK_D,
+                HEAD_SIZE, True, USE_WINDOW, DOT_PRECISION, V_TOKEN_MINOR,
+            )  # fmt: skip
+            page = next_page
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    if KV_FP8:
+    if FP8_MMA:
+        out = out * (v_scale / _P_FP8_SCALE)  # P @ V also took the weights times _P_FP8_SCALE
+    elif KV_FP8:
         out = out * v_scale  # the FP8 cache's values were stored divided by it
     store_mask = m_ok[:, None] & d_ok[None, :]
     if SPLIT:
@@ -233,6 +329,11 @@ def paged_decode(
     gqa = num_heads // num_kv_heads
     block_d = triton.next_power_of_2(head_size)
     tiles = tiles or decode_tiles(query.dtype, head_size, key_cache.dtype, target)
+    if tiles.fp8_mma and not (tiles.swap_ab and is_fp8_cache(key_cache)):
+        raise ValueError(
+            f"Tiles.fp8_mma needs swap_ab and an FP8 KV cache (got swap_ab={tiles.swap_ab}, "
+            f"a {key_cache.dtype} cache)."
+        )
     split = num_splits > 1
     if split:
         if scratch is None:
@@ -279,6 +380,8 @@ def paged_decode(
         KV_FP8=is_fp8_cache(key_cache),
         FP8_AS_F16=fp8_as_f16(query, key_cache),
         V_TOKEN_MINOR=v_token_minor,
+        SWAP_AB=tiles.swap_ab,
+        FP8_MMA=tiles.fp8_mma,
         SPLIT=split,
         DOT_PRECISION=dot_precision(query.dtype, target),
         HAS_ORDER=row_order is not None,
