@@ -65,22 +65,11 @@ def main() -> int:
     for name, values in SWEEP.items():
         flag = "--" + name.replace("_", "-")
         parser.add_argument(flag, nargs="+", type=int, default=list(values), help="sweep values")
-    parser.add_argument(
-        "--swap-ab",
-        nargs="+",
-        type=int,
-        default=[0],
-        choices=[0, 1],
-        help="Tiles.swap_ab values to time (1: both products transposed, keys TILE/swap)",
-    )
-    parser.add_argument(
-        "--fp8-mma",
-        nargs="+",
-        type=int,
-        default=[0],
-        choices=[0, 1],
-        help="Tiles.fp8_mma values to time with swap_ab over an FP8 cache (keys TILE/swap/fp8mma)",
-    )
+    for flag, what in (
+        ("--swap-ab", "Tiles.swap_ab (1: both products transposed; keys TILE/swap)"),
+        ("--fp8-mma", "Tiles.fp8_mma, with swap_ab over an FP8 cache (keys TILE/swap/fp8mma)"),
+    ):
+        parser.add_argument(flag, nargs="+", type=int, default=[0], choices=[0, 1], help=what)
     parser.add_argument(
         "--num-splits",
         nargs="+",

@@ -363,9 +363,11 @@ def test_mixed_batch_matches_reference(pkg, dtype, head_size, num_heads, num_kv_
 
 @pytest.mark.parametrize("dtype, head_size, num_heads, num_kv_heads, window", CONFIGS)
 @pytest.mark.parametrize("num_splits", [1, 5, "auto"])
+@pytest.mark.parametrize("swap_ab", [False, True])
 def test_decode_of_256_rows_matches_reference(
-    pkg, dtype, head_size, num_heads, num_kv_heads, window, num_splits
+    pkg, dtype, head_size, num_heads, num_kv_heads, window, num_splits, swap_ab
 ):
+    """The default kernel, and with `Tiles.swap_ab` both products transposed."""
     kernels, backend = pkg
     rows = random_decode_rows(256, 8192, seed=7)
     batch = make_batch(
@@ -381,29 +383,8 @@ def test_decode_of_256_rows_matches_reference(
     scale = head_size**-0.5
     write_cache(kernels, batch)
     out = poisoned(batch)
-    run_decode(kernels, batch, scale, window, out, num_splits)
-    assert_matches_reference(out, batch, scale, window)
-    assert torch.equal(out[-8:], torch.zeros_like(out[-8:])), "padding rows must give zeros"
-
-
-@pytest.mark.parametrize("dtype, head_size, num_heads, num_kv_heads, window", CONFIGS)
-@pytest.mark.parametrize("num_splits", [1, 5])
-def test_swapped_decode_of_256_rows_matches_reference(
-    pkg, dtype, head_size, num_heads, num_kv_heads, window, num_splits
-):
-    kernels, _ = pkg
-    batch = make_batch(
-        random_decode_rows(256, 8192, seed=11),
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_size=head_size,
-        dtype=DTYPES[dtype],
-        padding_rows=8,
-    )
-    scale = head_size**-0.5
-    write_cache(kernels, batch)
-    out = poisoned(batch)
-    run_decode(kernels, batch, scale, window, out, num_splits, tiles=swapped_tiles(head_size))
+    tiles = swapped_tiles(head_size) if swap_ab else None
+    run_decode(kernels, batch, scale, window, out, num_splits, tiles=tiles)
     assert_matches_reference(out, batch, scale, window)
     assert torch.equal(out[-8:], torch.zeros_like(out[-8:])), "padding rows must give zeros"
 

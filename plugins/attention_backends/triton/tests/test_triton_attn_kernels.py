@@ -95,6 +95,14 @@ def test_mixed_kernel_alone_serves_a_decode_only_batch(kernels, window):
     assert_close_to_reference(out, batch, 0.3, window)
 
 
+def swapped_tiles(block_n: int, fp8_mma: bool = False):
+    """`Tiles.swap_ab` (both decode products transposed), and optionally `Tiles.fp8_mma`."""
+    from pagellm_triton_attn.kernels.launch import Tiles
+
+    return Tiles(block_n=block_n, num_warps=4, num_stages=2, swap_ab=True, fp8_mma=fp8_mma)
+
+
+@pytest.mark.parametrize("swap_ab", [False, True])
 @pytest.mark.parametrize(
     "dtype, head_size, num_heads, num_kv_heads, window, num_splits",
     [
@@ -107,8 +115,9 @@ def test_mixed_kernel_alone_serves_a_decode_only_batch(kernels, window):
     ],
 )
 def test_decode_with_and_without_split_kv_matches_reference(
-    kernels, dtype, head_size, num_heads, num_kv_heads, window, num_splits
+    kernels, dtype, head_size, num_heads, num_kv_heads, window, num_splits, swap_ab
 ):
+    """The default kernel, and with `Tiles.swap_ab` both products transposed."""
     rows = [(300, 1), (0, 1), (63, 1), (129, 1), (16, 1)]
     batch = make_batch(
         rows,
@@ -120,46 +129,9 @@ def test_decode_with_and_without_split_kv_matches_reference(
         seed=num_splits,
     )
     scale = head_size**-0.5
-    out = run_decode(kernels, batch, scale, window, num_splits)
-    assert_new_kv_written(batch)
-    assert_close_to_reference(out, batch, scale, window)
-    assert torch.equal(out[-2:], torch.zeros_like(out[-2:])), "padding rows must give zeros"
-
-
-def swapped_tiles(kernels: ModuleType, block_n: int, fp8_mma: bool = False):
-    from pagellm_triton_attn.kernels.launch import Tiles
-
-    return Tiles(block_n=block_n, num_warps=4, num_stages=2, swap_ab=True, fp8_mma=fp8_mma)
-
-
-@pytest.mark.parametrize(
-    "dtype, head_size, num_heads, num_kv_heads, window, num_splits, block_n",
-    [
-        ("fp32", 16, 4, 2, None, 1, 16),
-        ("bf16", 32, 8, 2, None, 8, 32),  # empty splits
-        ("fp16", 64, 4, 1, 40, 4, 32),  # sliding window
-        ("bf16", 128, 2, 2, None, 2, 64),
-        ("fp32", 80, 6, 2, 70, 5, 16),  # head size and group (3) not powers of two
-    ],
-)
-def test_swapped_decode_matches_reference(
-    kernels, dtype, head_size, num_heads, num_kv_heads, window, num_splits, block_n
-):
-    """`Tiles.swap_ab`: the decode kernel with both products transposed gives the reference's
-    attention, split or not, with padding rows at zero."""
-    rows = [(300, 1), (0, 1), (63, 1), (129, 1), (16, 1)]
-    batch = make_batch(
-        rows,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_size=head_size,
-        dtype=DTYPES[dtype],
-        padding_rows=2,
-        seed=num_splits,
-    )
-    scale = head_size**-0.5
-    tiles = swapped_tiles(kernels, block_n)
+    tiles = swapped_tiles(32) if swap_ab else None
     out = run_decode(kernels, batch, scale, window, num_splits, tiles=tiles)
+    assert_new_kv_written(batch)
     assert_close_to_reference(out, batch, scale, window)
     assert torch.equal(out[-2:], torch.zeros_like(out[-2:])), "padding rows must give zeros"
 
@@ -171,7 +143,7 @@ def test_swapped_decode_over_an_fp8_cache_matches_reference(kernels, num_splits)
         rows, num_heads=8, num_kv_heads=2, head_size=32, dtype=torch.bfloat16, padding_rows=1,
         seed=num_splits, fp8_scales=(0.8, 0.25),
     )  # fmt: skip
-    out = run_decode(kernels, batch, 0.2, None, num_splits, tiles=swapped_tiles(kernels, 32))
+    out = run_decode(kernels, batch, 0.2, None, num_splits, tiles=swapped_tiles(32))
     assert_close_to_reference(out, batch, 0.2, None)
     assert torch.equal(out[-1:], torch.zeros_like(out[-1:])), "padding rows must give zeros"
 
@@ -189,7 +161,7 @@ def test_fp8_products_stay_within_e4m3_rounding_of_the_reference(kernels, num_sp
         padding_rows=1, seed=num_splits, fp8_scales=(k_scale, v_scale),
     )  # fmt: skip
     scale = 1 / (300 * k_scale * head_size**0.5)
-    tiles = swapped_tiles(kernels, 32, fp8_mma=True)
+    tiles = swapped_tiles(32, fp8_mma=True)
     out = run_decode(kernels, batch, scale, None, num_splits, tiles=tiles)
     expected = reference(batch, scale, None)
     values_scale = 300 * v_scale
@@ -204,7 +176,7 @@ def test_fp8_products_need_the_swapped_kernel_and_an_fp8_cache(kernels):
     rows = [(20, 1)]
     bf16 = make_batch(rows, num_heads=2, num_kv_heads=1, head_size=16, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="needs swap_ab and an FP8 KV cache"):
-        run_decode(kernels, bf16, 0.25, None, 1, tiles=swapped_tiles(kernels, 16, fp8_mma=True))
+        run_decode(kernels, bf16, 0.25, None, 1, tiles=swapped_tiles(16, fp8_mma=True))
     fp8 = make_batch(
         rows, num_heads=2, num_kv_heads=1, head_size=16, dtype=torch.bfloat16,
         fp8_scales=(1.0, 1.0),

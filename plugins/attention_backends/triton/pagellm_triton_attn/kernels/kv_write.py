@@ -81,8 +81,9 @@ def write_kv_cache(
 ) -> None:
     """Store ``key``/``value`` ``[T, num_kv_heads, head_size]`` (last dim contiguous) at
     ``slot_mapping[:T]`` in caches indexed ``[num_blocks, num_kv_heads, block_size, head_size]``
-    (`split_kv_cache`); an FP8 cache gets them divided by ``k_scale``/``v_scale``. ``target``: the GPU to size the
-    launch for, when not the tensors' own (`gpu_target`; cross-compiling passes it)."""
+    (`split_kv_cache`); an FP8 cache gets them divided by ``k_scale``/``v_scale``. ``target``:
+    the GPU to size the launch for, when not the tensors' own (`gpu_target`; cross-compiling
+    passes it)."""
     num_tokens, num_kv_heads, head_size = key.shape
     if num_tokens == 0:
         return

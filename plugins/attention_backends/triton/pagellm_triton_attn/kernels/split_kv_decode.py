@@ -27,80 +27,17 @@ from .launch import (
     is_fp8_cache,
     values_token_minor,
 )
-from .online_softmax import LOG2E, NO_MAX, _load_kv_tile, attend_paged_tile, tile_pages
+from .online_softmax import (
+    LOG2E,
+    NO_MAX,
+    P_FP8_SCALE,
+    attend_paged_tile,
+    attend_paged_tile_swapped,
+    tile_pages,
+)
 
 # Split-KV never cuts a sequence into more pieces than this (bounds the scratch and the merge).
 _MAX_SPLITS = 64
-# With FP8 products (`Tiles.fp8_mma`) the softmax weights, in [0, 1], enter P @ V times this, as
-# e4m3: weights down to 2^-14 then keep e4m3's three-bit mantissa (down to 2^-6 without it),
-# and the largest, 256, stays below e4m3's 448. The output is divided back.
-_P_FP8_SCALE: tl.constexpr = tl.constexpr(256.0)
-
-
-@triton.jit
-def _attend_tile_swapped(
-    acc_t,
-    m_i,
-    l_i,
-    q_t,
-    q_pos,
-    k_head_ptr,
-    v_head_ptr,
-    page,
-    n0,
-    seq_len,
-    window,
-    qk_scale,
-    stride_cb,
-    stride_cs,
-    PAGE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    HEAD_SIZE: tl.constexpr,
-    USE_WINDOW: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    V_TOKEN_MINOR: tl.constexpr,
-    FP8_P: tl.constexpr,
-):
-    """`attend_paged_tile` with both products transposed (``Tiles.swap_ab``): S^T = K Q^T and
-    O^T += V^T P^T, so the key tile's BLOCK_N rows, not the 16 padded query rows, are the
-    MMA's M dimension (a warpgroup MMA on sm_90). ``acc_t`` is [BLOCK_D, rows]; ``qk_scale`` a
-    scalar or a [1, rows] tensor. ``FP8_P``: the weights enter P @ V as e4m3 times
-    `_P_FP8_SCALE` (``acc_t`` comes back that much too large)."""
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    n_ok = offs_n < seq_len
-    d_ok = offs_d < HEAD_SIZE
-    slots = page.to(tl.int64) * stride_cb + (offs_n % PAGE) * stride_cs
-    k = _load_kv_tile(
-        k_head_ptr + slots[:, None] + offs_d[None, :], n_ok, d_ok, True, BLOCK_D != HEAD_SIZE
-    )
-    s_t = tl.dot(k.to(q_t.dtype), q_t, input_precision=DOT_PRECISION) * qk_scale
-    visible = (offs_n[:, None] <= q_pos[None, :]) & n_ok[:, None]
-    if USE_WINDOW:
-        visible = visible & (offs_n[:, None] > q_pos[None, :] - window)
-    s_t = tl.where(visible, s_t, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s_t, 0))
-    alpha = tl.exp2(m_i - m_new)
-    p_t = tl.exp2(s_t - m_new[None, :])
-    l_i = l_i * alpha + tl.sum(p_t, 0)
-    if V_TOKEN_MINOR:  # unmasked along the keys, as `attend_paged_tile` loads it
-        offs_v = offs_d[:, None] * PAGE + (page.to(tl.int64) * stride_cb + offs_n % PAGE)[None, :]
-        offs_v = tl.max_contiguous(tl.multiple_of(offs_v, [1, 16]), [1, 16])
-        if BLOCK_D != HEAD_SIZE:
-            v_t = tl.load(v_head_ptr + offs_v, mask=d_ok[:, None], other=0.0)
-        else:
-            v_t = tl.load(v_head_ptr + offs_v)
-    else:  # V beyond the sequence end may be uninitialised (NaN): loaded as zeros
-        offs_v = slots[None, :] + offs_d[:, None]
-        v_t = tl.load(v_head_ptr + offs_v, mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-    acc_t = acc_t * alpha[None, :]
-    if FP8_P:
-        acc_t = tl.dot(v_t, (p_t * _P_FP8_SCALE).to(q_t.dtype), acc_t)
-    else:
-        p16 = p_t.to(q_t.dtype)
-        acc_t = tl.dot(v_t.to(q_t.dtype), p16, acc_t, input_precision=DOT_PRECISION)
-    return acc_t, m_new, l_i
 
 
 @triton.jit
@@ -198,7 +135,7 @@ def _paged_decode_kernel(
         acc_t = tl.zeros([BLOCK_D, GQA_P], dtype=tl.float32)
         for t in range(tile_lo, tile_hi):
             next_page = tile_pages(bt_row_ptr, (t + 1) * BLOCK_N, seq_len, PAGE, BLOCK_N)
-            acc_t, m_i, l_i = _attend_tile_swapped(
+            acc_t, m_i, l_i = attend_paged_tile_swapped(
                 acc_t, m_i, l_i, q_t, q_pos, k_head_ptr, v_head_ptr, page, t * BLOCK_N,
                 seq_len, window, row_qk_scale, stride_cb, stride_cs, PAGE, BLOCK_N, BLOCK_D,
                 HEAD_SIZE, USE_WINDOW, DOT_PRECISION, V_TOKEN_MINOR, FP8_MMA,
@@ -218,7 +155,7 @@ def _paged_decode_kernel(
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     if FP8_MMA:
-        out = out * (v_scale / _P_FP8_SCALE)  # P @ V also took the weights times _P_FP8_SCALE
+        out = out * (v_scale / P_FP8_SCALE)  # P @ V also took the weights times P_FP8_SCALE
     elif KV_FP8:
         out = out * v_scale  # the FP8 cache's values were stored divided by it
     store_mask = m_ok[:, None] & d_ok[None, :]
