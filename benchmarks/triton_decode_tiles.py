@@ -7,11 +7,12 @@ of K and V read (the cache's own bytes, each once) for every tile of the sweep, 
 figure, and the best, then one JSON object.
 
 Shapes: 256 rows of 1k context with 16 query / 8 KV heads (the kernel table's), and W1's decode
-(200 rows of 768 context, 32 query / 8 KV heads). Block size 16, head 128.
+(200 rows of 768 context, 32 query / 8 KV heads). Head 128; block (page) size 16, or each of
+``--block-sizes`` (the shape's name then ends in ``/bsN``).
 
     python benchmarks/triton_decode_tiles.py [--default-only] [--output-json out.json]
         [--caches float8_e4m3fn] [--block-n 64 128] [--num-warps 4] [--num-stages 2 3]
-        [--num-splits 1 2 3 4] [--swap-ab 0 1] [--fp8-mma 0 1]
+        [--num-splits 1 2 3 4] [--swap-ab 0 1] [--fp8-mma 0 1] [--block-sizes 16 32 64]
 
 ``--num-splits``: W1's decode launch is 200 rows x 8 KV heads = 1,600 programs of equal length;
 at three resident programs an SM (132 SMs) that is 4.04 waves, so the fifth wave would run 16
@@ -37,13 +38,20 @@ SHAPES = {"256x1k 16q/8kv": (256, 1024, 16, 8), "W1 200x768 32q/8kv": (200, 768,
 SWEEP = {"block_n": (32, 64, 128), "num_warps": (4, 8), "num_stages": (2, 3, 4)}
 
 
-def batch(rows: int, context: int, heads: int, kv_heads: int, cache_dtype: torch.dtype) -> dict:
+def batch(
+    rows: int,
+    context: int,
+    heads: int,
+    kv_heads: int,
+    cache_dtype: torch.dtype,
+    block_size: int = BLOCK_SIZE,
+) -> dict:
     dev = torch.device("cuda")
-    pages = -(-context // BLOCK_SIZE)
+    pages = -(-context // block_size)
     num_blocks = rows * pages + 1
     table = (torch.randperm(num_blocks - 1, device=dev) + 1).int().view(rows, pages)
     # TRITON_ATTN's layout: [num_blocks, kv_heads, block_size, head] per K and per V.
-    kv = (torch.randn(2, num_blocks, kv_heads, BLOCK_SIZE, HEAD, device=dev) * 0.5).to(cache_dtype)
+    kv = (torch.randn(2, num_blocks, kv_heads, block_size, HEAD, device=dev) * 0.5).to(cache_dtype)
     return {
         "query": torch.randn(rows, heads, HEAD, device=dev).bfloat16(),
         "kv": kv,
@@ -78,15 +86,24 @@ def main() -> int:
         help="split-KV factors to time each tile with (keys TILE/sN beyond 1): whether splitting "
         "a launch of equal rows into more programs evens out its last wave",
     )
+    parser.add_argument(
+        "--block-sizes",
+        nargs="+",
+        type=int,
+        default=[BLOCK_SIZE],
+        help="page sizes to time (an FP8 page of one KV head is block_size x 128 bytes, "
+        "contiguous: whether longer runs read faster)",
+    )
     args = parser.parse_args()
     from pagellm_triton_attn.kernels.launch import Tiles, decode_tiles, split_kv_cache
     from pagellm_triton_attn.kernels.split_kv_decode import paged_decode, split_scratch
 
     results: list[dict[str, Any]] = []
-    for (shape, (rows, context, heads, kv_heads)), dtype in itertools.product(
-        SHAPES.items(), [getattr(torch, c) for c in args.caches]
+    for (name, (rows, context, heads, kv_heads)), dtype, block_size in itertools.product(
+        SHAPES.items(), [getattr(torch, c) for c in args.caches], args.block_sizes
     ):
-        b = batch(rows, context, heads, kv_heads, dtype)
+        shape = name if block_size == BLOCK_SIZE else f"{name}/bs{block_size}"
+        b = batch(rows, context, heads, kv_heads, dtype, block_size)
         default = decode_tiles(torch.bfloat16, HEAD, dtype)
 
         # The backend's view of its cache (an FP8 cache's values are stored token-minor).

@@ -170,6 +170,13 @@ class AttentionBackend(ABC):
         return torch.zeros(shape, dtype=dtype, device=device)
 
     @classmethod
+    def default_block_size_for(cls, kv_cache_dtype: str = "auto") -> int:
+        """The block size when the user gives none (``--block-size``), for a KV cache of
+        ``kv_cache_dtype``: `default_block_size` unless a backend reads one cache dtype faster
+        in other pages (a multiple of `block_size_multiple`)."""
+        return cls.default_block_size
+
+    @classmethod
     def is_available(cls) -> str | None:
         """None when the backend's libraries import here; otherwise why not."""
         return None

@@ -57,7 +57,7 @@ def select_attention_backend(
             reasons.append("non-causal (bidirectional, encoder) attention not supported")
         if not reasons:  # one start-up line: what was chosen, and what was passed over and why
             passed_over = "".join(f"; {n} rejected: {', '.join(r)}" for n, r in rejected.items())
-            size = block_size or cls.default_block_size
+            size = block_size or cls.default_block_size_for(kv_cache_dtype)
             kv = "" if kv_cache_dtype == "auto" else f", kv cache dtype {kv_cache_dtype}"
             logger.info(
                 f"Platform {current_platform_name()}: attention backend {name}, block size {size}, "

@@ -255,7 +255,7 @@ class EngineArgs:
         config = EngineConfig(
             model=model_cfg,
             cache=CacheConfig(
-                block_size=self.block_size or backend.default_block_size,
+                block_size=self.block_size or backend.default_block_size_for(kv_cache_dtype),
                 enable_prefix_caching=self.enable_prefix_caching and not pooling,
                 kv_cache_memory=self.kv_cache_memory,
                 gpu_memory_utilization=self.gpu_memory_utilization,

@@ -148,6 +148,29 @@ def test_backend_declares_what_it_supports(backend):
     )
     assert len(reasons) == 4
     assert "block_size 24 not supported (supports multiples of 16)" in reasons
+    # An FP8 cache is read faster in longer pages: its own default block size.
+    assert cls.default_block_size_for("auto") == cls.default_block_size == 16
+    assert cls.default_block_size_for("fp8_e4m3") == 64
+
+
+@pytest.mark.parametrize(
+    "kv_cache_dtype, block_size, expected",
+    [("auto", None, 16), ("fp8", None, 64), ("fp8", 32, 32), ("auto", 64, 64)],
+)
+def test_the_block_size_defaults_by_cache_dtype_and_the_users_wins(
+    tiny_models, backend, kv_cache_dtype, block_size, expected
+):
+    from pagellm.engine.args import EngineArgs
+
+    config = EngineArgs(
+        tiny_models["llama3"],
+        attention_backend="TRITON_ATTN",
+        kv_cache_dtype=kv_cache_dtype,
+        block_size=block_size,
+        max_model_len=128,
+    ).create_engine_config()
+    assert config.attention_backend == "TRITON_ATTN"
+    assert config.cache.block_size == expected
 
 
 # ---------------------------------------------------------------------------- end to end

@@ -226,16 +226,18 @@ def test_decode_rows_taken_longest_first_give_the_same_outputs(kernels, num_spli
 
 
 # FP8 caches: scales of 1, powers of two and others; the contexts saturate at +-448 * scale.
+# Block size 64 is the FP8 cache's default (`TritonAttentionBackend.fp8_default_block_size`).
 @pytest.mark.parametrize(
-    "dtype, head_size, num_heads, num_kv_heads, window, scales",
+    "dtype, head_size, num_heads, num_kv_heads, window, scales, block_size",
     [
-        ("bf16", 32, 4, 2, None, (0.37, 1.3)),
-        ("fp16", 64, 4, 1, 20, (1.0, 1.0)),
-        ("fp32", 16, 2, 2, None, (2.0, 0.5)),
+        ("bf16", 32, 4, 2, None, (0.37, 1.3), 16),
+        ("bf16", 32, 4, 2, None, (0.37, 1.3), 64),
+        ("fp16", 64, 4, 1, 20, (1.0, 1.0), 64),
+        ("fp32", 16, 2, 2, None, (2.0, 0.5), 16),
     ],
 )
 def test_fp8_cache_mixed_batch_matches_reference_on_the_quantized_values(
-    kernels, dtype, head_size, num_heads, num_kv_heads, window, scales
+    kernels, dtype, head_size, num_heads, num_kv_heads, window, scales, block_size
 ):
     """The write kernel quantizes as `quantize_kv` (bit for bit, saturating), and the attention
     kernels dequantize what they read: the output is attention over the quantized K/V."""
@@ -245,6 +247,7 @@ def test_fp8_cache_mixed_batch_matches_reference_on_the_quantized_values(
         num_kv_heads=num_kv_heads,
         head_size=head_size,
         dtype=DTYPES[dtype],
+        block_size=block_size,
         seed=head_size,
         fp8_scales=scales,
     )
@@ -254,8 +257,11 @@ def test_fp8_cache_mixed_batch_matches_reference_on_the_quantized_values(
     assert_close_to_reference(out, batch, scale, window)
 
 
+@pytest.mark.parametrize("block_size", [16, 64])
 @pytest.mark.parametrize("num_splits", [1, 4])
-def test_fp8_cache_decode_with_and_without_split_kv_matches_reference(kernels, num_splits):
+def test_fp8_cache_decode_with_and_without_split_kv_matches_reference(
+    kernels, num_splits, block_size
+):
     rows = [(130, 1), (0, 1), (47, 1)]
     batch = make_batch(
         rows,
@@ -263,6 +269,7 @@ def test_fp8_cache_decode_with_and_without_split_kv_matches_reference(kernels, n
         num_kv_heads=2,
         head_size=32,
         dtype=torch.bfloat16,
+        block_size=block_size,
         padding_rows=1,
         seed=num_splits,
         fp8_scales=(0.8, 0.25),
