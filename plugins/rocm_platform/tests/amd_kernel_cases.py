@@ -197,6 +197,7 @@ KERNEL_MODULES = {
         "quant": [
             "_per_token_quant_kernel",
             "_amax_kernel",
+            "_row_amax_kernel",
             "_per_tensor_quant_kernel",
             "_per_group_quant_kernel",
         ],

@@ -20,12 +20,13 @@ def _rounded_kernel(
     MIN_NORMAL: tl.constexpr,
     SUBNORMAL_ROUNDER: tl.constexpr,
     SIGNED_ZERO: tl.constexpr,
+    HW_CAST: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     x = tl.load(x_ptr + offs, mask=mask, other=0.0)
-    q = _quantize(x, 1.0, FP8_MAX, MIN_NORMAL, SUBNORMAL_ROUNDER, SIGNED_ZERO)
+    q = _quantize(x, 1.0, FP8_MAX, MIN_NORMAL, SUBNORMAL_ROUNDER, SIGNED_ZERO, HW_CAST)
     tl.store(out_ptr + offs, q, mask=mask)
 
 
@@ -34,6 +35,6 @@ def rounded(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     out = torch.empty_like(values)
     block = 1024
     _rounded_kernel[(triton.cdiv(values.numel(), block),)](
-        values, out, values.numel(), **format_constants(dtype), BLOCK=block
+        values, out, values.numel(), **format_constants(dtype, hardware_cast=False), BLOCK=block
     )
     return out

@@ -128,8 +128,18 @@ def test_per_token_dequantized_error_is_within_fp8_rounding(kernels: SimpleNames
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
-def test_dynamic_per_tensor_quant_matches_torch(kernels: SimpleNamespace, dtype: str):
-    x = _activations(5, 3000, DTYPES[dtype], seed=3)  # two chunks per row, the last partial
+@pytest.mark.parametrize(
+    "m, k, row_maxima_max_m",
+    [(5, 3000, 1024), (1, 20000, 1024), (4, 300, 2)],  # per row; past one pass; past the rows
+)
+def test_dynamic_per_tensor_quant_matches_torch(
+    kernels: SimpleNamespace, dtype: str, m: int, k: int, row_maxima_max_m: int, monkeypatch
+):
+    """Up to ``ROW_MAXIMA_MAX_M`` rows of up to ``ONE_PASS_MAX_K`` columns, the scale comes from
+    one maximum per row; beyond either, from an atomic maximum per chunk. Rows of 3000 take two
+    chunks in the quantization pass, the last partial."""
+    monkeypatch.setattr(kernels.quant, "ROW_MAXIMA_MAX_M", row_maxima_max_m)
+    x = _activations(m, k, DTYPES[dtype], seed=3)
     q, scale = kernels.quant.per_tensor_quant_fp8(x)
     ref_q, ref_scale = reference_per_tensor_quant(x)
     assert scale.shape == (1,) and torch.equal(scale, ref_scale)

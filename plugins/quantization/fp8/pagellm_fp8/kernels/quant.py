@@ -9,13 +9,17 @@ Every kernel computes ``scale = max(amax / FP8_MAX, MIN_SCALE)`` and ``q = clamp
 -FP8_MAX, FP8_MAX)`` in float32 with IEEE-rounded divisions (Triton's plain ``/`` on float32 is
 approximate on NVIDIA GPUs), rounded to the float8 format to nearest even: bit for bit what the
 same formula in torch gives (see ``reference_per_token_quant`` in the tests), on GPUs and in
-Triton's interpreter. The format is float8_e4m3fn (FP8_MAX 448) unless ``dtype`` asks for AMD
+Triton's interpreter. On NVIDIA GPUs float8_e4m3fn is rounded by the hardware conversion the
+store does (``HW_CAST``); elsewhere by integer operations that repeat it (`_round_to_e4m3`),
+which made the kernels bound by their instructions rather than by memory. The format is float8_e4m3fn (FP8_MAX 448) unless ``dtype`` asks for AMD
 CDNA3's float8_e4m3fnuz (FP8_MAX 240, subnormals an exponent lower, no negative zero); Triton's
 interpreter cannot store float8_e4m3fnuz, so that format's rounding is tested there on float32
 outputs (test_fp8_fnuz.py) and its kernels are compiled for gfx942 (pagellm-rocm's tests).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -39,6 +43,10 @@ ONE_PASS_MAX_K = 16384
 TWO_PASS_BLOCK = 4096
 # Elements per program of the per-tensor and per-group kernels (a few KiB, enough to stream).
 CHUNK = 2048
+# Per-tensor scales of up to this many rows (decode and small mixed steps) come from one
+# maximum per row, which every program of the quantization pass reduces again: no zeroed
+# buffer and no atomics. Larger tensors take one atomic maximum per chunk.
+ROW_MAXIMA_MAX_M = 1024
 
 
 def _num_warps(block: int) -> int:
@@ -46,11 +54,26 @@ def _num_warps(block: int) -> int:
     return max(1, min(16, block // 512))
 
 
-def format_constants(dtype: torch.dtype) -> dict[str, float | bool]:
+def hardware_rounds(dtype: torch.dtype) -> bool:
+    """Whether the kernels leave the rounding to ``dtype`` to the store's conversion: float8_e4m3fn
+    on NVIDIA GPUs (``cvt.rn.satfinite.e4m3x2.f32``, to nearest even, as torch rounds). Not in
+    Triton's interpreter (its cast rounds ties away from zero and drops the carry into the
+    exponent), nor for float8_e4m3fnuz, nor on ROCm, whose conversions are not checked here."""
+    return (
+        dtype == FP8_DTYPE
+        and os.environ.get("TRITON_INTERPRET", "0") != "1"
+        and torch.version.hip is None
+    )
+
+
+def format_constants(
+    dtype: torch.dtype, hardware_cast: bool | None = None
+) -> dict[str, float | bool]:
     """The kernels' compile-time constants for the float8 format ``dtype``: its largest value,
     its smallest normal value, the float32 constant whose addition rounds to its subnormal
     spacing (1.5 times the power of two at which float32's spacing is that: e4m3 keeps 3
-    mantissa bits, so the spacing is the smallest normal / 8), and whether it has a -0."""
+    mantissa bits, so the spacing is the smallest normal / 8), whether it has a -0, and whether
+    the store's conversion rounds (``hardware_cast``; by default `hardware_rounds`)."""
     require_fp8_format(dtype)
     info = torch.finfo(dtype)
     return dict(
@@ -58,6 +81,7 @@ def format_constants(dtype: torch.dtype) -> dict[str, float | bool]:
         MIN_NORMAL=float(info.smallest_normal),
         SUBNORMAL_ROUNDER=1.5 * info.smallest_normal / 8 * 2.0**23,
         SIGNED_ZERO=dtype == FP8_DTYPE,
+        HW_CAST=hardware_rounds(dtype) if hardware_cast is None else hardware_cast,
     )
 
 
@@ -97,9 +121,14 @@ def _quantize(
     MIN_NORMAL: tl.constexpr,
     SUBNORMAL_ROUNDER: tl.constexpr,
     SIGNED_ZERO: tl.constexpr,
+    HW_CAST: tl.constexpr,
 ):
+    """``x / scale`` clamped to the format's range, as float32: rounded to the format's values,
+    unless ``HW_CAST`` (the store's conversion then rounds, to nearest even)."""
     q = tl.math.div_rn(x, scale)
     q = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
+    if HW_CAST:
+        return q
     return _round_to_e4m3(q, MIN_NORMAL, SUBNORMAL_ROUNDER, SIGNED_ZERO)
 
 
@@ -120,6 +149,7 @@ def _per_token_quant_kernel(
     MIN_NORMAL: tl.constexpr,
     SUBNORMAL_ROUNDER: tl.constexpr,
     SIGNED_ZERO: tl.constexpr,
+    HW_CAST: tl.constexpr,
     MIN_SCALE: tl.constexpr,
     BLOCK: tl.constexpr,
     ONE_PASS: tl.constexpr,
@@ -132,7 +162,7 @@ def _per_token_quant_kernel(
         mask = offs < K
         x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
         scale = _scale_of(tl.max(tl.abs(x), axis=0), FP8_MAX, MIN_SCALE)
-        q = _quantize(x, scale, FP8_MAX, MIN_NORMAL, SUBNORMAL_ROUNDER, SIGNED_ZERO)
+        q = _quantize(x, scale, FP8_MAX, MIN_NORMAL, SUBNORMAL_ROUNDER, SIGNED_ZERO, HW_CAST)
         tl.store(q_row + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
     else:
         amax = tl.zeros([BLOCK], dtype=tl.float32)
@@ -144,7 +174,7 @@ def _per_token_quant_kernel(
         for start in range(0, K, BLOCK):
             mask = start + offs < K
             x = tl.load(x_row + start + offs, mask=mask, other=0.0).to(tl.float32)
-            q = _quantize(x, scale, FP8_MAX, MIN_NORMAL, SUBNORMAL_ROUNDER, SIGNED_ZERO)
+            q = _quantize(x, scale, FP8_MAX, MIN_NORMAL, SUBNORMAL_ROUNDER, SIGNED_ZERO, HW_CAST)
             tl.store(q_row + start + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + row, scale)
 
@@ -189,11 +219,21 @@ def _amax_kernel(x_ptr, amax_ptr, K, stride_x, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _row_amax_kernel(x_ptr, row_max_ptr, K, stride_x, BLOCK: tl.constexpr):
+    """One row's max |x| (the whole row in one block) into ``row_max[row]``."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + row * stride_x + offs, mask=offs < K, other=0.0).to(tl.float32)
+    tl.store(row_max_ptr + row, tl.max(tl.abs(x), axis=0))
+
+
+@triton.jit
 def _per_tensor_quant_kernel(
     x_ptr,
     q_ptr,
     scale_ptr,
     amax_ptr,
+    M,
     K,
     stride_x,
     stride_q,
@@ -201,14 +241,24 @@ def _per_tensor_quant_kernel(
     MIN_NORMAL: tl.constexpr,
     SUBNORMAL_ROUNDER: tl.constexpr,
     SIGNED_ZERO: tl.constexpr,
+    HW_CAST: tl.constexpr,
     MIN_SCALE: tl.constexpr,
     BLOCK: tl.constexpr,
     FROM_AMAX: tl.constexpr,
+    ROW_MAXIMA: tl.constexpr,
 ):
+    """``FROM_AMAX``: the scale from ``amax_ptr``, one value, or with ``ROW_MAXIMA`` the M
+    values (at most ``ROW_MAXIMA`` of them) of `_row_amax_kernel`, reduced by every program
+    alike; else the static scale at ``scale_ptr``."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     if FROM_AMAX:
-        scale = _scale_of(tl.load(amax_ptr), FP8_MAX, MIN_SCALE)
+        if ROW_MAXIMA > 0:
+            rows = tl.arange(0, ROW_MAXIMA)
+            amax = tl.max(tl.load(amax_ptr + rows, mask=rows < M, other=0.0), axis=0)
+        else:
+            amax = tl.load(amax_ptr)
+        scale = _scale_of(amax, FP8_MAX, MIN_SCALE)
         if (row == 0) & (chunk == 0):
             tl.store(scale_ptr, scale)
     else:
@@ -216,7 +266,7 @@ def _per_tensor_quant_kernel(
     offs = chunk * BLOCK + tl.arange(0, BLOCK)
     mask = offs < K
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    q = _quantize(x, scale, FP8_MAX, MIN_NORMAL, SUBNORMAL_ROUNDER, SIGNED_ZERO)
+    q = _quantize(x, scale, FP8_MAX, MIN_NORMAL, SUBNORMAL_ROUNDER, SIGNED_ZERO, HW_CAST)
     tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
@@ -226,20 +276,30 @@ def per_tensor_quant_fp8(
     """Quantize ``x`` [..., K] to the float8 format ``dtype`` with one scale: ``(q [..., K],
     scale [1] float32)``. With ``scale`` given (static activation scales from a checkpoint: a
     float32 tensor of one element) it is used as is; without, it is ``max(amax(|x|) / FP8_MAX,
-    MIN_SCALE)``, found by a first pass over ``x``."""
+    MIN_SCALE)``, found by a first pass over ``x``: one maximum per row for up to
+    ``ROW_MAXIMA_MAX_M`` rows of up to ``ONE_PASS_MAX_K`` elements (two launches in all), else
+    an atomic maximum per chunk into a zeroed value (three)."""
     require_dtype("x", x, ACTIVATION_DTYPES)
     require_fp8_format(dtype)
     x2 = rows_of("x", x)
     M, K = x2.shape
     q = torch.empty((M, K), dtype=dtype, device=x.device)
     grid = (M, triton.cdiv(K, CHUNK))
+    row_maxima = 0
     if scale is None:
-        amax = torch.zeros(1, dtype=torch.float32, device=x.device)
         out_scale = torch.empty(1, dtype=torch.float32, device=x.device)
-        if M > 0:
-            _amax_kernel[grid](x2, amax, K, x2.stride(0), BLOCK=CHUNK, num_warps=4)
+        if M == 0:
+            amax = out_scale.fill_(MIN_SCALE)
+        elif M <= ROW_MAXIMA_MAX_M and K <= ONE_PASS_MAX_K:
+            row_maxima = ROW_MAXIMA_MAX_M
+            amax = torch.empty(M, dtype=torch.float32, device=x.device)
+            block = triton.next_power_of_2(K)
+            _row_amax_kernel[(M,)](
+                x2, amax, K, x2.stride(0), BLOCK=block, num_warps=_num_warps(block)
+            )
         else:
-            out_scale.fill_(MIN_SCALE)
+            amax = torch.zeros(1, dtype=torch.float32, device=x.device)
+            _amax_kernel[grid](x2, amax, K, x2.stride(0), BLOCK=CHUNK, num_warps=4)
     else:
         require_dtype("scale", scale, (torch.float32,))
         if scale.numel() != 1:
@@ -253,6 +313,7 @@ def per_tensor_quant_fp8(
             q,
             out_scale,
             amax,
+            M,
             K,
             x2.stride(0),
             q.stride(0),
@@ -260,6 +321,7 @@ def per_tensor_quant_fp8(
             MIN_SCALE=MIN_SCALE,
             BLOCK=CHUNK,
             FROM_AMAX=scale is None,
+            ROW_MAXIMA=row_maxima,
             num_warps=4,
         )
     return q.view(x.shape), out_scale
@@ -278,6 +340,7 @@ def _per_group_quant_kernel(
     MIN_NORMAL: tl.constexpr,
     SUBNORMAL_ROUNDER: tl.constexpr,
     SIGNED_ZERO: tl.constexpr,
+    HW_CAST: tl.constexpr,
     MIN_SCALE: tl.constexpr,
     GROUP: tl.constexpr,
     GROUPS_PER_PROGRAM: tl.constexpr,
@@ -288,7 +351,7 @@ def _per_group_quant_kernel(
     mask = (groups < num_groups)[:, None]
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     scale = _scale_of(tl.max(tl.abs(x), axis=1), FP8_MAX, MIN_SCALE)
-    q = _quantize(x, scale[:, None], FP8_MAX, MIN_NORMAL, SUBNORMAL_ROUNDER, SIGNED_ZERO)
+    q = _quantize(x, scale[:, None], FP8_MAX, MIN_NORMAL, SUBNORMAL_ROUNDER, SIGNED_ZERO, HW_CAST)
     tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + row * stride_s + groups, scale, mask=groups < num_groups)
 
