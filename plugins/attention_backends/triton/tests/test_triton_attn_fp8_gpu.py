@@ -194,7 +194,9 @@ def test_fp8_cache_end_to_end_agrees_with_the_bf16_cache(tiny_models):
             long_prefill_token_threshold=16,
         )
         core = llm.llm_engine.core_client
-        capacity[kv] = core.kv_cache_manager.block_pool.num_blocks
+        # In tokens: an FP8 cache defaults to 64-slot pages, a bf16 one to 16.
+        capacity[kv] = core.kv_cache_manager.block_pool.num_blocks * core.config.cache.block_size
+        assert core.config.cache.block_size == (64 if kv == "fp8" else 16)
         if kv == "auto":
             outs = llm.generate(prompts, greedy, use_tqdm=False)
             sequences = [p + o.outputs[0].token_ids for p, o in zip(prompts, outs, strict=True)]
