@@ -8,7 +8,13 @@ at M = 1, 16, 64, 256, 1,024, 8,192 tokens, each with:
 - ``fp8_rowwise``: ``torch._scaled_mm``, per-output-channel weight scales [1, N] and per-token
   activation scales [M, 1];
 - ``fp8_block``: pagellm-fp8's Triton block-scaled GEMM, 128x128 weight blocks and per-token
-  groups of 128.
+  groups of 128;
+- ``fp8_per_tensor_fast_accum``: ``fp8_per_tensor`` with ``use_fast_accum=True`` (the FP8 MMAs
+  accumulate without cuBLAS's periodic promotion to float32);
+- up to M = 256, ``fp8_per_tensor_skinny`` and ``bf16_skinny``: pagellm-fp8's GEMM for decode
+  batches (`pagellm_fp8.kernels.skinny_gemm`, the weight as the MMA's M side) on the same
+  operands, default tiles; ``--skinny-sweep`` also times every tile of a small sweep and keeps
+  each matmul's best (``skinny_sweep`` in the JSON).
 
 Each FP8 scheme is timed twice: the GEMM alone on activations already quantized (``gemm_us``),
 and with the fused activation quantization it needs in a linear layer (``linear_us``: per-tensor,
@@ -20,12 +26,14 @@ scheme computes the layer. Needs compute capability >= 8.9 (fp8 tensor cores).
 Prints one table line per (matmul, M), the per-M sums over the four matmuls, then one JSON
 object (also written to ``--output-json``).
 
-    python benchmarks/fp8_gemm.py [--ms 1 16 64 256 1024 8192] [--output-json out.json]
+    python benchmarks/fp8_gemm.py [--ms 1 16 64 256 1024 8192] [--skinny-sweep]
+        [--output-json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import sys
@@ -41,10 +49,10 @@ import triton
 import triton.testing
 
 try:
-    from pagellm_fp8.kernels import block_gemm, quant
+    from pagellm_fp8.kernels import block_gemm, quant, skinny_gemm
 except ImportError:  # pagellm-fp8 not pip-installed: import it from the source tree
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins/quantization/fp8"))
-    from pagellm_fp8.kernels import block_gemm, quant
+    from pagellm_fp8.kernels import block_gemm, quant, skinny_gemm
 
 LAYERS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 MS = [1, 16, 64, 256, 1024, 8192]
@@ -91,6 +99,7 @@ class Fp8Weights:
     row_scales: torch.Tensor  # [1, N]
     block: torch.Tensor
     block_scales: torch.Tensor  # [N / 128, K / 128]
+    bf16: torch.Tensor  # the weight itself
 
     @classmethod
     def of(cls, w: torch.Tensor) -> Fp8Weights:
@@ -98,7 +107,13 @@ class Fp8Weights:
         row, row_scales = quant.per_token_quant_fp8(w)  # one scale per output channel
         block, block_scales = block_quant_weight(w)
         return cls(
-            tensor, tensor_scale, row, row_scales.reshape(1, -1).contiguous(), block, block_scales
+            tensor,
+            tensor_scale,
+            row,
+            row_scales.reshape(1, -1).contiguous(),
+            block,
+            block_scales,
+            w,
         )
 
 
@@ -120,10 +135,26 @@ def fp8_schemes(x: torch.Tensor, w: Fp8Weights) -> dict[str, tuple[Run, Run]]:
         xq, xs = quant.per_token_quant_fp8(x)
         return torch._scaled_mm(xq, w.row.t(), xs, w.row_scales, out_dtype=bf16)
 
-    return {
+    def per_tensor_fast_accum() -> torch.Tensor:
+        xq, xs = quant.per_tensor_quant_fp8(x)
+        return torch._scaled_mm(
+            xq, w.tensor.t(), xs, w.tensor_scale, out_dtype=bf16, use_fast_accum=True
+        )
+
+    def per_tensor_skinny() -> torch.Tensor:
+        xq, xs = quant.per_tensor_quant_fp8(x)
+        return skinny_gemm.skinny_gemm(xq, w.tensor, xs, w.tensor_scale)
+
+    schemes: dict[str, tuple[Run, Run]] = {
         "fp8_per_tensor": (
             lambda: torch._scaled_mm(xq_t, w.tensor.t(), xs_t, w.tensor_scale, out_dtype=bf16),
             per_tensor,
+        ),
+        "fp8_per_tensor_fast_accum": (
+            lambda: torch._scaled_mm(
+                xq_t, w.tensor.t(), xs_t, w.tensor_scale, out_dtype=bf16, use_fast_accum=True
+            ),
+            per_tensor_fast_accum,
         ),
         "fp8_rowwise": (
             lambda: torch._scaled_mm(xq_r, w.row.t(), xs_r, w.row_scales, out_dtype=bf16),
@@ -134,6 +165,46 @@ def fp8_schemes(x: torch.Tensor, w: Fp8Weights) -> dict[str, tuple[Run, Run]]:
             lambda: block_gemm.block_scaled_linear(x, w.block, w.block_scales),
         ),
     }
+    if x.shape[0] <= skinny_gemm.MAX_M:
+        schemes["fp8_per_tensor_skinny"] = (
+            lambda: skinny_gemm.skinny_gemm(xq_t, w.tensor, xs_t, w.tensor_scale),
+            per_tensor_skinny,
+        )
+        schemes["bf16_skinny"] = (
+            lambda: skinny_gemm.skinny_gemm(x, w.bf16),
+            lambda: skinny_gemm.skinny_gemm(x, w.bf16),
+        )
+    return schemes
+
+
+SKINNY_SWEEP = [
+    skinny_gemm.SkinnyTiles(block_n=bn, block_k=0, num_warps=nw, num_stages=ns)
+    for bn, nw in ((32, 4), (64, 4), (128, 8))
+    for ns in (2, 3, 4, 5)
+]
+
+
+def skinny_sweep(x: torch.Tensor, w: Fp8Weights) -> dict[str, Any]:
+    """Per operand type, every tile of ``SKINNY_SWEEP`` (GEMM alone, µs) and the best."""
+    xq, xs = quant.per_tensor_quant_fp8(x)
+    out: dict[str, Any] = {}
+    for kind, (a, b, scales) in {
+        "fp8": (xq, w.tensor, (xs, w.tensor_scale)),
+        "bf16": (x, w.bf16, (None, None)),
+    }.items():
+        timings: dict[str, Any] = {}
+        for t in SKINNY_SWEEP:
+            tiles = dataclasses.replace(t, block_k=128 // a.element_size())
+            key = f"{t.block_n}/{t.num_warps}/{t.num_stages}"
+            try:
+                run = partial(skinny_gemm.skinny_gemm, a, b, *scales, tiles=tiles)
+                timings[key] = round(median_us(run), 2)
+            except Exception as e:  # out of shared memory: say so, go on
+                timings[key] = f"{type(e).__name__}"
+        measured = {k: v for k, v in timings.items() if isinstance(v, float)}
+        best = min(measured, key=measured.get) if measured else None
+        out[kind] = {"us": timings, "best": best, "best_us": measured.get(best)}
+    return out
 
 
 def time_scheme(
@@ -153,7 +224,9 @@ def time_scheme(
     }
 
 
-def time_layer(name: str, n: int, k: int, ms: list[int]) -> list[dict[str, Any]]:
+def time_layer(
+    name: str, n: int, k: int, ms: list[int], sweep: bool = False
+) -> list[dict[str, Any]]:
     torch.manual_seed(0)
     w = torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16) * 0.02
     fp8_w = Fp8Weights.of(w)
@@ -173,6 +246,16 @@ def time_layer(name: str, n: int, k: int, ms: list[int]) -> list[dict[str, Any]]
                 else f"{scheme} {r['gemm_tflops']:7.1f} ({r['linear_tflops']:7.1f})"
             )
         print(f"{name:8s} M={m:5d}  TFLOP/s gemm (linear): " + "  ".join(cells), flush=True)
+        if sweep and m <= skinny_gemm.MAX_M:
+            result["skinny_sweep"] = skinny_sweep(x, fp8_w)
+            print(
+                f"{name:8s} M={m:5d}  skinny sweep best: "
+                + ", ".join(
+                    f"{kind} {r['best']} {r['best_us']} us"
+                    for kind, r in result["skinny_sweep"].items()
+                ),
+                flush=True,
+            )
         rows.append(result)
     return rows
 
@@ -210,8 +293,9 @@ def layer_sums(rows: list[dict[str, Any]], ms: list[int]) -> list[dict[str, Any]
     for m in ms:
         at_m = [r for r in rows if r["M"] == m]
         entry: dict[str, Any] = {"M": m, "bf16_us": round(sum(r["bf16"]["us"] for r in at_m), 2)}
-        for scheme in ("fp8_per_tensor", "fp8_rowwise", "fp8_block"):
-            if all("error" not in r[scheme] for r in at_m):
+        schemes = [key for key, v in at_m[0].items() if isinstance(v, dict) and key != "bf16"]
+        for scheme in [s for s in schemes if s != "skinny_sweep"]:
+            if all(scheme in r and "error" not in r[scheme] for r in at_m):
                 entry[f"{scheme}_linear_us"] = round(sum(r[scheme]["linear_us"] for r in at_m), 2)
         sums.append(entry)
         print(
@@ -224,12 +308,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ms", type=int, nargs="+", default=MS)
     parser.add_argument("--output-json", type=Path)
+    parser.add_argument(
+        "--skinny-sweep", action="store_true", help="time the skinny GEMM's tiles too (M <= 256)"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
         raise SystemExit("needs a CUDA GPU of compute capability 8.9 or more (fp8 tensor cores)")
     rows = []
     for name, (n, k) in LAYERS.items():
-        rows.extend(time_layer(name, n, k, args.ms))
+        rows.extend(time_layer(name, n, k, args.ms, args.skinny_sweep))
     report = {
         "benchmark": "fp8_gemm",
         "workload": "Llama-3.1-8B decoder layer matmuls (qkv, o, gate_up, down), bf16 activations",

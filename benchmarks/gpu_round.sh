@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One round on the GPU machine: offline install (wheels carried in .whl), GPU tests, benchmarks.
 # Writes logs and JSON under $OUT. Stages: tests, tests-flashinfer, fi-jit, fi-cache-save, fa-tests,
-# fa-kernels, fp8-tests, fp8-gemm, decode-tiles, decode-splits, decode-swap, int4-tests, int4-sweep, int4-gemm, int4-w1, gguf-tests,
+# fa-kernels, fp8-tests, fp8-gemm, fp8-skinny, decode-tiles, decode-splits, decode-swap, int4-tests, int4-sweep, int4-gemm, int4-w1, gguf-tests,
 # gguf-gemm, gguf-smollm2, gguf-sweep-a, gguf-sweep-b, gguf-sweep-c, prof, step-prof, w1, w2,
 # overhead, hf (W1/W2 with the HF peer).
 #   bash benchmarks/gpu_round.sh tests w2 w1 overhead
@@ -88,6 +88,9 @@ for stage in "$@"; do
     decode-swap) run decode_swap 300 python3 benchmarks/triton_decode_tiles.py --block-n 64 128 \
         --num-warps 4 --num-stages 2 3 --swap-ab 0 1 --fp8-mma 0 1 --output-json "$OUT/decode_swap.json" ;;
     fp8-gemm) run fp8_gemm 200 python3 benchmarks/fp8_gemm.py --output-json "$OUT/fp8_gemm.json" ;;
+    # Decode-sized batches only, with the skinny GEMM's tile sweep (fp8 and bf16) and fast accumulation.
+    fp8-skinny) run fp8_skinny 300 python3 benchmarks/fp8_gemm.py --ms 16 200 256 --skinny-sweep \
+        --output-json "$OUT/fp8_skinny.json" ;;
     # pagellm-int4 (kernels, both CUDA paths, graphs, engine parity) and its GEMM table.
     int4-tests) run int4_tests 400 python3 -m pytest -m gpu -q -s -p no:cacheprovider --timeout 300 \
         plugins/quantization/int4/tests ;;

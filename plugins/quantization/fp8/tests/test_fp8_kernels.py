@@ -42,9 +42,11 @@ def kernels() -> Iterator[SimpleNamespace]:
         mp.syspath_prepend(str(PLUGIN_DIR))
         forget_kernels()
         try:
-            from pagellm_fp8.kernels import block_gemm, checks, quant
+            from pagellm_fp8.kernels import block_gemm, checks, quant, skinny_gemm
 
-            yield SimpleNamespace(quant=quant, block_gemm=block_gemm, checks=checks)
+            yield SimpleNamespace(
+                quant=quant, block_gemm=block_gemm, checks=checks, skinny_gemm=skinny_gemm
+            )
         finally:
             forget_kernels()
 
@@ -259,3 +261,56 @@ def test_tile_configs_keep_an_n_tile_inside_one_weight_block(kernels: SimpleName
     assert all(gemm.SCALE_BLOCK % cfg.block_n == 0 for cfg in configs)
     # Larger batches never get smaller tiles.
     assert [c.block_m for c in configs] == sorted(c.block_m for c in configs)
+
+
+# ---------------------------------------------------------------------------- skinny GEMM
+
+
+@pytest.mark.parametrize(
+    "m, n, k, block_n",
+    [(1, 64, 128, 64), (20, 100, 256, 64), (37, 130, 128, 32), (200, 70, 128, 128)],
+)
+def test_skinny_gemm_fp8_matches_the_scaled_float64_product(
+    kernels: SimpleNamespace, m: int, n: int, k: int, block_n: int
+):
+    """Per-tensor scales; M and N not multiples of the tiles (the wrapped rows never stored)."""
+    g = torch.Generator().manual_seed(m + n)
+    x = (torch.randn(m, k, generator=g) * 8).to(FP8)
+    w = (torch.randn(n, k, generator=g) * 8).to(FP8)
+    x_scale, w_scale = torch.tensor([0.03]), torch.tensor([0.007])
+    sg = kernels.skinny_gemm
+    tiles = sg.SkinnyTiles(block_n=block_n, block_k=128, num_warps=4, num_stages=2)
+    out = sg.skinny_gemm(x, w, x_scale, w_scale, torch.float32, tiles=tiles)
+    ref = (x.double() @ w.double().T) * (0.03 * 0.007)
+    assert out.shape == (m, n) and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+def test_skinny_gemm_16_bit_operands_round_to_the_output_dtype(kernels: SimpleNamespace):
+    """float16 here: Triton's interpreter multiplies bfloat16 operands' bits, not their values
+    (bfloat16 is in the GPU tests)."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(9, 128, generator=g).half()
+    w = torch.randn(80, 128, generator=g).half()
+    out = kernels.skinny_gemm.skinny_gemm(x, w)
+    ref = x.double() @ w.double().T
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), ref.bfloat16().double(), rtol=2**-7, atol=1e-2)
+
+
+@pytest.mark.parametrize(
+    "x, w, scales, match",
+    [
+        (torch.zeros(300, 128).half(), torch.zeros(64, 128).half(), False, "at most 256"),
+        (torch.zeros(4, 128).to(FP8), torch.zeros(64, 128).to(FP8), False, "take both scales"),
+        (torch.zeros(4, 128).bfloat16(), torch.zeros(64, 128).to(FP8), False, "both float8"),
+        (torch.zeros(4, 100).to(FP8), torch.zeros(64, 100).to(FP8), True, "not a multiple"),
+        (torch.zeros(4, 128).half(), torch.zeros(64, 256).half(), False, "are not"),
+    ],
+)
+def test_skinny_gemm_refuses_what_it_cannot_compute(
+    kernels: SimpleNamespace, x: torch.Tensor, w: torch.Tensor, scales: bool, match: str
+):
+    one = torch.ones(1)
+    with pytest.raises(kernels.checks.Fp8KernelInputError, match=match):
+        kernels.skinny_gemm.skinny_gemm(x, w, one if scales else None, one if scales else None)

@@ -55,9 +55,9 @@ def kernels() -> Iterator[SimpleNamespace]:
         mp.syspath_prepend(str(PLUGIN_DIR))
         forget_kernels()
         try:
-            from pagellm_fp8.kernels import block_gemm, quant
+            from pagellm_fp8.kernels import block_gemm, quant, skinny_gemm
 
-            yield SimpleNamespace(quant=quant, block_gemm=block_gemm)
+            yield SimpleNamespace(quant=quant, block_gemm=block_gemm, skinny_gemm=skinny_gemm)
         finally:
             forget_kernels()
 
@@ -138,6 +138,30 @@ def test_block_scaled_mm_matches_float64_reference_at_llama_shapes(
     _assert_close_to_reference(out, ref)
     out_bf16 = kernels.block_gemm.block_scaled_mm(a, a_scales, b, b_scales, torch.bfloat16)
     torch.testing.assert_close(out_bf16, out.bfloat16(), rtol=2**-7, atol=1e-6)
+
+
+@pytest.mark.parametrize("layer, n, k", LLAMA_LAYERS)
+@pytest.mark.parametrize("m", [1, 16, 200, 256])
+def test_skinny_gemm_matches_float64_reference_at_llama_shapes(
+    kernels: SimpleNamespace, layer: str, n: int, k: int, m: int
+):
+    """FP8 with per-tensor scales (warpgroup FP8 MMAs) and bf16, each tile width."""
+    sg = kernels.skinny_gemm
+    x = _activations(m, k, torch.bfloat16)
+    q, x_scale = kernels.quant.per_tensor_quant_fp8(x)
+    g = torch.Generator(device="cuda").manual_seed(n + k)
+    w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).bfloat16()
+    w_q, w_scale = kernels.quant.per_tensor_quant_fp8(w)
+    ref = (q.double() @ w_q.double().T) * (x_scale.double() * w_scale.double())
+    for block_n, warps in ((32, 4), (64, 4), (128, 8)):
+        tiles = sg.SkinnyTiles(block_n=block_n, block_k=128, num_warps=warps, num_stages=3)
+        out = sg.skinny_gemm(q, w_q, x_scale, w_scale, torch.float32, tiles=tiles)
+        _assert_close_to_reference(out, ref)
+    out_bf16 = sg.skinny_gemm(x, w)
+    ref_bf16 = x.double() @ w.double().T
+    torch.testing.assert_close(
+        out_bf16.double(), ref_bf16, rtol=2**-7, atol=1e-3 * ref_bf16.abs().max().item()
+    )
 
 
 def test_block_scaled_mm_handles_an_n_past_the_last_full_block(kernels: SimpleNamespace):
