@@ -18,6 +18,7 @@ neither has been run on AMD hardware).
 from __future__ import annotations
 
 import importlib
+import os
 from collections.abc import Callable
 from functools import partial
 from types import ModuleType
@@ -112,13 +113,29 @@ def _resolve_per_tensor_quant(
     return lambda x, input_scale: quantize_activation(x, "tensor", input_scale, dtype)
 
 
+SKINNY_ENV = "PAGELLM_FP8_SKINNY_GEMM"
+"""``1``: batches of up to 256 tokens go through `pagellm_fp8.kernels.skinny_gemm` instead of
+``torch._scaled_mm`` (per-tensor float8_e4m3fn only). An experiment for the benchmarks, off by
+default until the H200 measures it faster end to end."""
+
+
+def _skinny_gemm() -> Callable[..., torch.Tensor] | None:
+    if os.environ.get(SKINNY_ENV) != "1":
+        return None
+    module = triton_kernels("skinny_gemm")
+    return None if isinstance(module, str) else module.skinny_gemm
+
+
 def _scaled_mm_tensor(scheme: Fp8Scheme) -> GemmFn:
     per_tensor = _resolve_per_tensor_quant(scheme.fp8_dtype)
+    skinny = _skinny_gemm() if scheme.fp8_dtype == torch.float8_e4m3fn else None
 
     def gemm(
         x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, input_scale: torch.Tensor | None
     ) -> torch.Tensor:
         q, x_scale = per_tensor(x, input_scale)
+        if skinny is not None and x.dim() == 2 and x.shape[0] <= 256:
+            return skinny(q, weight, x_scale, scale.reshape(1), out_dtype=x.dtype)
         # weight [N, K] row-major: its transpose is the column-major [K, N] operand _scaled_mm wants.
         return torch._scaled_mm(q, weight.t(), scale_a=x_scale, scale_b=scale, out_dtype=x.dtype)
 

@@ -50,6 +50,25 @@ def test_cuda_gemm_matches_the_reference_path(name, m, dtype):
     )
 
 
+@pytest.mark.parametrize("m", [1, 200, 256, 300])  # 300: past the skinny GEMM, _scaled_mm
+def test_skinny_gemm_opt_in_matches_scaled_mm(m, monkeypatch):
+    """``PAGELLM_FP8_SKINNY_GEMM=1``: per-tensor layers of up to 256 tokens take the skinny
+    GEMM; the result is _scaled_mm's up to accumulation order and the output rounding."""
+    from pagellm_fp8 import gemm as gemm_module
+
+    torch.manual_seed(0)
+    x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
+    q, scale = quantize_weight(torch.randn(768, 1024, device="cuda") * 0.02, "tensor")
+    scheme = Fp8Scheme("tensor", "tensor")
+    plain = gemm_module._scaled_mm_tensor(scheme)(x, q, scale, None)
+    monkeypatch.setenv(gemm_module.SKINNY_ENV, "1")
+    skinny = gemm_module._scaled_mm_tensor(scheme)(x, q, scale, None)
+    assert skinny.dtype == plain.dtype and skinny.shape == plain.shape
+    torch.testing.assert_close(
+        skinny.float(), plain.float(), rtol=2e-2, atol=2e-2 * plain.float().abs().mean().item()
+    )
+
+
 def test_rowwise_epilogue_path_of_capability_8_9_matches_the_native_one():
     """Ada has no row-wise _scaled_mm: its path (unit scales, float32, scales after) is checked
     here against the native one, on this Hopper GPU."""

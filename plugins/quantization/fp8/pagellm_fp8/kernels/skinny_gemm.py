@@ -1,6 +1,7 @@
 """A GEMM for decode-sized batches (M up to 256 tokens) with the weight as the MMA's M side:
 ``out [M, N] = (x [M, K] @ w [N, K].T) * x_scale * w_scale``, float8 (per-tensor scales) or
-16-bit operands (no scales), float32 accumulation. Opt-in, not yet used by a linear method.
+16-bit operands (no scales), float32 accumulation. Opt-in: per-tensor layers use it with
+``PAGELLM_FP8_SKINNY_GEMM=1`` (`pagellm_fp8.gemm`).
 
 Why: at W1's decode (200 tokens) ``torch._scaled_mm`` read the weights of Llama-3.1-8B's qkv
 (25 MB of float8) in 17 us on an H200, 1.5 TB/s, and o's in 14 us (1.2 TB/s): cuBLAS's tiles
