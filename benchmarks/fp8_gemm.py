@@ -178,9 +178,10 @@ def fp8_schemes(x: torch.Tensor, w: Fp8Weights) -> dict[str, tuple[Run, Run]]:
 
 
 SKINNY_SWEEP = [
-    skinny_gemm.SkinnyTiles(block_n=bn, block_k=0, num_warps=nw, num_stages=ns)
+    skinny_gemm.SkinnyTiles(block_n=bn, block_k=0, num_warps=nw, num_stages=ns, split_k=sk)
     for bn, nw in ((32, 4), (64, 4), (128, 8))
-    for ns in (2, 3, 4, 5)
+    for ns in (3, 4)
+    for sk in (1, 2, 4)
 ]
 
 
@@ -195,7 +196,9 @@ def skinny_sweep(x: torch.Tensor, w: Fp8Weights) -> dict[str, Any]:
         timings: dict[str, Any] = {}
         for t in SKINNY_SWEEP:
             tiles = dataclasses.replace(t, block_k=128 // a.element_size())
-            key = f"{t.block_n}/{t.num_warps}/{t.num_stages}"
+            key = f"{t.block_n}/{t.num_warps}/{t.num_stages}" + (
+                f"/k{t.split_k}" if t.split_k > 1 else ""
+            )
             try:
                 run = partial(skinny_gemm.skinny_gemm, a, b, *scales, tiles=tiles)
                 timings[key] = round(median_us(run), 2)

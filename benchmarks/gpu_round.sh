@@ -89,7 +89,7 @@ for stage in "$@"; do
         --num-warps 4 --num-stages 2 3 --swap-ab 0 1 --fp8-mma 0 1 --output-json "$OUT/decode_swap.json" ;;
     fp8-gemm) run fp8_gemm 200 python3 benchmarks/fp8_gemm.py --output-json "$OUT/fp8_gemm.json" ;;
     # Decode-sized batches only, with the skinny GEMM's tile sweep (fp8 and bf16) and fast accumulation.
-    fp8-skinny) run fp8_skinny 300 python3 benchmarks/fp8_gemm.py --ms 16 200 256 --skinny-sweep \
+    fp8-skinny) run fp8_skinny 500 python3 benchmarks/fp8_gemm.py --ms 16 200 --skinny-sweep \
         --output-json "$OUT/fp8_skinny.json" ;;
     # pagellm-int4 (kernels, both CUDA paths, graphs, engine parity) and its GEMM table.
     int4-tests) run int4_tests 400 python3 -m pytest -m gpu -q -s -p no:cacheprovider --timeout 300 \

@@ -267,19 +267,26 @@ def test_tile_configs_keep_an_n_tile_inside_one_weight_block(kernels: SimpleName
 
 
 @pytest.mark.parametrize(
-    "m, n, k, block_n",
-    [(1, 64, 128, 64), (20, 100, 256, 64), (37, 130, 128, 32), (200, 70, 128, 128)],
+    "m, n, k, block_n, split_k",
+    [
+        (1, 64, 128, 64, 1),
+        (20, 100, 256, 64, 1),
+        (37, 130, 128, 32, 1),
+        (200, 70, 128, 128, 1),
+        (20, 100, 512, 64, 2),  # slices of K added up by atomics
+        (3, 40, 512, 32, 4),
+    ],
 )
 def test_skinny_gemm_fp8_matches_the_scaled_float64_product(
-    kernels: SimpleNamespace, m: int, n: int, k: int, block_n: int
+    kernels: SimpleNamespace, m: int, n: int, k: int, block_n: int, split_k: int
 ):
-    """Per-tensor scales; M and N not multiples of the tiles (the wrapped rows never stored)."""
+    """Per-tensor scales; M and N not multiples of the tiles (masked rows, never stored)."""
     g = torch.Generator().manual_seed(m + n)
     x = (torch.randn(m, k, generator=g) * 8).to(FP8)
     w = (torch.randn(n, k, generator=g) * 8).to(FP8)
     x_scale, w_scale = torch.tensor([0.03]), torch.tensor([0.007])
     sg = kernels.skinny_gemm
-    tiles = sg.SkinnyTiles(block_n=block_n, block_k=128, num_warps=4, num_stages=2)
+    tiles = sg.SkinnyTiles(block_n=block_n, block_k=128, num_warps=4, num_stages=2, split_k=split_k)
     out = sg.skinny_gemm(x, w, x_scale, w_scale, torch.float32, tiles=tiles)
     ref = (x.double() @ w.double().T) * (0.03 * 0.007)
     assert out.shape == (m, n) and out.dtype == torch.float32
@@ -305,6 +312,7 @@ def test_skinny_gemm_16_bit_operands_round_to_the_output_dtype(kernels: SimpleNa
         (torch.zeros(4, 128).to(FP8), torch.zeros(64, 128).to(FP8), False, "take both scales"),
         (torch.zeros(4, 128).bfloat16(), torch.zeros(64, 128).to(FP8), False, "both float8"),
         (torch.zeros(4, 100).to(FP8), torch.zeros(64, 100).to(FP8), True, "not a multiple"),
+        (torch.zeros(4, 384).to(FP8), torch.zeros(64, 384).to(FP8), True, "split_k 2"),
         (torch.zeros(4, 128).half(), torch.zeros(64, 256).half(), False, "are not"),
     ],
 )
@@ -312,5 +320,10 @@ def test_skinny_gemm_refuses_what_it_cannot_compute(
     kernels: SimpleNamespace, x: torch.Tensor, w: torch.Tensor, scales: bool, match: str
 ):
     one = torch.ones(1)
+    sg = kernels.skinny_gemm
+    tiles = sg.SkinnyTiles(block_n=64, block_k=128, num_warps=4, num_stages=2, split_k=2)
     with pytest.raises(kernels.checks.Fp8KernelInputError, match=match):
-        kernels.skinny_gemm.skinny_gemm(x, w, one if scales else None, one if scales else None)
+        sg.skinny_gemm(
+            x, w, one if scales else None, one if scales else None,
+            tiles=tiles if match == "split_k 2" else None,
+        )  # fmt: skip

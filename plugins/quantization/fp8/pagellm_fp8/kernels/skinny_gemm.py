@@ -9,8 +9,12 @@ give those narrow matmuls 48 to 96 programs on 132 SMs. Here a program owns ``BL
 rows (64 or 128: the warpgroup MMA's M) for every token of its ``BLOCK_M`` (the MMA's N, 16 to
 256), so a weight row is read from HBM once and the grid has ``N / BLOCK_N`` programs per token
 tile. Both operands are K-contiguous, as FP8 warpgroup MMAs need them. Rows and tokens past the
-edge load a valid row (wrapped) instead of a masked one, so the loads stay unmasked; what they
-give is never stored.
+edge are masked per row (the mask is constant along K, so the loads stay 16-byte vectors), and
+a token tile's padding is not read at all: at these sizes an SM's intake from L2 (about
+(BLOCK_N + tokens) x K bytes a program: the activations are read again by every program) bounds
+the time as much as HBM does. ``split_k`` > 1 gives each program a slice of K, for more programs
+than weight tiles: the slices add up, scaled, into a zeroed float32 output by atomics, converted
+to ``out_dtype`` after (two more launches).
 
 `benchmarks/fp8_gemm.py` times it next to ``torch._scaled_mm`` (schemes ``*_skinny``).
 """
@@ -37,6 +41,7 @@ class SkinnyTiles:
     block_k: int
     num_warps: int
     num_stages: int
+    split_k: int = 1  # programs along K (each K / split_k, a multiple of block_k)
 
 
 def skinny_tiles(n: int, k: int, element_size: int) -> SkinnyTiles:
@@ -61,18 +66,23 @@ def _skinny_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     SCALED: tl.constexpr,
 ):
-    tl.static_assert(K % BLOCK_K == 0)
+    K_SLICE: tl.constexpr = K // SPLIT_K
+    tl.static_assert(K_SLICE * SPLIT_K == K and K_SLICE % BLOCK_K == 0)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     tokens = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    ks = tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + (rows % N).to(tl.int64)[:, None] * stride_w + ks[None, :]
-    x_ptrs = x_ptr + (tokens % M).to(tl.int64)[:, None] * stride_x + ks[None, :]
+    first = tl.program_id(2) * K_SLICE
+    ks = first + tl.arange(0, BLOCK_K)
+    row_ok = (rows < N)[:, None]
+    token_ok = (tokens < M)[:, None]
+    w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_w + ks[None, :]
+    x_ptrs = x_ptr + tokens.to(tl.int64)[:, None] * stride_x + ks[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for _ in range(0, K // BLOCK_K):
-        w = tl.load(w_ptrs)
-        x = tl.load(x_ptrs)
+    for _ in range(0, K_SLICE // BLOCK_K):
+        w = tl.load(w_ptrs, mask=row_ok, other=0.0)
+        x = tl.load(x_ptrs, mask=token_ok, other=0.0)
         acc = tl.dot(w, tl.trans(x), acc)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
@@ -80,7 +90,10 @@ def _skinny_gemm_kernel(
         acc = acc * (tl.load(x_scale_ptr) * tl.load(w_scale_ptr))
     out_ptrs = out_ptr + tokens.to(tl.int64)[None, :] * stride_out + rows[:, None]
     mask = (rows < N)[:, None] & (tokens < M)[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    if SPLIT_K == 1:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.atomic_add(out_ptrs, acc, mask=mask, sem="relaxed")
 
 
 def skinny_gemm(
@@ -117,14 +130,22 @@ def skinny_gemm(
     if x.stride(1) != 1 or w.stride(1) != 1:
         raise Fp8KernelInputError("x and w must be contiguous along K")
     tiles = tiles or skinny_tiles(N, K, x.element_size())
-    if K % tiles.block_k:
-        raise Fp8KernelInputError(f"K {K} is not a multiple of the tile's {tiles.block_k}")
-    out = torch.empty((M, N), dtype=out_dtype, device=x.device)
+    if tiles.split_k < 1 or K % (tiles.block_k * tiles.split_k):
+        raise Fp8KernelInputError(
+            f"K {K} is not a multiple of the tile's {tiles.block_k} x split_k {tiles.split_k}"
+        )
     if M == 0 or N == 0:
-        return out
+        return torch.empty((M, N), dtype=out_dtype, device=x.device)
+    split = tiles.split_k > 1
+    out = (
+        torch.zeros((M, N), dtype=torch.float32, device=x.device)
+        if split
+        else torch.empty((M, N), dtype=out_dtype, device=x.device)
+    )
     block_m = max(16, triton.next_power_of_2(M))
     dummy = out  # never read without SCALED
-    _skinny_gemm_kernel[(triton.cdiv(N, tiles.block_n), triton.cdiv(M, block_m))](
+    grid = (triton.cdiv(N, tiles.block_n), triton.cdiv(M, block_m), tiles.split_k)
+    _skinny_gemm_kernel[grid](
         w,
         x,
         out,
@@ -139,8 +160,9 @@ def skinny_gemm(
         BLOCK_N=tiles.block_n,
         BLOCK_M=block_m,
         BLOCK_K=tiles.block_k,
+        SPLIT_K=tiles.split_k,
         SCALED=scaled,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
-    return out
+    return out.to(out_dtype) if split else out
