@@ -145,7 +145,7 @@ def test_block_scaled_mm_matches_float64_reference_at_llama_shapes(
 def test_skinny_gemm_matches_float64_reference_at_llama_shapes(
     kernels: SimpleNamespace, layer: str, n: int, k: int, m: int
 ):
-    """FP8 with per-tensor scales (warpgroup FP8 MMAs) and bf16, each tile width."""
+    """FP8 with per-tensor scales (warpgroup FP8 MMAs) and bf16, each tile width, K split."""
     sg = kernels.skinny_gemm
     x = _activations(m, k, torch.bfloat16)
     q, x_scale = kernels.quant.per_tensor_quant_fp8(x)
@@ -153,8 +153,10 @@ def test_skinny_gemm_matches_float64_reference_at_llama_shapes(
     w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).bfloat16()
     w_q, w_scale = kernels.quant.per_tensor_quant_fp8(w)
     ref = (q.double() @ w_q.double().T) * (x_scale.double() * w_scale.double())
-    for block_n, warps in ((32, 4), (64, 4), (128, 8)):
-        tiles = sg.SkinnyTiles(block_n=block_n, block_k=128, num_warps=warps, num_stages=3)
+    for block_n, warps, split_k in ((32, 4, 1), (64, 4, 1), (128, 8, 1), (128, 8, 4)):
+        tiles = sg.SkinnyTiles(
+            block_n=block_n, block_k=128, num_warps=warps, num_stages=3, split_k=split_k
+        )
         out = sg.skinny_gemm(q, w_q, x_scale, w_scale, torch.float32, tiles=tiles)
         _assert_close_to_reference(out, ref)
     out_bf16 = sg.skinny_gemm(x, w)
