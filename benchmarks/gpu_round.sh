@@ -2,7 +2,7 @@
 # One round on the GPU machine: offline install (wheels carried in .whl), GPU tests, benchmarks.
 # Writes logs and JSON under $OUT. Stages: tests, tests-flashinfer, fi-jit, fi-cache-save, fa-tests,
 # fa-kernels, fp8-tests, fp8-gemm, fp8-skinny, decode-tiles, decode-splits, decode-swap, int4-tests, int4-sweep, int4-gemm, int4-w1, gguf-tests,
-# gguf-gemm, gguf-smollm2, gguf-sweep-a, gguf-sweep-b, gguf-sweep-c, prof, step-prof, w1, w2,
+# gguf-gemm, gguf-smollm2, gguf-sweep-a, gguf-sweep-b, gguf-sweep-c, prof, step-prof, w1, w1-fp8, w2,
 # overhead, hf (W1/W2 with the HF peer).
 #   bash benchmarks/gpu_round.sh tests w2 w1 overhead
 set -uo pipefail
@@ -138,6 +138,18 @@ for stage in "$@"; do
       done ;;
     w2) run w2 200 bash benchmarks/workloads.sh W2 --output-json "$OUT/w2.json" ;;
     w1) run w1 300 bash benchmarks/workloads.sh W1 --output-json "$OUT/w1.json" ;;
+    # Issue 15's three W1 runs on TRITON_ATTN (bf16, fp8 weights, fp8 weights + fp8 KV); with
+    # W1_SKINNY=1 a fourth, fp8 + fp8 KV with PAGELLM_FP8_SKINNY_GEMM=1.
+    w1-fp8) for v in bf16 fp8 fp8kv; do
+        flags=(); [ $v != bf16 ] && flags+=(--quantization fp8); [ $v = fp8kv ] && flags+=(--kv-cache-dtype fp8)
+        run "w1_$v" 200 bash benchmarks/workloads.sh W1 --attention-backend TRITON_ATTN "${flags[@]}" \
+          --output-json "$OUT/w1_$v.json"
+      done
+      if [ "${W1_SKINNY:-0}" = 1 ]; then
+        PAGELLM_FP8_SKINNY_GEMM=1 run w1_fp8kv_skinny 200 bash benchmarks/workloads.sh W1 \
+          --attention-backend TRITON_ATTN --quantization fp8 --kv-cache-dtype fp8 \
+          --output-json "$OUT/w1_fp8kv_skinny.json"
+      fi ;;
     w2-eager) run w2_eager 300 bash benchmarks/workloads.sh W2 --enforce-eager --output-json "$OUT/w2_eager.json" ;;
     w2-hf) run w2_hf 560 bash benchmarks/workloads.sh W2 --backend hf --hf-mode continuous --output-json "$OUT/w2_hf.json" ;;
     w1-hf) run w1_hf 560 bash benchmarks/workloads.sh W1 --backend hf --hf-mode continuous --output-json "$OUT/w1_hf.json" ;;
