@@ -132,7 +132,10 @@ def fp8(name: str, fp8_dtype: torch.dtype) -> Case:
         if name == "per_token_quant":
             quant.per_token_quant_fp8(x, dtype=fp8_dtype)
         elif name == "per_tensor_quant":  # dynamic: the amax pass, then the quantization
-            quant.per_tensor_quant_fp8(x, dtype=fp8_dtype)
+            quant.per_tensor_quant_fp8(x, dtype=fp8_dtype)  # one maximum per row
+            # Past ROW_MAXIMA_MAX_M rows: an atomic maximum per chunk.
+            many = torch.empty(quant.ROW_MAXIMA_MAX_M + 1, HIDDEN, dtype=BF16)
+            quant.per_tensor_quant_fp8(many, dtype=fp8_dtype)
         elif name == "per_token_group_quant":
             quant.per_token_group_quant_fp8(x, 128, dtype=fp8_dtype)
         elif name == "block_scaled_mm":
