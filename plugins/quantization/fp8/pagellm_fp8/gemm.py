@@ -119,6 +119,12 @@ SKINNY_ENV = "PAGELLM_FP8_SKINNY_GEMM"
 default until the H200 measures it faster end to end."""
 
 
+FAST_ACCUM_ENV = "PAGELLM_FP8_FAST_ACCUM"
+"""``1``: per-tensor layers call ``torch._scaled_mm`` with ``use_fast_accum=True`` (the FP8 MMAs
+accumulate without cuBLAS's periodic promotion to float32, as vLLM's CUTLASS FP8 kernels for
+Hopper do). An experiment for the benchmarks, off by default until measured."""
+
+
 def _skinny_gemm() -> Callable[..., torch.Tensor] | None:
     if os.environ.get(SKINNY_ENV) != "1":
         return None
@@ -129,6 +135,7 @@ def _skinny_gemm() -> Callable[..., torch.Tensor] | None:
 def _scaled_mm_tensor(scheme: Fp8Scheme) -> GemmFn:
     per_tensor = _resolve_per_tensor_quant(scheme.fp8_dtype)
     skinny = _skinny_gemm() if scheme.fp8_dtype == torch.float8_e4m3fn else None
+    fast_accum = os.environ.get(FAST_ACCUM_ENV) == "1"
 
     def gemm(
         x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, input_scale: torch.Tensor | None
@@ -137,7 +144,14 @@ def _scaled_mm_tensor(scheme: Fp8Scheme) -> GemmFn:
         if skinny is not None and x.dim() == 2 and x.shape[0] <= 256:
             return skinny(q, weight, x_scale, scale.reshape(1), out_dtype=x.dtype)
         # weight [N, K] row-major: its transpose is the column-major [K, N] operand _scaled_mm wants.
-        return torch._scaled_mm(q, weight.t(), scale_a=x_scale, scale_b=scale, out_dtype=x.dtype)
+        return torch._scaled_mm(
+            q,
+            weight.t(),
+            scale_a=x_scale,
+            scale_b=scale,
+            out_dtype=x.dtype,
+            use_fast_accum=fast_accum,
+        )
 
     return gemm
 
