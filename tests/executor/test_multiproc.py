@@ -11,6 +11,7 @@ import signal
 
 import psutil
 import pytest
+import zmq
 
 from pagellm import LLM, SamplingParams
 from pagellm.engine.errors import EngineDeadError
@@ -106,6 +107,33 @@ def test_killed_worker_fails_the_engine_naming_its_rank_and_no_process_is_left(t
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_a_death_seen_only_after_the_look_does_not_block_the_send(tmp_path):
+    """A worker's death can land after `_broadcast` has looked (a ``Process.join`` returns early
+    when the monitor thread's ``waitpid`` reaped the child first). The send to its socket, which
+    then has no peer, must end in `ExecutorDeadError`, not block: here a real PUSH socket that no
+    worker ever connects to, and a death that the second look finds."""
+    sock = zmq.Context.instance().socket(zmq.PUSH)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.bind(f"ipc://{tmp_path}/steps-1")
+    executor = object.__new__(MultiprocExecutor)
+    executor._dead = None
+    looks: list[int] = []
+
+    def death() -> ExecutorDeadError | None:
+        looks.append(1)
+        if len(looks) < 2:
+            return None
+        return ExecutorDeadError("Worker rank 1 (pid 0) exited with code -9")
+
+    executor._death = death  # type: ignore[method-assign]
+    try:
+        with pytest.raises(ExecutorDeadError, match="rank 1"):
+            executor._send(sock, b"step")
+    finally:
+        sock.close(linger=0)
+    assert len(looks) == 2
 
 
 def test_killed_worker_under_an_engine_process_fails_it_naming_the_rank(tiny_models, capfd):

@@ -231,7 +231,24 @@ class MultiprocExecutor(Executor):
             raise ExecutorDeadError(*self._dead.args)
         frame = wire.encoder.encode(msg)
         for sock in self.step_sockets:
-            sock.send(frame, copy=False)
+            self._send(sock, frame)
+
+    def _send(self, sock: zmq.Socket, frame: bytes) -> None:
+        """Send without blocking on a dead worker. A PUSH socket whose only peer has exited has
+        nowhere to queue and blocks a send forever; and a death can land between `_broadcast`'s
+        look and the send (`Process.join` in one thread returns early when another thread's
+        ``waitpid`` reaped the child: the monitor's). So wait for room in short polls, looking
+        for a death in between."""
+        while True:
+            try:
+                sock.send(frame, flags=zmq.NOBLOCK, copy=False)
+                return
+            except zmq.Again:
+                pass
+            self._dead = self._dead or self._death()
+            if self._dead is not None:
+                raise ExecutorDeadError(*self._dead.args)
+            sock.poll(int(_MONITOR_INTERVAL_S * 1000), zmq.POLLOUT)
 
     def _next_seq(self) -> int:
         self._seq += 1
