@@ -125,11 +125,11 @@ accumulate without cuBLAS's periodic promotion to float32, as vLLM's CUTLASS FP8
 Hopper do). An experiment for the benchmarks, off by default until measured."""
 
 
-def _skinny_gemm() -> Callable[..., torch.Tensor] | None:
+def _skinny_gemm() -> ModuleType | None:
     if os.environ.get(SKINNY_ENV) != "1":
         return None
     module = triton_kernels("skinny_gemm")
-    return None if isinstance(module, str) else module.skinny_gemm
+    return None if isinstance(module, str) else module
 
 
 def _scaled_mm_tensor(scheme: Fp8Scheme) -> GemmFn:
@@ -141,8 +141,8 @@ def _scaled_mm_tensor(scheme: Fp8Scheme) -> GemmFn:
         x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, input_scale: torch.Tensor | None
     ) -> torch.Tensor:
         q, x_scale = per_tensor(x, input_scale)
-        if skinny is not None and x.dim() == 2 and x.shape[0] <= 256:
-            return skinny(q, weight, x_scale, scale.reshape(1), out_dtype=x.dtype)
+        if skinny is not None and x.shape[0] <= skinny.MAX_M:
+            return skinny.skinny_gemm(q, weight, x_scale, scale.reshape(1), out_dtype=x.dtype)
         # weight [N, K] row-major: its transpose is the column-major [K, N] operand _scaled_mm wants.
         return torch._scaled_mm(
             q,
