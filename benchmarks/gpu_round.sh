@@ -139,8 +139,8 @@ for stage in "$@"; do
     w2) run w2 200 bash benchmarks/workloads.sh W2 --output-json "$OUT/w2.json" ;;
     w1) run w1 300 bash benchmarks/workloads.sh W1 --output-json "$OUT/w1.json" ;;
     # Issue 15's three W1 runs on TRITON_ATTN (bf16, fp8 weights, fp8 weights + fp8 KV); with
-    # W1_FAST_ACCUM=1 / W1_SKINNY=1 fp8 + fp8 KV again with PAGELLM_FP8_FAST_ACCUM=1 /
-    # PAGELLM_FP8_SKINNY_GEMM=1.
+    # W1_FAST_ACCUM=1 / W1_ONE_LAUNCH=1 / W1_SKINNY=1 fp8 + fp8 KV again with
+    # PAGELLM_FP8_FAST_ACCUM=1 / PAGELLM_FP8_ONE_LAUNCH_QUANT=1 / PAGELLM_FP8_SKINNY_GEMM=1.
     w1-fp8) for v in bf16 fp8 fp8kv; do
         flags=(); [ $v != bf16 ] && flags+=(--quantization fp8); [ $v = fp8kv ] && flags+=(--kv-cache-dtype fp8)
         run "w1_$v" 200 bash benchmarks/workloads.sh W1 --attention-backend TRITON_ATTN "${flags[@]}" \
@@ -150,6 +150,11 @@ for stage in "$@"; do
         PAGELLM_FP8_FAST_ACCUM=1 run w1_fp8kv_fast_accum 200 bash benchmarks/workloads.sh W1 \
           --attention-backend TRITON_ATTN --quantization fp8 --kv-cache-dtype fp8 \
           --output-json "$OUT/w1_fp8kv_fast_accum.json"
+      fi
+      if [ "${W1_ONE_LAUNCH:-0}" = 1 ]; then
+        PAGELLM_FP8_ONE_LAUNCH_QUANT=1 run w1_fp8kv_one_launch 200 bash benchmarks/workloads.sh W1 \
+          --attention-backend TRITON_ATTN --quantization fp8 --kv-cache-dtype fp8 \
+          --output-json "$OUT/w1_fp8kv_one_launch.json"
       fi
       if [ "${W1_SKINNY:-0}" = 1 ]; then
         PAGELLM_FP8_SKINNY_GEMM=1 run w1_fp8kv_skinny 200 bash benchmarks/workloads.sh W1 \

@@ -109,7 +109,9 @@ def _resolve_per_tensor_quant(
 ) -> Callable[[torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]]:
     quant = triton_kernels("quant")
     if isinstance(quant, ModuleType):
-        return partial(quant.per_tensor_quant_fp8, dtype=dtype)
+        return partial(
+            quant.per_tensor_quant_fp8, dtype=dtype, one_launch=quant.one_launch_enabled()
+        )
     return lambda x, input_scale: quantize_activation(x, "tensor", input_scale, dtype)
 
 

@@ -148,6 +148,24 @@ def test_dynamic_per_tensor_quant_matches_torch(
     assert same_bits(q, ref_q)
 
 
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("m, k", [(1, 4096), (5, 3000), (7, 300)])
+def test_one_launch_per_tensor_quant_matches_torch(
+    kernels: SimpleNamespace, dtype: str, m: int, k: int
+):
+    """The one-launch kernel (maxima, grid barrier, quantization in one grid) gives the torch
+    formula's bits. The interpreter runs one program (it runs a grid's programs one after
+    another, so a barrier across several would never open): every row goes through its loops,
+    and the barrier opens for the last (only) arrival; test_fp8_kernels_gpu.py runs it with a
+    program per multiprocessor."""
+    x = _activations(m, k, DTYPES[dtype], seed=5)
+    q, scale = kernels.quant.per_tensor_quant_fp8(x, one_launch=True)
+    ref_q, ref_scale = reference_per_tensor_quant(x)
+    assert scale.shape == (1,) and torch.equal(scale, ref_scale)
+    assert same_bits(q, ref_q)
+    assert kernels.quant._SYNC[x.device].tolist()[0] == 0  # the count re-armed for the next launch
+
+
 def test_static_per_tensor_quant_uses_the_given_scale_and_saturates(kernels: SimpleNamespace):
     x = torch.tensor([[0.5, -1.0, 2.0, 100.0], [-1000.0, 0.0, 0.25, 3.0]], dtype=torch.float16)
     scale = torch.tensor([0.01])

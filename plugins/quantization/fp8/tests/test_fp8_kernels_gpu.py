@@ -116,6 +116,35 @@ def test_per_tensor_quant_is_bit_exact_on_gpu(kernels: SimpleNamespace, m: int):
     assert same_bits(q_static, ref_q)
 
 
+@pytest.mark.parametrize("m, k", [(1, 4096), (200, 4096), (200, 14336), (1024, 6144)])
+def test_one_launch_per_tensor_quant_is_bit_exact_and_replays_on_gpu(
+    kernels: SimpleNamespace, m: int, k: int
+):
+    """A program per multiprocessor meeting at the grid barrier, launched again and again
+    (eager and from a CUDA graph): the torch formula's bits every time, and the barrier's
+    count back at zero after each launch."""
+    x = _activations(m, k, torch.bfloat16)
+    ref_q, ref_scale = reference_per_tensor_quant(x)
+    for _ in range(3):
+        q, scale = kernels.quant.per_tensor_quant_fp8(x, one_launch=True)
+        assert torch.equal(scale, ref_scale) and same_bits(q, ref_q)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        kernels.quant.per_tensor_quant_fp8(x, one_launch=True)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        q, scale = kernels.quant.per_tensor_quant_fp8(x, one_launch=True)
+    for flip in (True, False, True):
+        x.copy_(_activations(m, k, torch.bfloat16).flip(0) if flip else _activations(m, k, torch.bfloat16))
+        ref_q, ref_scale = reference_per_tensor_quant(x)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(scale, ref_scale) and same_bits(q, ref_q)
+    assert kernels.quant._SYNC[x.device].tolist()[0] == 0
+
+
 @pytest.mark.parametrize("m, k", [(1, 4096), (333, 14336), (8192, 4096)])
 def test_per_token_group_quant_is_bit_exact_on_gpu(kernels: SimpleNamespace, m: int, k: int):
     x = _activations(m, k, torch.bfloat16)
