@@ -137,7 +137,8 @@ def test_one_launch_per_tensor_quant_is_bit_exact_and_replays_on_gpu(
     with torch.cuda.graph(graph):
         q, scale = kernels.quant.per_tensor_quant_fp8(x, one_launch=True)
     for flip in (True, False, True):
-        x.copy_(_activations(m, k, torch.bfloat16).flip(0) if flip else _activations(m, k, torch.bfloat16))
+        fresh = _activations(m, k, torch.bfloat16)
+        x.copy_(fresh.flip(0) if flip else fresh)
         ref_q, ref_scale = reference_per_tensor_quant(x)
         graph.replay()
         torch.cuda.synchronize()

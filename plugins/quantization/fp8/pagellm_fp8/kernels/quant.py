@@ -365,7 +365,9 @@ def _per_tensor_quant_one_launch_kernel(
         q = _quantize(
             x.to(tl.float32), scale, FP8_MAX, MIN_NORMAL, SUBNORMAL_ROUNDER, SIGNED_ZERO, HW_CAST
         )
-        tl.store(q_ptr + row.to(tl.int64) * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(
+            q_ptr + row.to(tl.int64) * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=mask
+        )
 
 
 def _per_tensor_quant_one_launch(
