@@ -138,29 +138,27 @@ for stage in "$@"; do
       done ;;
     w2) run w2 200 bash benchmarks/workloads.sh W2 --output-json "$OUT/w2.json" ;;
     w1) run w1 300 bash benchmarks/workloads.sh W1 --output-json "$OUT/w1.json" ;;
-    # Issue 15's three W1 runs on TRITON_ATTN (bf16, fp8 weights, fp8 weights + fp8 KV); with
-    # W1_FAST_ACCUM=1 / W1_ONE_LAUNCH=1 / W1_SKINNY=1 fp8 + fp8 KV again with
-    # PAGELLM_FP8_FAST_ACCUM=1 / PAGELLM_FP8_ONE_LAUNCH_QUANT=1 / PAGELLM_FP8_SKINNY_GEMM=1.
-    w1-fp8) for v in bf16 fp8 fp8kv; do
-        flags=(); [ $v != bf16 ] && flags+=(--quantization fp8); [ $v = fp8kv ] && flags+=(--kv-cache-dtype fp8)
-        run "w1_$v" 200 bash benchmarks/workloads.sh W1 --attention-backend TRITON_ATTN "${flags[@]}" \
-          --output-json "$OUT/w1_$v.json"
-      done
-      if [ "${W1_FAST_ACCUM:-0}" = 1 ]; then
-        PAGELLM_FP8_FAST_ACCUM=1 run w1_fp8kv_fast_accum 200 bash benchmarks/workloads.sh W1 \
-          --attention-backend TRITON_ATTN --quantization fp8 --kv-cache-dtype fp8 \
-          --output-json "$OUT/w1_fp8kv_fast_accum.json"
-      fi
-      if [ "${W1_ONE_LAUNCH:-0}" = 1 ]; then
-        PAGELLM_FP8_ONE_LAUNCH_QUANT=1 run w1_fp8kv_one_launch 200 bash benchmarks/workloads.sh W1 \
-          --attention-backend TRITON_ATTN --quantization fp8 --kv-cache-dtype fp8 \
-          --output-json "$OUT/w1_fp8kv_one_launch.json"
-      fi
-      if [ "${W1_SKINNY:-0}" = 1 ]; then
-        PAGELLM_FP8_SKINNY_GEMM=1 run w1_fp8kv_skinny 200 bash benchmarks/workloads.sh W1 \
-          --attention-backend TRITON_ATTN --quantization fp8 --kv-cache-dtype fp8 \
-          --output-json "$OUT/w1_fp8kv_skinny.json"
-      fi ;;
+    # Issue 15's W1 runs on TRITON_ATTN: W1_RUNS (default bf16 fp8 fp8kv: bf16, fp8 weights, fp8
+    # weights + fp8 KV), each ran again with the opt-ins of each W1_VARIANTS word (words joined
+    # by +: fast_accum PAGELLM_FP8_FAST_ACCUM, one_launch PAGELLM_FP8_ONE_LAUNCH_QUANT, skinny
+    # PAGELLM_FP8_SKINNY_GEMM), e.g. W1_VARIANTS="fast_accum fast_accum+one_launch".
+    w1-fp8) for v in ${W1_RUNS:-bf16 fp8 fp8kv}; do
+        for variant in base ${W1_VARIANTS:-}; do
+          [ $v = bf16 ] && [ $variant != base ] && continue
+          flags=(); [ $v != bf16 ] && flags+=(--quantization fp8); [ $v = fp8kv ] && flags+=(--kv-cache-dtype fp8)
+          envs=()
+          for opt in ${variant//+/ }; do
+            case $opt in
+              fast_accum) envs+=(PAGELLM_FP8_FAST_ACCUM=1) ;;
+              one_launch) envs+=(PAGELLM_FP8_ONE_LAUNCH_QUANT=1) ;;
+              skinny) envs+=(PAGELLM_FP8_SKINNY_GEMM=1) ;;
+            esac
+          done
+          name=w1_$v; [ $variant != base ] && name=${name}_${variant//+/_}
+          run "$name" 200 env "${envs[@]}" bash benchmarks/workloads.sh W1 \
+            --attention-backend TRITON_ATTN "${flags[@]}" --output-json "$OUT/$name.json"
+        done
+      done ;;
     w2-eager) run w2_eager 300 bash benchmarks/workloads.sh W2 --enforce-eager --output-json "$OUT/w2_eager.json" ;;
     w2-hf) run w2_hf 560 bash benchmarks/workloads.sh W2 --backend hf --hf-mode continuous --output-json "$OUT/w2_hf.json" ;;
     w1-hf) run w1_hf 560 bash benchmarks/workloads.sh W1 --backend hf --hf-mode continuous --output-json "$OUT/w1_hf.json" ;;
