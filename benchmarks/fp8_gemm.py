@@ -9,8 +9,10 @@ at M = 1, 16, 64, 256, 1,024, 8,192 tokens, each with:
   activation scales [M, 1];
 - ``fp8_block``: pagellm-fp8's Triton block-scaled GEMM, 128x128 weight blocks and per-token
   groups of 128;
-- ``fp8_per_tensor_fast_accum``: ``fp8_per_tensor`` with ``use_fast_accum=True`` (the FP8 MMAs
-  accumulate without cuBLAS's periodic promotion to float32);
+- ``fp8_per_tensor_fast_accum``, ``fp8_rowwise_fast_accum``: with ``use_fast_accum=True`` (the
+  FP8 MMAs accumulate without the periodic promotion to float32);
+- ``fp8_per_tensor_fast_accum_one_launch``: the same GEMM, its activations quantized by the
+  one-launch per-tensor kernel (maxima, grid barrier, quantization in one grid);
 - up to M = 256, ``fp8_per_tensor_skinny`` and ``bf16_skinny``: pagellm-fp8's GEMM for decode
   batches (`pagellm_fp8.kernels.skinny_gemm`, the weight as the MMA's M side) on the same
   operands, default tiles; ``--skinny-sweep`` also times every tile of a small sweep and keeps
@@ -141,6 +143,18 @@ def fp8_schemes(x: torch.Tensor, w: Fp8Weights) -> dict[str, tuple[Run, Run]]:
             xq, w.tensor.t(), xs, w.tensor_scale, out_dtype=bf16, use_fast_accum=True
         )
 
+    def rowwise_fast_accum() -> torch.Tensor:
+        xq, xs = quant.per_token_quant_fp8(x)
+        return torch._scaled_mm(
+            xq, w.row.t(), xs, w.row_scales, out_dtype=bf16, use_fast_accum=True
+        )
+
+    def per_tensor_one_launch() -> torch.Tensor:
+        xq, xs = quant.per_tensor_quant_fp8(x, one_launch=True)
+        return torch._scaled_mm(
+            xq, w.tensor.t(), xs, w.tensor_scale, out_dtype=bf16, use_fast_accum=True
+        )
+
     def per_tensor_skinny() -> torch.Tensor:
         xq, xs = quant.per_tensor_quant_fp8(x)
         return skinny_gemm.skinny_gemm(xq, w.tensor, xs, w.tensor_scale)
@@ -156,9 +170,21 @@ def fp8_schemes(x: torch.Tensor, w: Fp8Weights) -> dict[str, tuple[Run, Run]]:
             ),
             per_tensor_fast_accum,
         ),
+        "fp8_per_tensor_fast_accum_one_launch": (
+            lambda: torch._scaled_mm(
+                xq_t, w.tensor.t(), xs_t, w.tensor_scale, out_dtype=bf16, use_fast_accum=True
+            ),
+            per_tensor_one_launch,
+        ),
         "fp8_rowwise": (
             lambda: torch._scaled_mm(xq_r, w.row.t(), xs_r, w.row_scales, out_dtype=bf16),
             rowwise,
+        ),
+        "fp8_rowwise_fast_accum": (
+            lambda: torch._scaled_mm(
+                xq_r, w.row.t(), xs_r, w.row_scales, out_dtype=bf16, use_fast_accum=True
+            ),
+            rowwise_fast_accum,
         ),
         "fp8_block": (
             lambda: block_gemm.block_scaled_mm(xq_b, xs_b, w.block, w.block_scales),

@@ -122,9 +122,13 @@ default until the H200 measures it faster end to end."""
 
 
 FAST_ACCUM_ENV = "PAGELLM_FP8_FAST_ACCUM"
-"""``1``: per-tensor layers call ``torch._scaled_mm`` with ``use_fast_accum=True`` (the FP8 MMAs
-accumulate without cuBLAS's periodic promotion to float32, as vLLM's CUTLASS FP8 kernels for
-Hopper do). An experiment for the benchmarks, off by default until measured."""
+"""``1``: per-tensor and row-wise layers call ``torch._scaled_mm`` with ``use_fast_accum=True``
+(the FP8 MMAs accumulate without the periodic promotion to float32, as vLLM's CUTLASS FP8
+kernels for Hopper do). An experiment for the benchmarks, off by default until measured."""
+
+
+def _fast_accum() -> bool:
+    return os.environ.get(FAST_ACCUM_ENV) == "1"
 
 
 def _skinny_gemm() -> ModuleType | None:
@@ -137,7 +141,7 @@ def _skinny_gemm() -> ModuleType | None:
 def _scaled_mm_tensor(scheme: Fp8Scheme) -> GemmFn:
     per_tensor = _resolve_per_tensor_quant(scheme.fp8_dtype)
     skinny = _skinny_gemm() if scheme.fp8_dtype == torch.float8_e4m3fn else None
-    fast_accum = os.environ.get(FAST_ACCUM_ENV) == "1"
+    fast_accum = _fast_accum()
 
     def gemm(
         x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, input_scale: torch.Tensor | None
@@ -160,6 +164,7 @@ def _scaled_mm_tensor(scheme: Fp8Scheme) -> GemmFn:
 
 def _scaled_mm_rowwise(scheme: Fp8Scheme, native: bool) -> GemmFn:
     per_token = _resolve_per_token_quant(scheme.fp8_dtype)
+    fast_accum = _fast_accum()
 
     def gemm(
         x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, input_scale: torch.Tensor | None
@@ -169,11 +174,23 @@ def _scaled_mm_rowwise(scheme: Fp8Scheme, native: bool) -> GemmFn:
         if native:
             # Row-wise scaling writes bfloat16 only.
             out = torch._scaled_mm(
-                q, weight.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=torch.bfloat16
+                q,
+                weight.t(),
+                scale_a=x_scale,
+                scale_b=w_scale,
+                out_dtype=torch.bfloat16,
+                use_fast_accum=fast_accum,
             )
             return out.to(x.dtype)
         one = torch.ones(1, dtype=torch.float32, device=x.device)
-        out = torch._scaled_mm(q, weight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+        out = torch._scaled_mm(
+            q,
+            weight.t(),
+            scale_a=one,
+            scale_b=one,
+            out_dtype=torch.float32,
+            use_fast_accum=fast_accum,
+        )
         return (out * x_scale * w_scale).to(x.dtype)
 
     return gemm
