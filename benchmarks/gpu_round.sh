@@ -139,13 +139,21 @@ for stage in "$@"; do
     w2) run w2 200 bash benchmarks/workloads.sh W2 --output-json "$OUT/w2.json" ;;
     w1) run w1 300 bash benchmarks/workloads.sh W1 --output-json "$OUT/w1.json" ;;
     # Issue 15's W1 runs on TRITON_ATTN: W1_RUNS (default bf16 fp8 fp8kv: bf16, fp8 weights, fp8
-    # weights + fp8 KV), each ran again with the opt-ins of each W1_VARIANTS word (words joined
+    # weights + fp8 KV; also fp8ch, fp8chkv: fp8_per_channel's weights and per-token
+    # activations, without and with the fp8 KV cache), each ran again with the opt-ins of each W1_VARIANTS word (words joined
     # by +: fast_accum PAGELLM_FP8_FAST_ACCUM, one_launch PAGELLM_FP8_ONE_LAUNCH_QUANT, skinny
     # PAGELLM_FP8_SKINNY_GEMM), e.g. W1_VARIANTS="fast_accum fast_accum+one_launch".
     w1-fp8) for v in ${W1_RUNS:-bf16 fp8 fp8kv}; do
         for variant in base ${W1_VARIANTS:-}; do
           [ $v = bf16 ] && [ $variant != base ] && continue
-          flags=(); [ $v != bf16 ] && flags+=(--quantization fp8); [ $v = fp8kv ] && flags+=(--kv-cache-dtype fp8)
+          case $v in
+            bf16) flags=() ;;
+            fp8) flags=(--quantization fp8) ;;
+            fp8kv) flags=(--quantization fp8 --kv-cache-dtype fp8) ;;
+            fp8ch) flags=(--quantization fp8_per_channel) ;;
+            fp8chkv) flags=(--quantization fp8_per_channel --kv-cache-dtype fp8) ;;
+            *) echo "unknown W1 run $v"; continue ;;
+          esac
           envs=()
           for opt in ${variant//+/ }; do
             case $opt in
