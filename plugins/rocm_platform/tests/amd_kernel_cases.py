@@ -136,6 +136,8 @@ def fp8(name: str, fp8_dtype: torch.dtype) -> Case:
             # Past ROW_MAXIMA_MAX_M rows: an atomic maximum per chunk.
             many = torch.empty(quant.ROW_MAXIMA_MAX_M + 1, HIDDEN, dtype=BF16)
             quant.per_tensor_quant_fp8(many, dtype=fp8_dtype)
+            # One launch: the rows' maxima, a grid barrier (acquire-release atomics), the rows.
+            quant.per_tensor_quant_fp8(x, dtype=fp8_dtype, one_launch=True)
         elif name == "per_token_group_quant":
             quant.per_token_group_quant_fp8(x, 128, dtype=fp8_dtype)
         elif name == "block_scaled_mm":
@@ -202,6 +204,7 @@ KERNEL_MODULES = {
             "_amax_kernel",
             "_row_amax_kernel",
             "_per_tensor_quant_kernel",
+            "_per_tensor_quant_one_launch_kernel",
             "_per_group_quant_kernel",
         ],
         "block_gemm": ["_block_scaled_mm_kernel"],
