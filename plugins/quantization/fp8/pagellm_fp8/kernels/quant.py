@@ -277,6 +277,7 @@ until the H200 measures it faster end to end."""
 
 _SYNC: dict[torch.device, torch.Tensor] = {}
 """Per device, the grid barrier's two int32 words: programs arrived, generation."""
+_MULTIPROCESSORS: dict[torch.device, int] = {}
 
 
 def _grid_sync(device: torch.device) -> torch.Tensor:
@@ -292,7 +293,12 @@ def _resident_programs(device: torch.device) -> int:
     programs of a grid one after another (a barrier across several would never open)."""
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1":
         return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    sms = _MULTIPROCESSORS.get(device)
+    if sms is None:
+        sms = _MULTIPROCESSORS[device] = torch.cuda.get_device_properties(
+            device
+        ).multi_processor_count
+    return sms
 
 
 def one_launch_enabled() -> bool:
