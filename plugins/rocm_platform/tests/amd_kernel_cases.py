@@ -204,9 +204,9 @@ KERNEL_MODULES = {
             "_amax_kernel",
             "_row_amax_kernel",
             "_per_tensor_quant_kernel",
-            "_per_tensor_quant_one_launch_kernel",
             "_per_group_quant_kernel",
         ],
+        "one_launch": ["_per_tensor_quant_one_launch_kernel"],
         "block_gemm": ["_block_scaled_mm_kernel"],
     },
 }

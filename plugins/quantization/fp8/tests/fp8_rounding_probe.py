@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from pagellm_fp8.kernels.quant import _quantize, format_constants
+from pagellm_fp8.kernels.rounding import _quantize, format_constants
 
 
 @triton.jit

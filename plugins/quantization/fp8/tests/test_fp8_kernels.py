@@ -42,10 +42,14 @@ def kernels() -> Iterator[SimpleNamespace]:
         mp.syspath_prepend(str(PLUGIN_DIR))
         forget_kernels()
         try:
-            from pagellm_fp8.kernels import block_gemm, checks, quant, skinny_gemm
+            from pagellm_fp8.kernels import block_gemm, checks, one_launch, quant, skinny_gemm
 
             yield SimpleNamespace(
-                quant=quant, block_gemm=block_gemm, checks=checks, skinny_gemm=skinny_gemm
+                quant=quant,
+                block_gemm=block_gemm,
+                checks=checks,
+                skinny_gemm=skinny_gemm,
+                one_launch=one_launch,
             )
         finally:
             forget_kernels()
@@ -93,7 +97,7 @@ def test_kernel_rounding_matches_torch_in_both_formats_read_back_as_float32(
 ):
     """Every value of the format, the ties between them and their neighbours, a spread over its
     range, and tiny negative values (0 in e4m3fnuz, whose -0 bits are its NaN): the kernels'
-    rounding (`quant._quantize`, written as float32 since the interpreter cannot store
+    rounding (`rounding._quantize`, written as float32 since the interpreter cannot store
     float8_e4m3fnuz) is torch's cast, bit for bit."""
     from fp8_rounding_probe import rounded
 
@@ -163,7 +167,9 @@ def test_one_launch_per_tensor_quant_matches_torch(
     ref_q, ref_scale = reference_per_tensor_quant(x)
     assert scale.shape == (1,) and torch.equal(scale, ref_scale)
     assert same_bits(q, ref_q)
-    assert kernels.quant._SYNC[x.device].tolist()[0] == 0  # the count re-armed for the next launch
+    assert (
+        kernels.one_launch._SYNC[x.device].tolist()[0] == 0
+    )  # the count re-armed for the next launch
 
 
 def test_static_per_tensor_quant_uses_the_given_scale_and_saturates(kernels: SimpleNamespace):

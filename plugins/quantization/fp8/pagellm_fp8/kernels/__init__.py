@@ -1,5 +1,6 @@
 """The FP8 Triton kernels: fused activation quantization (``quant``: per token, per tensor, per
-token group of 128) and the block-scaled GEMM of 128x128-block checkpoints (``block_gemm``).
+token group of 128; ``one_launch``: a per-tensor scale found and applied in one launch; the
+rounding all share in ``rounding``) and the block-scaled GEMM of 128x128-block checkpoints (``block_gemm``).
 
 Every function takes and returns torch tensors on the kernels' device; the float8 format is
 ``torch.float8_e4m3fn`` (Triton's ``fp8e4nv``, largest finite value 448) or, on AMD CDNA3, the

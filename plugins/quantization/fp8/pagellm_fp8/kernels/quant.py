@@ -4,22 +4,11 @@ group (one scale per row and group of columns, what the block-scaled GEMM takes)
 Doing this with torch ops (abs, amax, div, clamp, cast) costs five passes and five launches over
 the activations, about 270 us per Llama-8B layer at serving batch sizes; these kernels read each
 element once (per token, per group) or twice (per tensor, whose scale needs the whole tensor).
-
-Every kernel computes ``scale = max(amax / FP8_MAX, MIN_SCALE)`` and ``q = clamp(x / scale,
--FP8_MAX, FP8_MAX)`` in float32 with IEEE-rounded divisions (Triton's plain ``/`` on float32 is
-approximate on NVIDIA GPUs), rounded to the float8 format to nearest even: bit for bit what the
-same formula in torch gives (see ``reference_per_token_quant`` in the tests), on GPUs and in
-Triton's interpreter. On NVIDIA GPUs float8_e4m3fn is rounded by the hardware conversion the
-store does (``HW_CAST``); elsewhere by integer operations that repeat it (`_round_to_e4m3`),
-which made the kernels bound by their instructions rather than by memory. The format is float8_e4m3fn (FP8_MAX 448) unless ``dtype`` asks for AMD
-CDNA3's float8_e4m3fnuz (FP8_MAX 240, subnormals an exponent lower, no negative zero); Triton's
-interpreter cannot store float8_e4m3fnuz, so that format's rounding is tested there on float32
-outputs (test_fp8_fnuz.py) and its kernels are compiled for gfx942 (pagellm-rocm's tests).
+Every kernel rounds as `pagellm_fp8.kernels.rounding` says; a per-tensor scale of a decode-sized
+batch may also be found and applied in one launch (`pagellm_fp8.kernels.one_launch`).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -33,9 +22,15 @@ from pagellm_fp8.kernels.checks import (
     require_fp8_format,
     rows_of,
 )
+from pagellm_fp8.kernels.one_launch import one_launch_enabled, per_tensor_quant_one_launch
+from pagellm_fp8.kernels.rounding import (
+    MIN_SCALE,
+    _quantize,
+    _scale_of,
+    format_constants,
+    num_warps_for,
+)
 
-# Keeps an all-zero row's scale finite and non-zero (its values quantize to 0 all the same).
-MIN_SCALE = 1e-12
 # A layer's K is fixed: kernels take it as a constant (one compilation per layer shape, known
 # trip counts; Triton's interpreter also cannot loop to a bound passed as an argument).
 # Rows up to this many elements are read once, held in registers; longer ones are read twice.
@@ -47,94 +42,6 @@ CHUNK = 2048
 # maximum per row, which every program of the quantization pass reduces again: no zeroed
 # buffer and no atomics. Larger tensors take one atomic maximum per chunk.
 ROW_MAXIMA_MAX_M = 1024
-
-
-def _num_warps(block: int) -> int:
-    # About 16 to 32 elements per thread.
-    return max(1, min(16, block // 512))
-
-
-def hardware_rounds(dtype: torch.dtype) -> bool:
-    """Whether the kernels leave the rounding to ``dtype`` to the store's conversion: float8_e4m3fn
-    on NVIDIA GPUs (``cvt.rn.satfinite.e4m3x2.f32``, to nearest even, as torch rounds). Not in
-    Triton's interpreter (its cast rounds ties away from zero and drops the carry into the
-    exponent), nor for float8_e4m3fnuz, nor on ROCm, whose conversions are not checked here."""
-    return (
-        dtype == FP8_DTYPE
-        and os.environ.get("TRITON_INTERPRET", "0") != "1"
-        and torch.version.hip is None
-    )
-
-
-def format_constants(
-    dtype: torch.dtype, hardware_cast: bool | None = None
-) -> dict[str, float | bool]:
-    """The kernels' compile-time constants for the float8 format ``dtype``: its largest value,
-    its smallest normal value, the float32 constant whose addition rounds to its subnormal
-    spacing (1.5 times the power of two at which float32's spacing is that: e4m3 keeps 3
-    mantissa bits, so the spacing is the smallest normal / 8), whether it has a -0, and whether
-    the store's conversion rounds (``hardware_cast``; by default `hardware_rounds`)."""
-    require_fp8_format(dtype)
-    info = torch.finfo(dtype)
-    return dict(
-        FP8_MAX=float(info.max),
-        MIN_NORMAL=float(info.smallest_normal),
-        SUBNORMAL_ROUNDER=1.5 * info.smallest_normal / 8 * 2.0**23,
-        SIGNED_ZERO=dtype == FP8_DTYPE,
-        HW_CAST=hardware_rounds(dtype) if hardware_cast is None else hardware_cast,
-    )
-
-
-@triton.jit
-def _round_to_e4m3(
-    v, MIN_NORMAL: tl.constexpr, SUBNORMAL_ROUNDER: tl.constexpr, SIGNED_ZERO: tl.constexpr
-):
-    """``v`` (float32, |v| <= FP8_MAX) rounded to the nearest e4m3 value, ties to even, as
-    float32.
-
-    The cast to fp8 that follows then has nothing left to round: the result is the same on every
-    Triton backend, including the interpreter, whose float32 -> fp8 cast (Triton 3.6) drops the
-    carry of a rounding into the exponent (31.6 -> 16.0). On GPUs it repeats what the hardware
-    cast does, a few integer operations in a kernel bound by memory.
-    """
-    bits = v.to(tl.uint32, bitcast=True)
-    sign = bits & 0x80000000
-    mag = bits & 0x7FFFFFFF
-    # Normal e4m3 values keep 3 of float32's 23 mantissa bits: add just under half of the 20
-    # dropped bits' unit, plus the kept lowest bit (ties to even), and truncate.
-    normal = (mag + 0x7FFFF + ((mag >> 20) & 1)) & 0xFFF00000
-    # Below the smallest normal (e4m3fn: 2^-6) the spacing is an eighth of it (2^-9): float32's
-    # spacing at 1.5 * 2^14, so adding and subtracting that constant rounds to it.
-    a = tl.abs(v)
-    subnormal = ((a + SUBNORMAL_ROUNDER) - SUBNORMAL_ROUNDER).to(tl.uint32, bitcast=True)
-    rounded = tl.where(a < MIN_NORMAL, subnormal, normal)
-    if not SIGNED_ZERO:  # e4m3fnuz: the bits of -0 are its NaN
-        sign = tl.where(rounded == 0, 0, sign)
-    return (rounded | sign).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _quantize(
-    x,
-    scale,
-    FP8_MAX: tl.constexpr,
-    MIN_NORMAL: tl.constexpr,
-    SUBNORMAL_ROUNDER: tl.constexpr,
-    SIGNED_ZERO: tl.constexpr,
-    HW_CAST: tl.constexpr,
-):
-    """``x / scale`` clamped to the format's range, as float32: rounded to the format's values,
-    unless ``HW_CAST`` (the store's conversion then rounds, to nearest even)."""
-    q = tl.math.div_rn(x, scale)
-    q = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
-    if HW_CAST:
-        return q
-    return _round_to_e4m3(q, MIN_NORMAL, SUBNORMAL_ROUNDER, SIGNED_ZERO)
-
-
-@triton.jit
-def _scale_of(amax, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
-    return tl.maximum(tl.math.div_rn(amax, FP8_MAX), MIN_SCALE)
 
 
 @triton.jit
@@ -204,7 +111,7 @@ def per_token_quant_fp8(
             MIN_SCALE=MIN_SCALE,
             BLOCK=block,
             ONE_PASS=one_pass,
-            num_warps=_num_warps(block),
+            num_warps=num_warps_for(block),
         )
     return q.view(x.shape), scales.view(*x.shape[:-1], 1)
 
@@ -270,141 +177,6 @@ def _per_tensor_quant_kernel(
     tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
-ONE_LAUNCH_ENV = "PAGELLM_FP8_ONE_LAUNCH_QUANT"
-"""``1``: dynamic per-tensor scales of up to ``ROW_MAXIMA_MAX_M`` rows on a GPU are found and
-applied in one launch (`_per_tensor_quant_one_launch_kernel`) instead of two. Off by default
-until the H200 measures it faster end to end."""
-
-_SYNC: dict[torch.device, torch.Tensor] = {}
-"""Per device, the grid barrier's two int32 words: programs arrived, generation."""
-_MULTIPROCESSORS: dict[torch.device, int] = {}
-
-
-def _grid_sync(device: torch.device) -> torch.Tensor:
-    sync = _SYNC.get(device)
-    if sync is None:
-        sync = _SYNC[device] = torch.zeros(2, dtype=torch.int32, device=device)
-    return sync
-
-
-def _resident_programs(device: torch.device) -> int:
-    """How many programs of the one-launch kernel surely run at once: one per multiprocessor
-    on a GPU (each needs a few KiB of registers); one in Triton's interpreter, which runs the
-    programs of a grid one after another (a barrier across several would never open)."""
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1":
-        return 1
-    sms = _MULTIPROCESSORS.get(device)
-    if sms is None:
-        sms = _MULTIPROCESSORS[device] = torch.cuda.get_device_properties(
-            device
-        ).multi_processor_count
-    return sms
-
-
-def one_launch_enabled() -> bool:
-    return os.environ.get(ONE_LAUNCH_ENV) == "1"
-
-
-@triton.jit
-def _grid_barrier(sync_ptr, PROGRAMS: tl.constexpr):
-    """Every program of the grid waits here until all ``PROGRAMS`` have arrived (they must all
-    be resident at once). Sense by generation: a program reads the generation before it
-    arrives; the last to arrive re-arms the count and moves the generation on, which the others
-    spin on. Nothing is left to reset between launches."""
-    tl.debug_barrier()  # this program's earlier stores are issued before its arrival
-    generation = tl.atomic_add(sync_ptr + 1, 0, sem="acquire", scope="gpu")
-    arrived = tl.atomic_add(sync_ptr, 1, sem="acq_rel", scope="gpu")
-    if arrived == PROGRAMS - 1:
-        tl.atomic_xchg(sync_ptr, 0, sem="relaxed", scope="gpu")
-        tl.atomic_add(sync_ptr + 1, 1, sem="release", scope="gpu")
-    else:
-        while tl.atomic_add(sync_ptr + 1, 0, sem="acquire", scope="gpu") == generation:
-            pass
-    tl.debug_barrier()
-
-
-@triton.jit
-def _per_tensor_quant_one_launch_kernel(
-    x_ptr,
-    q_ptr,
-    scale_ptr,
-    partial_ptr,
-    sync_ptr,
-    M,
-    stride_x,
-    stride_q,
-    K: tl.constexpr,
-    FP8_MAX: tl.constexpr,
-    MIN_NORMAL: tl.constexpr,
-    SUBNORMAL_ROUNDER: tl.constexpr,
-    SIGNED_ZERO: tl.constexpr,
-    HW_CAST: tl.constexpr,
-    MIN_SCALE: tl.constexpr,
-    BLOCK: tl.constexpr,
-    PROGRAMS: tl.constexpr,
-    PROGRAMS_P2: tl.constexpr,
-    ROWS: tl.constexpr,
-):
-    """Rows ``pid, pid + PROGRAMS, ...`` (at most ``ROWS``) of one program: their maximum, the
-    grid barrier, the scale from every program's maximum, then the same rows quantized (read
-    again, from L2)."""
-    pid = tl.program_id(0)
-    offs = tl.arange(0, BLOCK)
-    amax = tl.zeros([BLOCK], dtype=tl.float32)
-    for i in range(ROWS):
-        row = pid + i * PROGRAMS
-        mask = (offs < K) & (row < M)
-        x = tl.load(x_ptr + row.to(tl.int64) * stride_x + offs, mask=mask, other=0.0)
-        amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-    tl.store(partial_ptr + pid, tl.max(amax, axis=0))
-    _grid_barrier(sync_ptr, PROGRAMS)
-    parts = tl.arange(0, PROGRAMS_P2)
-    # .cg: the other programs' maxima from L2, never a stale L1 line
-    maxima = tl.load(partial_ptr + parts, mask=parts < PROGRAMS, other=0.0, cache_modifier=".cg")
-    scale = _scale_of(tl.max(maxima, axis=0), FP8_MAX, MIN_SCALE)
-    if pid == 0:
-        tl.store(scale_ptr, scale)
-    for i in range(ROWS):
-        row = pid + i * PROGRAMS
-        mask = (offs < K) & (row < M)
-        x = tl.load(x_ptr + row.to(tl.int64) * stride_x + offs, mask=mask, other=0.0)
-        q = _quantize(
-            x.to(tl.float32), scale, FP8_MAX, MIN_NORMAL, SUBNORMAL_ROUNDER, SIGNED_ZERO, HW_CAST
-        )
-        tl.store(
-            q_ptr + row.to(tl.int64) * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=mask
-        )
-
-
-def _per_tensor_quant_one_launch(
-    x2: torch.Tensor, q: torch.Tensor, dtype: torch.dtype
-) -> torch.Tensor:
-    M, K = x2.shape
-    programs = min(M, _resident_programs(x2.device))
-    out_scale = torch.empty(1, dtype=torch.float32, device=x2.device)
-    partial = torch.empty(programs, dtype=torch.float32, device=x2.device)
-    block = triton.next_power_of_2(K)
-    _per_tensor_quant_one_launch_kernel[(programs,)](
-        x2,
-        q,
-        out_scale,
-        partial,
-        _grid_sync(x2.device),
-        M,
-        x2.stride(0),
-        q.stride(0),
-        K=K,
-        **format_constants(dtype),
-        MIN_SCALE=MIN_SCALE,
-        BLOCK=block,
-        PROGRAMS=programs,
-        PROGRAMS_P2=triton.next_power_of_2(programs),
-        ROWS=triton.next_power_of_2(triton.cdiv(M, programs)),  # a few compilations, not one per M
-        num_warps=_num_warps(block),
-    )
-    return out_scale
-
-
 def per_tensor_quant_fp8(
     x: torch.Tensor,
     scale: torch.Tensor | None = None,
@@ -427,7 +199,7 @@ def per_tensor_quant_fp8(
     if one_launch is None:
         one_launch = one_launch_enabled()
     if scale is None and one_launch and 0 < M <= ROW_MAXIMA_MAX_M and K <= ONE_PASS_MAX_K:
-        return q.view(x.shape), _per_tensor_quant_one_launch(x2, q, dtype)
+        return q.view(x.shape), per_tensor_quant_one_launch(x2, q, dtype)
     grid = (M, triton.cdiv(K, CHUNK))
     row_maxima = 0
     if scale is None:
@@ -439,7 +211,7 @@ def per_tensor_quant_fp8(
             amax = torch.empty(M, dtype=torch.float32, device=x.device)
             block = triton.next_power_of_2(K)
             _row_amax_kernel[(M,)](
-                x2, amax, K, x2.stride(0), BLOCK=block, num_warps=_num_warps(block)
+                x2, amax, K, x2.stride(0), BLOCK=block, num_warps=num_warps_for(block)
             )
         else:
             amax = torch.zeros(1, dtype=torch.float32, device=x.device)
@@ -534,6 +306,6 @@ def per_token_group_quant_fp8(
             MIN_SCALE=MIN_SCALE,
             GROUP=group_size,
             GROUPS_PER_PROGRAM=per_program,
-            num_warps=_num_warps(per_program * group_size),
+            num_warps=num_warps_for(per_program * group_size),
         )
     return q.view(x.shape), scales.view(*x.shape[:-1], num_groups)
