@@ -128,6 +128,8 @@ def _per_tensor_quant_one_launch_kernel(
 def per_tensor_quant_one_launch(
     x2: torch.Tensor, q: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
+    """Quantize ``x2`` [M, K] (0 < M, K <= ``quant.ONE_PASS_MAX_K``; the caller checks) into
+    ``q`` [M, K] of ``dtype``; returns the scale [1] float32."""
     M, K = x2.shape
     programs = min(M, _resident_programs(x2.device))
     out_scale = torch.empty(1, dtype=torch.float32, device=x2.device)
