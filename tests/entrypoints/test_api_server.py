@@ -9,7 +9,7 @@ allowlists and the scheduling policies:
 - ``main``: ``VLLM_PLUGINS=openai,admin,dummy_endpoint,embed_endpoint`` and an API key: most tests;
 - ``openai_only``: ``VLLM_PLUGINS=openai``; its engine process is killed at the end;
 - ``default``: VLLM_PLUGINS unset, ``--endpoints openai``; stopped with SIGTERM at the end;
-- ``one_at_a_time``: ``--scheduling-policy priority --max-num-seqs 1``.
+- ``one_at_a_time``: ``--scheduling-policy priority --max-num-seqs 1 --enable-log-requests``.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def servers(
         "default": ({}, ("--endpoints", "openai")),
         "one_at_a_time": (
             {"VLLM_PLUGINS": "openai"},
-            ("--scheduling-policy", "priority", "--max-num-seqs", "1"),
+            ("--scheduling-policy", "priority", "--max-num-seqs", "1", "--enable-log-requests"),
         ),
     }
     with started_servers(model_dir, logs, specs) as running:
@@ -423,16 +423,22 @@ def test_priority_decides_which_waiting_request_runs_first(servers: dict[str, Se
 
     requests = [("first", -10, 480), ("low", 5, 16), ("high", -1, 16)]
     threads = [threading.Thread(target=run, args=request) for request in requests]
+    added = server.log().count("Added request")
     os.kill(engine_pid, signal.SIGSTOP)
     try:
         for thread in threads:
             thread.start()
-            time.sleep(0.3)  # each reaches the engine's queue in turn
+            added += 1  # it reaches the engine's queue (the front end logs it) before the next
+            deadline = time.monotonic() + 60
+            while server.log().count("Added request") < added:
+                assert time.monotonic() < deadline, server.log()
+                time.sleep(0.05)
     finally:
         os.kill(engine_pid, signal.SIGCONT)
     for thread in threads:
         thread.join(60)
     assert finished == ["first", "high", "low"]
+    assert re.search(r"Added request \S+: 1 prompt tokens, priority -10, ", server.log())
 
 
 # ---------------------------------------------------------------- bad requests

@@ -44,9 +44,11 @@ class AsyncLLM(RequestFrontend):
         config: EngineConfig,
         stat_loggers: list[StatLoggerBase] | None = None,
         max_waiting_requests: int | None = None,
+        log_requests: bool = False,
     ) -> None:
         super().__init__(config, max_waiting_requests)
         self.stat_loggers = list(stat_loggers or [])
+        self.log_requests = log_requests
         self._streams: dict[str, RequestOutputCollector] = {}
         self._timings = RequestTimings()
         self._log_task: asyncio.Task[None] | None = None
@@ -60,9 +62,10 @@ class AsyncLLM(RequestFrontend):
         args: EngineArgs,
         stat_loggers: list[StatLoggerBase] | None = None,
         max_waiting_requests: int | None = None,
+        log_requests: bool = False,
     ) -> AsyncLLM:
         load_general_plugins()  # out-of-tree models must be known before the config is checked
-        return cls(args.create_engine_config(), stat_loggers, max_waiting_requests)
+        return cls(args.create_engine_config(), stat_loggers, max_waiting_requests, log_requests)
 
     # ---------------------------------------------------------------- requests
 
@@ -101,6 +104,14 @@ class AsyncLLM(RequestFrontend):
         processed = process()
         self._start_background_tasks()
         engine_ids = self._add_request(request_id, processed, priority)
+        if self.log_requests:
+            logger.info(
+                "Added request %s: %d prompt tokens, priority %d, %r",
+                request_id,
+                len(processed.token_ids),
+                priority,
+                processed.params,
+            )
         queue = self._streams[request_id] = RequestOutputCollector(processed.params.output_kind)
         if self.stat_loggers:
             self._timings.start(
@@ -143,6 +154,8 @@ class AsyncLLM(RequestFrontend):
         """Forget the request here and free it in the engine (no await: callable from any finally)."""
         self._streams.pop(request_id, None)
         outputs = self._abort_requests([request_id])
+        if self.log_requests and outputs:
+            logger.info("Aborted request %s.", request_id)
         stats = self._timings.abort(request_id)
         if stats is not None:  # reported now: no engine step may follow
             self._record(None, stats)

@@ -169,7 +169,12 @@ async def _serve(args: ServerArgs, engine_args: EngineArgs) -> None:
     from pagellm.metrics.loggers import build_stat_loggers
 
     stat_loggers = build_stat_loggers(args.served_model_names[0], list(args.stat_loggers))
-    engine = AsyncLLM.from_engine_args(engine_args, stat_loggers, args.max_waiting_requests or None)
+    engine = AsyncLLM.from_engine_args(
+        engine_args,
+        stat_loggers,
+        args.max_waiting_requests or None,
+        log_requests=args.enable_log_requests,
+    )
     for child in multiprocessing.active_children():  # for operators (and tests) that need the pid
         logger.info("Engine process %s: pid %d", child.name, child.pid)
     try:

@@ -85,6 +85,12 @@ class ServerArgs:
     body_timeout: float = _option(
         30.0, "Seconds a request may take to send its body before it gets HTTP 408."
     )
+    enable_log_requests: bool = _option(
+        False,
+        "Log each request as it is sent to the engine (its id, prompt length, priority and "
+        "sampling parameters; never the prompt's text) and each abort.",
+        action="store_true",
+    )
     disable_fastapi_docs: bool = _option(
         False, "Serve no /docs, /redoc or /openapi.json.", action="store_true"
     )
