@@ -1,4 +1,6 @@
-"""RMSNorm, with the residual add fused in the vLLM way: ``norm(x, residual) -> (out, x + residual)``."""
+"""RMSNorm, with the residual add fused in the vLLM way: ``norm(x, residual) -> (out, x + residual)``;
+``out`` is a `QuantizedActivation` when the norm feeds a linear layer whose quantization method
+quantizes its input in the norm's kernel (`InputProducer`)."""
 
 from __future__ import annotations
 
@@ -7,9 +9,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm.layers.custom_ops import get_custom_op
+from pagellm.layers.input_producer import InputProducer
+from pagellm.quantization.base import QuantizedActivation
+
+NormOutput = torch.Tensor | QuantizedActivation
 
 
-class RMSNorm(nn.Module):
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in torch: normalised in float32, then scaled in ``x``'s dtype (as the HF reference
+    does); what the platforms' kernels must match."""
+    normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
+    return weight * normed.to(x.dtype)
+
+
+class RMSNorm(nn.Module, InputProducer):
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
@@ -18,13 +31,20 @@ class RMSNorm(nn.Module):
         self._fused_add_op = get_custom_op("fused_add_rms_norm")
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32, then scale in the model's dtype (as the HF reference does).
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * normed.to(x.dtype)
+        return rms_norm_torch(x, self.weight, self.eps)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    ) -> NormOutput | tuple[NormOutput, torch.Tensor]:
+        quantizer = self.input_quantizer
+        if quantizer is not None:
+            fused = (
+                quantizer.rms_norm(x, self.weight, self.eps)
+                if residual is None
+                else quantizer.fused_add_rms_norm(x, residual, self.weight, self.eps)
+            )
+            if fused is not None:
+                return fused
         if residual is None:
             if self._rms_norm_op is not None:
                 # [tokens, heads, head_size] views (per-head q/k norms) go as they are: their

@@ -9,7 +9,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagellm.quantization.base import LayerSplit, LinearMethodBase, QuantizationConfig
+from pagellm.quantization.base import (
+    LayerSplit,
+    LinearMethodBase,
+    QuantizationConfig,
+    QuantizedActivation,
+)
 from pagellm.quantization.unquantized import UnquantizedLinearMethod
 
 
@@ -64,15 +69,25 @@ class Linear(nn.Module):
             self, in_features, out_features, bias, torch.get_default_dtype()
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
+        return self.matmul(x)
+
+    def matmul(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
+        """This rank's product: ``x`` plain, or quantized by the layer that produced it as this
+        layer's method asked (`pagellm.layers.input_producer`)."""
+        if isinstance(x, QuantizedActivation):
+            return self.linear_method.apply_quantized(self, x)
         return self.linear_method.apply(self, x)
 
-    def forward_into(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    def forward_into(
+        self, x: torch.Tensor | QuantizedActivation, out: torch.Tensor
+    ) -> torch.Tensor:
         """``forward(x)`` written into ``out`` (contiguous, [tokens, out_features]) and returned:
         by the matmul itself for unquantized weights of a 2-D input (the same ``mm`` / ``addmm``
         as ``F.linear``), else copied there. Piecewise graphs give their q/k/v buffer."""
         if (
             type(self.linear_method) is UnquantizedLinearMethod
+            and isinstance(x, torch.Tensor)
             and x.dim() == 2
             and not getattr(self, "gather_output", False)
         ):

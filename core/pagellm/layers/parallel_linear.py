@@ -21,7 +21,12 @@ import torch
 
 from pagellm.distributed import get_tp_group
 from pagellm.layers.linear import CheckpointTensor, Linear, checkpoint_shape, materialize
-from pagellm.quantization.base import LayerSplit, ParallelKind, QuantizationConfig
+from pagellm.quantization.base import (
+    LayerSplit,
+    ParallelKind,
+    QuantizationConfig,
+    QuantizedActivation,
+)
 
 
 class TensorParallelError(ValueError):
@@ -131,8 +136,8 @@ class ColumnParallelLinear(Linear):
         sizes = [_split(s, tp, f"{prefix} output size") for s in self.full_output_sizes]
         return sizes, [rank * s for s in sizes]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.linear_method.apply(self, x)
+    def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
+        out = self.matmul(x)
         if not self.gather_output or self.tp.world_size == 1:
             return out
         if len(self.output_sizes) == 1:
@@ -239,8 +244,8 @@ class RowParallelLinear(Linear):
             tp_split=_layer_split("row", in_features, [out_features]),
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.linear_method.apply(self, x))
+    def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
+        return self.tp.all_reduce(self.matmul(x))
 
     def rank_part(
         self, param_name: str, tensor: CheckpointTensor, name: str, shard: int | None

@@ -15,6 +15,7 @@ from torch import nn
 from pagellm.attention import AttentionBackend
 from pagellm.config import EngineConfig
 from pagellm.distributed import get_tp_group
+from pagellm.layers.input_producer import InputProducer
 from pagellm.layers.linear import CheckpointTensor, Linear
 from pagellm.model_loader.formats import get_model_format
 from pagellm.model_loader.kv_scales import KVScales, apply_kv_scales, take_kv_scales
@@ -124,8 +125,13 @@ def load_model(
 
 
 def _after_loading(model: nn.Module) -> nn.Module:
-    """Let each linear method convert its freshly loaded weights (e.g. repack for a kernel)."""
-    for module in model.modules():
+    """Let each linear method convert its freshly loaded weights (e.g. repack for a kernel), then
+    pair each layer producing a linear layer's input with that method's input quantizer."""
+    modules = list(model.modules())
+    for module in modules:
         if isinstance(module, Linear):
             module.linear_method.process_weights_after_loading(module)
+    for module in modules:
+        if isinstance(module, InputProducer):
+            module.bind_input_quantizer()
     return model.eval()

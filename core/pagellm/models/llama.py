@@ -35,7 +35,7 @@ from pagellm.layers.parallel_linear import (
 )
 from pagellm.layers.rotary_embedding import RotaryEmbedding, rope_parameters
 from pagellm.models.segments import AttentionInputs, SegmentedDecoder
-from pagellm.quantization.base import QuantizationConfig
+from pagellm.quantization.base import QuantizationConfig, QuantizedActivation
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ class LlamaAttention(nn.Module):
     def project_qkv(
         self,
         positions: torch.Tensor,
-        hidden_states: torch.Tensor,
+        hidden_states: torch.Tensor | QuantizedActivation,
         qkv_out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The attention's inputs: q, k and v of each token, q and k normed (Qwen3) and rotated;
@@ -139,8 +139,9 @@ class LlamaMLP(nn.Module):
             inter, cfg.hidden_size, bias, ctx.quant_config, f"{prefix}.down_proj"
         )
         self.act_fn = SiluAndMul()
+        self.act_fn.feeds(self.down_proj)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
@@ -152,6 +153,10 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(ctx, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # Each norm's output is one projection's input: a quantization method may quantize it
+        # in the norm's kernel (`pagellm.layers.input_producer`), as the MLP's activation does.
+        self.input_layernorm.feeds(self.self_attn.qkv_proj)
+        self.post_attention_layernorm.feeds(self.mlp.gate_up_proj)
 
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None

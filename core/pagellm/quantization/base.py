@@ -51,6 +51,47 @@ class TensorSplit:
     """What ``features`` features make, for error messages (``quantization group``)."""
 
 
+@dataclass(frozen=True)
+class QuantizedActivation:
+    """A linear layer's input, quantized by the layer that produced it through the layer's
+    method's `InputQuantizer`: only that method reads it (`LinearMethodBase.apply_quantized`)."""
+
+    data: torch.Tensor
+    """The quantized values, [..., K] in the method's format."""
+    scale: torch.Tensor
+    """Their scales, in the shape the method's GEMM takes (per tensor, per row, per group)."""
+    dtype: torch.dtype
+    """The dtype of the activation it stands for: what the layer's output is written in."""
+
+
+class InputQuantizer:
+    """A linear method's quantization of its layer's input, fused into the layer that produces
+    that input (`LinearMethodBase.input_quantizer`; the producers are `pagellm.layers`'
+    `InputProducer`s: RMSNorm, SiluAndMul). Each method returns what the producer's own
+    computation followed by the linear method's quantization would give, rounded the same way,
+    or None when it does not fuse this call (a shape or device its kernels do not take): the
+    producer then runs as usual and the linear layer quantizes its input itself. By default
+    nothing is fused.
+
+    - ``rms_norm(x, weight, eps)``: ``x`` [tokens, hidden], RMSNorm as `RMSNorm` rounds it.
+    - ``fused_add_rms_norm(x, residual, weight, eps)``: the residual add and RMSNorm, returning
+      the normed input quantized and ``x + residual`` (which may be written into ``residual``).
+    - ``silu_and_mul(x)``: ``silu(x[:, :d]) * x[:, d:]`` for ``x`` [tokens, 2 * d]."""
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> QuantizedActivation | None:
+        return None
+
+    def fused_add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[QuantizedActivation, torch.Tensor] | None:
+        return None
+
+    def silu_and_mul(self, x: torch.Tensor) -> QuantizedActivation | None:
+        return None
+
+
 class LinearMethodBase(ABC):
     """Owns a linear layer's parameters: creates them, post-processes them after loading, applies them.
 
@@ -72,6 +113,19 @@ class LinearMethodBase(ABC):
 
     @abstractmethod
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor: ...
+
+    def input_quantizer(self, layer: nn.Module) -> InputQuantizer | None:
+        """The quantization of ``layer``'s input that the layer producing it may do instead
+        (asked once the weights are processed), or None (the default): the layer then gets
+        plain activations. A method that returns one gets its `QuantizedActivation`s in
+        `apply_quantized`."""
+        return None
+
+    def apply_quantized(self, layer: nn.Module, x: QuantizedActivation) -> torch.Tensor:
+        """`apply` for an input already quantized by this method's `input_quantizer`."""
+        raise NotImplementedError(
+            f"{type(self).__name__} offers no input quantizer, so it takes no quantized input."
+        )
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:  # noqa: B027 (optional hook)
         """Repack or convert the loaded weights (e.g. to a kernel's layout)."""

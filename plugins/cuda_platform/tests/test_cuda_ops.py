@@ -25,7 +25,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 
@@ -34,6 +33,7 @@ from pagellm.layers.activation import SiluAndMul
 from pagellm.layers.custom_ops import OP_NAMES
 from pagellm.layers.layernorm import RMSNorm
 from pagellm.layers.rotary_embedding import RotaryEmbedding
+from pagellm.testing.triton_interpreter import gpu_bfloat16_rounding
 
 REPO = Path(__file__).resolve().parents[3]
 OPS_DIR = Path(__file__).resolve().parents[1] / "pagellm_cuda" / "ops"
@@ -76,19 +76,7 @@ def _load_ops() -> Ops:
 
 @pytest.fixture(scope="module")
 def interpreter_with_gpu_rounding() -> Iterator[None]:
-    import triton.language as tl
-    import triton.runtime.interpreter as interpreter
-
-    truncating = interpreter._convert_float
-
-    def convert(data: np.ndarray, src: Any, dst: Any, rounding: Any) -> np.ndarray:
-        if src == tl.float32 and dst == tl.bfloat16:
-            f32 = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32))
-            return f32.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-        return truncating(data, src, dst, rounding)
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(interpreter, "_convert_float", convert)
+    with gpu_bfloat16_rounding():
         yield
 
 

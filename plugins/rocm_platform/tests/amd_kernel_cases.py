@@ -140,6 +140,16 @@ def fp8(name: str, fp8_dtype: torch.dtype) -> Case:
             quant.per_tensor_quant_fp8(x, dtype=fp8_dtype, one_launch=True)
         elif name == "per_token_group_quant":
             quant.per_token_group_quant_fp8(x, 128, dtype=fp8_dtype)
+        elif name == "fused_input_quant":  # norms and SiLU-and-multiply writing fp8
+            fused = importlib.import_module(f"{FP8_KERNELS}.fused_input")
+            weight = torch.empty(HIDDEN, dtype=BF16)
+            gate_up = torch.empty(16, 2 * HIDDEN, dtype=BF16)
+            static = torch.ones(1, dtype=torch.float32)
+            for mode in ("token", "group", "static", "tensor"):
+                scale = static if mode == "static" else None
+                fused.rms_norm_quant(x, weight, 1e-5, mode, fp8_dtype, None, scale)
+                fused.rms_norm_quant(x, weight, 1e-5, mode, fp8_dtype, torch.empty_like(x), scale)
+                fused.silu_and_mul_quant(gate_up, mode, fp8_dtype, scale)
         elif name == "block_scaled_mm":
             block_gemm = importlib.import_module(f"{FP8_KERNELS}.block_gemm")
             a = torch.empty(16, HIDDEN, dtype=fp8_dtype)
@@ -156,7 +166,13 @@ ALL = tuple(AMD_TARGETS)
 ATTENTION = "pagellm_triton_attn.kernels"
 OPS = "pagellm_cuda.ops"
 FP8_KERNELS = "pagellm_fp8.kernels"
-FP8_NAMES = ("per_token_quant", "per_tensor_quant", "per_token_group_quant", "block_scaled_mm")
+FP8_NAMES = (
+    "per_token_quant",
+    "per_tensor_quant",
+    "per_token_group_quant",
+    "fused_input_quant",
+    "block_scaled_mm",
+)
 CASES: dict[str, tuple[str, Case, tuple[str, ...]]] = {
     "attn.write_kv_cache.bf16": (ATTENTION, kv_write(BF16, BF16), ALL),
     "attn.paged_attention.bf16": (ATTENTION, mixed(BF16, BF16), ALL),
@@ -207,6 +223,7 @@ KERNEL_MODULES = {
             "_per_group_quant_kernel",
         ],
         "one_launch": ["_per_tensor_quant_one_launch_kernel"],
+        "fused_input": ["_rms_norm_quant_kernel", "_silu_and_mul_quant_kernel"],
         "block_gemm": ["_block_scaled_mm_kernel"],
     },
 }

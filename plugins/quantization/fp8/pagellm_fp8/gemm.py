@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from types import ModuleType
 
@@ -37,8 +38,35 @@ from pagellm_fp8.scheme import Fp8Scheme, WeightGranularity
 SCALED_MM_MIN_CAPABILITY = (8, 9)  # fp8 tensor cores: Ada, Hopper and newer
 ROWWISE_MIN_CAPABILITY = (9, 0)  # row-wise scales in torch._scaled_mm: Hopper and newer
 
-# (x [M, K] float, weight float8 [N, K], weight scales, static input scale or None) -> [M, N]
-GemmFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+QuantizeFn = Callable[[torch.Tensor, "torch.Tensor | None"], tuple[torch.Tensor, torch.Tensor]]
+"""(x [M, K] float, static input scale or None) -> (x quantized [M, K], its scales)."""
+MatmulFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor
+]
+"""(x quantized [M, K], its scales, weight float8 [N, K], weight scales, out dtype) -> [M, N]."""
+
+
+@dataclass(frozen=True)
+class Fp8Gemm:
+    """A layer's GEMM in its two steps: quantize the input (`quantize`, skipped when the layer
+    producing the input has quantized it already: `pagellm_fp8.input_quant`), then multiply
+    (`matmul`). Called as ``gemm(x, weight, weight_scale, input_scale)`` it does both."""
+
+    quantize: QuantizeFn
+    matmul: MatmulFn
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        scale: torch.Tensor,
+        input_scale: torch.Tensor | None,
+    ) -> torch.Tensor:
+        q, x_scale = self.quantize(x, input_scale)
+        return self.matmul(q, x_scale, weight, scale, x.dtype)
+
+
+GemmFn = Fp8Gemm
 
 
 def triton_kernels(name: str) -> ModuleType | str:
@@ -94,14 +122,22 @@ def gemm_refusal(
 
 
 def reference_gemm(scheme: Fp8Scheme) -> GemmFn:
-    def gemm(
-        x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, input_scale: torch.Tensor | None
-    ) -> torch.Tensor:
-        q, x_scale = quantize_activation(x, scheme.activations, input_scale, scheme.fp8_dtype)
-        a = dequantize_activation(q, x_scale, scheme.activations)
-        return (a @ dequantize_weight(weight, scale, scheme.weights).t()).to(x.dtype)
+    def quantize(
+        x: torch.Tensor, input_scale: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return quantize_activation(x, scheme.activations, input_scale, scheme.fp8_dtype)
 
-    return gemm
+    def matmul(
+        q: torch.Tensor,
+        x_scale: torch.Tensor,
+        weight: torch.Tensor,
+        scale: torch.Tensor,
+        out_dtype: torch.dtype,
+    ) -> torch.Tensor:
+        a = dequantize_activation(q, x_scale, scheme.activations)
+        return (a @ dequantize_weight(weight, scale, scheme.weights).t()).to(out_dtype)
+
+    return Fp8Gemm(quantize, matmul)
 
 
 def _resolve_per_tensor_quant(
@@ -139,37 +175,47 @@ def _skinny_gemm() -> ModuleType | None:
 
 
 def _scaled_mm_tensor(scheme: Fp8Scheme) -> GemmFn:
-    per_tensor = _resolve_per_tensor_quant(scheme.fp8_dtype)
     skinny = _skinny_gemm() if scheme.fp8_dtype == torch.float8_e4m3fn else None
     fast_accum = _fast_accum()
 
-    def gemm(
-        x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, input_scale: torch.Tensor | None
+    def matmul(
+        q: torch.Tensor,
+        x_scale: torch.Tensor,
+        weight: torch.Tensor,
+        scale: torch.Tensor,
+        out_dtype: torch.dtype,
     ) -> torch.Tensor:
-        q, x_scale = per_tensor(x, input_scale)
-        if skinny is not None and x.shape[0] <= skinny.MAX_M:
-            return skinny.skinny_gemm(q, weight, x_scale, scale.reshape(1), out_dtype=x.dtype)
+        if skinny is not None and q.shape[0] <= skinny.MAX_M:
+            return skinny.skinny_gemm(q, weight, x_scale, scale.reshape(1), out_dtype=out_dtype)
         # weight [N, K] row-major: its transpose is the column-major [K, N] operand _scaled_mm wants.
         return torch._scaled_mm(
             q,
             weight.t(),
             scale_a=x_scale,
             scale_b=scale,
-            out_dtype=x.dtype,
+            out_dtype=out_dtype,
             use_fast_accum=fast_accum,
         )
 
-    return gemm
+    return Fp8Gemm(_resolve_per_tensor_quant(scheme.fp8_dtype), matmul)
 
 
 def _scaled_mm_rowwise(scheme: Fp8Scheme, native: bool) -> GemmFn:
     per_token = _resolve_per_token_quant(scheme.fp8_dtype)
     fast_accum = _fast_accum()
 
-    def gemm(
-        x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, input_scale: torch.Tensor | None
+    def quantize(
+        x: torch.Tensor, input_scale: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return per_token(x)
+
+    def matmul(
+        q: torch.Tensor,
+        x_scale: torch.Tensor,
+        weight: torch.Tensor,
+        scale: torch.Tensor,
+        out_dtype: torch.dtype,
     ) -> torch.Tensor:
-        q, x_scale = per_token(x)
         w_scale = scale.reshape(1, -1)  # [N, 1] -> [1, N], contiguous
         if native:
             # Row-wise scaling writes bfloat16 only.
@@ -181,8 +227,8 @@ def _scaled_mm_rowwise(scheme: Fp8Scheme, native: bool) -> GemmFn:
                 out_dtype=torch.bfloat16,
                 use_fast_accum=fast_accum,
             )
-            return out.to(x.dtype)
-        one = torch.ones(1, dtype=torch.float32, device=x.device)
+            return out.to(out_dtype)
+        one = torch.ones(1, dtype=torch.float32, device=q.device)
         out = torch._scaled_mm(
             q,
             weight.t(),
@@ -191,9 +237,9 @@ def _scaled_mm_rowwise(scheme: Fp8Scheme, native: bool) -> GemmFn:
             out_dtype=torch.float32,
             use_fast_accum=fast_accum,
         )
-        return (out * x_scale * w_scale).to(x.dtype)
+        return (out * x_scale * w_scale).to(out_dtype)
 
-    return gemm
+    return Fp8Gemm(quantize, matmul)
 
 
 def _resolve_per_token_quant(
@@ -206,14 +252,22 @@ def _resolve_per_token_quant(
 
 
 def _block_scaled_mm(scheme: Fp8Scheme, block_gemm: ModuleType) -> GemmFn:
-    def gemm(
-        x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, input_scale: torch.Tensor | None
-    ) -> torch.Tensor:
+    def quantize(
+        x: torch.Tensor, input_scale: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         # The fused per-group (128 columns) quantization kernel of the same module.
-        q, x_scale = block_gemm.per_token_group_quant_fp8(x, 128, dtype=scheme.fp8_dtype)
-        return block_gemm.block_scaled_mm(q, x_scale, weight, scale, x.dtype)
+        return block_gemm.per_token_group_quant_fp8(x, 128, dtype=scheme.fp8_dtype)
 
-    return gemm
+    def matmul(
+        q: torch.Tensor,
+        x_scale: torch.Tensor,
+        weight: torch.Tensor,
+        scale: torch.Tensor,
+        out_dtype: torch.dtype,
+    ) -> torch.Tensor:
+        return block_gemm.block_scaled_mm(q, x_scale, weight, scale, out_dtype)
+
+    return Fp8Gemm(quantize, matmul)
 
 
 SCALED_MM_MULTIPLE = 16

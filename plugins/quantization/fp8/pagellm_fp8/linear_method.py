@@ -22,10 +22,17 @@ from torch import nn
 
 from pagellm.layers.linear import CheckpointTensor
 from pagellm.layers.parallel_linear import TensorParallelError
-from pagellm.quantization import LayerSplit, LinearMethodBase, TensorSplit
+from pagellm.quantization import (
+    InputQuantizer,
+    LayerSplit,
+    LinearMethodBase,
+    QuantizedActivation,
+    TensorSplit,
+)
 from pagellm.quantization.fp8_formats import E4M3FNUZ, e4m3fn_to_e4m3fnuz
 from pagellm.quantization.layers import frozen_parameter
 from pagellm_fp8.gemm import GemmFn, choose_gemm, shape_refusal
+from pagellm_fp8.input_quant import make_input_quantizer
 from pagellm_fp8.quant_ops import FP8_DTYPE, dequantize_weight, quantize_weight, to_fp8
 from pagellm_fp8.scheme import BLOCK, Fp8Scheme
 
@@ -200,16 +207,44 @@ class Fp8LinearMethod(LinearMethodBase):
             parts.append(to_fp8(part, largest))
         return torch.cat(parts), largest
 
-    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def _processed_gemm(self) -> GemmFn:
         if self._gemm is None:
             raise RuntimeError(f"{self.prefix}: fp8 weights used before they were processed.")
+        return self._gemm
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        out = self._gemm(
+        out = self._processed_gemm()(
             x.reshape(-1, shape[-1]),
             layer.get_parameter("weight"),
             layer.get_parameter("weight_scale"),
             layer.input_scale,  # type: ignore[arg-type]
         )
+        return self._finish(layer, out, shape)
+
+    def input_quantizer(self, layer: nn.Module) -> InputQuantizer | None:
+        """The norm or activation before this layer writes its input in fp8 (`input_quant`;
+        opt-in: ``PAGELLM_FP8_FUSED_INPUT_QUANT=1``)."""
+        return make_input_quantizer(
+            self.scheme,
+            self._processed_gemm(),
+            self.gemm_path,
+            layer.input_scale,  # type: ignore[arg-type]
+        )
+
+    def apply_quantized(self, layer: nn.Module, x: QuantizedActivation) -> torch.Tensor:
+        shape = x.data.shape
+        out = self._processed_gemm().matmul(
+            x.data.reshape(-1, shape[-1]),
+            x.scale,
+            layer.get_parameter("weight"),
+            layer.get_parameter("weight_scale"),
+            x.dtype,
+        )
+        return self._finish(layer, out, shape)
+
+    @staticmethod
+    def _finish(layer: nn.Module, out: torch.Tensor, shape: torch.Size) -> torch.Tensor:
         bias = layer.bias
         if isinstance(bias, torch.Tensor):
             out = out + bias

@@ -260,3 +260,60 @@ def test_the_package_registers_its_four_methods():
     assert entry.value == "pagellm_fp8.plugin"
     for name in METHODS:
         assert quantization_methods.get(name).name == name
+
+
+def _logprobs(llm: LLM) -> list[tuple[list[int], list[dict[int, float]]]]:
+    """Each prompt's greedy continuation and the top-5 logprobs of every prompt and generated
+    position: the whole model's outputs, to compare bit for bit."""
+    params = SamplingParams(
+        temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5, prompt_logprobs=5
+    )
+    results = []
+    for out in llm.generate(PROMPTS, params, use_tqdm=False):
+        positions = list(out.prompt_logprobs[1:]) + list(out.outputs[0].logprobs)
+        values = [{t: lp.logprob for t, lp in pos.items()} for pos in positions]
+        results.append((list(out.outputs[0].token_ids), values))
+    return results
+
+
+@pytest.mark.parametrize("checkpoint", [*METHODS, "fp8_config_static_scales"])
+def test_norms_and_activations_that_quantize_the_next_input_change_no_output(
+    checkpoint, float_model, tmp_path, monkeypatch
+):
+    """``PAGELLM_FP8_FUSED_INPUT_QUANT=1``: each norm and SiLU-and-multiply hands its linear
+    layer a `QuantizedActivation` (here through the torch quantizer the reference path offers,
+    on CUDA through the fused kernels): the same bits as the layer quantizing its input."""
+    from pagellm_fp8.input_quant import FUSED_INPUT_QUANT_ENV, TorchInputQuantizer
+    from pagellm_fp8.linear_method import Fp8LinearMethod
+
+    from pagellm.layers.activation import SiluAndMul
+    from pagellm.layers.layernorm import RMSNorm
+
+    if checkpoint == "fp8_config_static_scales":
+        model, engine = fp8_config_checkpoint(float_model, tmp_path / "fp8cfg", False), ENGINE
+    else:
+        model, engine = float_model, {**ENGINE, "quantization": checkpoint}
+    unfused = _logprobs(LLM(str(model), **engine))
+
+    monkeypatch.setenv(FUSED_INPUT_QUANT_ENV, "1")
+    calls = []
+    apply_quantized = Fp8LinearMethod.apply_quantized
+
+    def counted(self, layer, x):
+        calls.append(self.prefix)
+        return apply_quantized(self, layer, x)
+
+    monkeypatch.setattr(Fp8LinearMethod, "apply_quantized", counted)
+    llm = LLM(str(model), **engine)
+    runner_model = llm.llm_engine.engine_core.executor.worker.model_runner.model
+    producers = [m for m in runner_model.modules() if isinstance(m, RMSNorm | SiluAndMul)]
+    bound = [p for p in producers if p.input_quantizer is not None]
+    layers = len(runner_model.model.layers)
+    assert len(bound) == 3 * layers  # two norms and the activation a layer; not the final norm
+    assert all(isinstance(p.input_quantizer, TorchInputQuantizer) for p in bound)
+    if checkpoint == "fp8_config_static_scales":
+        assert all(p.input_quantizer.input_scale is not None for p in bound)
+
+    fused = _logprobs(llm)
+    assert {name.rsplit(".", 1)[-1] for name in calls} == {"qkv_proj", "gate_up_proj", "down_proj"}
+    assert fused == unfused

@@ -200,22 +200,22 @@ def per_tensor_quant_fp8(
         one_launch = one_launch_enabled()
     if scale is None and one_launch and 0 < M <= ROW_MAXIMA_MAX_M and K <= ONE_PASS_MAX_K:
         return q.view(x.shape), per_tensor_quant_one_launch(x2, q, dtype)
-    grid = (M, triton.cdiv(K, CHUNK))
-    row_maxima = 0
     if scale is None:
         out_scale = torch.empty(1, dtype=torch.float32, device=x.device)
         if M == 0:
             amax = out_scale.fill_(MIN_SCALE)
         elif M <= ROW_MAXIMA_MAX_M and K <= ONE_PASS_MAX_K:
-            row_maxima = ROW_MAXIMA_MAX_M
-            amax = torch.empty(M, dtype=torch.float32, device=x.device)
+            row_max = torch.empty(M, dtype=torch.float32, device=x.device)
             block = triton.next_power_of_2(K)
             _row_amax_kernel[(M,)](
-                x2, amax, K, x2.stride(0), BLOCK=block, num_warps=num_warps_for(block)
+                x2, row_max, K, x2.stride(0), BLOCK=block, num_warps=num_warps_for(block)
             )
+            return _quantize_per_tensor(x2, q, out_scale, row_max, dtype, ROW_MAXIMA_MAX_M, x.shape)
         else:
             amax = torch.zeros(1, dtype=torch.float32, device=x.device)
-            _amax_kernel[grid](x2, amax, K, x2.stride(0), BLOCK=CHUNK, num_warps=4)
+            _amax_kernel[(M, triton.cdiv(K, CHUNK))](
+                x2, amax, K, x2.stride(0), BLOCK=CHUNK, num_warps=4
+            )
     else:
         require_dtype("scale", scale, (torch.float32,))
         if scale.numel() != 1:
@@ -223,8 +223,48 @@ def per_tensor_quant_fp8(
                 f"scale has shape {tuple(scale.shape)}; a per-tensor scale has one element"
             )
         amax = out_scale = scale.reshape(1)
+    return _quantize_per_tensor(x2, q, out_scale, amax, dtype, 0, x.shape, dynamic=scale is None)
+
+
+def per_tensor_quant_from_row_maxima(
+    x: torch.Tensor, row_max: torch.Tensor, dtype: torch.dtype = FP8_DTYPE
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`per_tensor_quant_fp8` of ``x`` [M, K] whose rows' max |x| are known already (``row_max``
+    [M] float32, M at most ``ROW_MAXIMA_MAX_M``; written by a kernel that produced ``x``, such
+    as `pagellm_fp8.kernels.fused_input`'s): one launch, the same bits."""
+    require_dtype("x", x, ACTIVATION_DTYPES)
+    require_dtype("row_max", row_max, (torch.float32,))
+    require_fp8_format(dtype)
+    x2 = rows_of("x", x)
+    M = x2.shape[0]
+    if M > ROW_MAXIMA_MAX_M or tuple(row_max.shape) != (M,):
+        raise Fp8KernelInputError(
+            f"row_max has shape {tuple(row_max.shape)}; expected [{M}] for the {M} rows of x "
+            f"(at most {ROW_MAXIMA_MAX_M})"
+        )
+    q = torch.empty(x2.shape, dtype=dtype, device=x.device)
+    out_scale = torch.empty(1, dtype=torch.float32, device=x.device)
+    if M == 0:
+        out_scale.fill_(MIN_SCALE)
+        return q.view(x.shape), out_scale
+    return _quantize_per_tensor(x2, q, out_scale, row_max, dtype, ROW_MAXIMA_MAX_M, x.shape)
+
+
+def _quantize_per_tensor(
+    x2: torch.Tensor,
+    q: torch.Tensor,
+    out_scale: torch.Tensor,
+    amax: torch.Tensor,
+    dtype: torch.dtype,
+    row_maxima: int,
+    shape: torch.Size,
+    dynamic: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The quantization pass of `per_tensor_quant_fp8`: ``amax`` one value, or (``row_maxima``
+    > 0) one per row; a static scale is ``out_scale`` itself (``dynamic`` False)."""
+    M, K = x2.shape
     if M > 0:
-        _per_tensor_quant_kernel[grid](
+        _per_tensor_quant_kernel[(M, triton.cdiv(K, CHUNK))](
             x2,
             q,
             out_scale,
@@ -236,11 +276,11 @@ def per_tensor_quant_fp8(
             **format_constants(dtype),
             MIN_SCALE=MIN_SCALE,
             BLOCK=CHUNK,
-            FROM_AMAX=scale is None,
+            FROM_AMAX=dynamic,
             ROW_MAXIMA=row_maxima,
             num_warps=4,
         )
-    return q.view(x.shape), out_scale
+    return q.view(shape), out_scale
 
 
 @triton.jit
