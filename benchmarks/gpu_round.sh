@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One round on the GPU machine: offline install (wheels carried in .whl), GPU tests, benchmarks.
 # Writes logs and JSON under $OUT. Stages: tests, tests-flashinfer, fi-jit, fi-cache-save, fa-tests,
-# fa-kernels, fp8-tests, fp8-gemm, fp8-skinny, decode-tiles, decode-splits, decode-swap, int4-tests, int4-sweep, int4-gemm, int4-w1, gguf-tests,
+# fa-kernels, fp8-tests, fp8-fused, fp8-gemm, fp8-skinny, decode-tiles, decode-splits, decode-swap, int4-tests, int4-sweep, int4-gemm, int4-w1, gguf-tests,
 # gguf-gemm, gguf-smollm2, gguf-sweep-a, gguf-sweep-b, gguf-sweep-c, prof, step-prof, w1, w1-fp8, w2,
 # overhead, hf (W1/W2 with the HF peer).
 #   bash benchmarks/gpu_round.sh tests w2 w1 overhead
@@ -87,6 +87,11 @@ for stage in "$@"; do
     # and over an FP8 cache with FP8 products too (Tiles.fp8_mma), against the default kernel.
     decode-swap) run decode_swap 300 python3 benchmarks/triton_decode_tiles.py --block-n 64 128 \
         --num-warps 4 --num-stages 2 3 --swap-ab 0 1 --fp8-mma 0 1 --output-json "$OUT/decode_swap.json" ;;
+    # Input quantization fused into the norms and SiLU-and-mul: its GPU tests, then its
+    # producer timings against the unfused pairs (benchmarks/fp8_fused_input.py).
+    fp8-fused) run fp8_fused_tests 300 python3 -m pytest -m gpu -q -s -p no:cacheprovider --timeout 250 \
+        plugins/quantization/fp8/tests/test_fp8_fused_input_gpu.py
+      run fp8_fused 200 python3 benchmarks/fp8_fused_input.py --output-json "$OUT/fp8_fused.json" ;;
     fp8-gemm) run fp8_gemm 200 python3 benchmarks/fp8_gemm.py --output-json "$OUT/fp8_gemm.json" ;;
     # Decode-sized batches only, with the skinny GEMM's tile sweep (fp8 and bf16) and fast accumulation.
     fp8-skinny) run fp8_skinny 500 python3 benchmarks/fp8_gemm.py --ms 16 200 --skinny-sweep \
@@ -142,7 +147,8 @@ for stage in "$@"; do
     # weights + fp8 KV; also fp8ch, fp8chkv: fp8_per_channel's weights and per-token
     # activations, without and with the fp8 KV cache), each ran again with the opt-ins of each W1_VARIANTS word (words joined
     # by +: fast_accum PAGELLM_FP8_FAST_ACCUM, one_launch PAGELLM_FP8_ONE_LAUNCH_QUANT, skinny
-    # PAGELLM_FP8_SKINNY_GEMM), e.g. W1_VARIANTS="fast_accum fast_accum+one_launch".
+    # PAGELLM_FP8_SKINNY_GEMM, fused PAGELLM_FP8_FUSED_INPUT_QUANT), e.g.
+    # W1_VARIANTS="fast_accum fast_accum+one_launch fast_accum+fused".
     w1-fp8) for v in ${W1_RUNS:-bf16 fp8 fp8kv}; do
         for variant in base ${W1_VARIANTS:-}; do
           [ $v = bf16 ] && [ $variant != base ] && continue
@@ -160,6 +166,8 @@ for stage in "$@"; do
               fast_accum) envs+=(PAGELLM_FP8_FAST_ACCUM=1) ;;
               one_launch) envs+=(PAGELLM_FP8_ONE_LAUNCH_QUANT=1) ;;
               skinny) envs+=(PAGELLM_FP8_SKINNY_GEMM=1) ;;
+              fused) envs+=(PAGELLM_FP8_FUSED_INPUT_QUANT=1) ;;
+              *) echo "unknown W1 variant word $opt" ;;
             esac
           done
           name=w1_$v; [ $variant != base ] && name=${name}_${variant//+/_}
