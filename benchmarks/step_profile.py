@@ -31,6 +31,10 @@ FAMILIES = [
         "attention",
         r"attn|attention|flash|fmha|paged|decode_kernel|prefill_kernel|BatchPrefill|BatchDecode",
     ),
+    # pagellm-fp8's norms and SiLU-and-mul that write fp8 (`kernels/fused_input.py`), then its
+    # activation quantization kernels (row maxima, amax, quantization).
+    ("norm/act + quant", r"rms_norm_quant|silu_and_mul_quant"),
+    ("act quantization", r"quant|amax"),
     ("gemm", r"gemm|matmul|cutlass|sm90_xmma|nvjet|cublas|_mm_|splitK"),
     ("kv write", r"reshape_and_cache|kv_write|store_kv|write_kv|_cache_kernel"),
     ("norm", r"rms|norm"),
