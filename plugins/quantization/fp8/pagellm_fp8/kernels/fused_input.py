@@ -10,7 +10,8 @@ rounded before the product), then quantizes that row in registers (``MODE``):
 - ``GROUP``: one scale per row and group of ``GROUP`` columns (the block-scaled GEMM's input);
 - ``ROW_MAX``: no quantization: the row in the activation dtype and its max |value|, for a
   dynamic per-tensor scale, which needs every row first (`rms_norm_quant` and `silu_and_mul_quant`
-  then launch `quant.per_tensor_quant_from_row_maxima`: two launches, not three).
+  then launch `quant.per_tensor_quant_from_row_maxima`: two launches in all, not three; past
+  1,024 rows three, not four).
 
 Rows of at most ``MAX_COLS`` columns are held in registers whole; the entry points return None
 for longer ones (the caller then runs the layers unfused). Every value quantizes as
@@ -30,7 +31,7 @@ from pagellm_fp8.kernels.checks import (
     require_dtype,
     require_fp8_format,
 )
-from pagellm_fp8.kernels.quant import ROW_MAXIMA_MAX_M, per_tensor_quant_from_row_maxima
+from pagellm_fp8.kernels.quant import per_tensor_quant_from_row_maxima
 from pagellm_fp8.kernels.rounding import MIN_SCALE, _quantize, _scale_of, format_constants
 
 MAX_COLS = 16384
@@ -212,13 +213,11 @@ def _num_warps(block: int) -> int:
     return max(1, min(16, block // 256))
 
 
-def fusable(mode: str, rows: int, cols: int) -> bool:
-    """Whether the kernels fuse ``mode``'s quantization of ``rows`` x ``cols`` outputs."""
+def fusable(mode: str, cols: int) -> bool:
+    """Whether the kernels fuse ``mode``'s quantization of rows of ``cols`` outputs."""
     if cols < 1 or cols > MAX_COLS:
         return False
-    if mode == "group" and cols % GROUP_SIZE:
-        return False
-    return not (mode == "tensor" and rows > ROW_MAXIMA_MAX_M)
+    return not (mode == "group" and cols % GROUP_SIZE)
 
 
 def _rows(name: str, t: torch.Tensor) -> torch.Tensor:
@@ -356,7 +355,7 @@ def rms_norm_quant(
     [1] (``tensor``, ``static``: ``static_scale`` itself). None when `fusable` says no."""
     _check(mode, dtype, static_scale)
     rows, cols = _check_norm_inputs(x, weight, residual)
-    if not fusable(mode, rows, cols):
+    if not fusable(mode, cols):
         return None
     outputs = _Outputs(mode, rows, cols, x, dtype, static_scale)
     _launch_rms_norm(x, weight, eps, residual, outputs)
@@ -410,7 +409,7 @@ def silu_and_mul_quant(
     ``mode`` says (scales as in `rms_norm_quant`). None when `fusable` says no."""
     _check(mode, dtype, static_scale)
     rows, d = _check_silu_inputs(x)
-    if not fusable(mode, rows, d):
+    if not fusable(mode, d):
         return None
     outputs = _Outputs(mode, rows, d, x, dtype, static_scale)
     _launch_silu_and_mul(x, d, outputs)

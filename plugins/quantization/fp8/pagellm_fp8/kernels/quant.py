@@ -230,23 +230,26 @@ def per_tensor_quant_from_row_maxima(
     x: torch.Tensor, row_max: torch.Tensor, dtype: torch.dtype = FP8_DTYPE
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`per_tensor_quant_fp8` of ``x`` [M, K] whose rows' max |x| are known already (``row_max``
-    [M] float32, M at most ``ROW_MAXIMA_MAX_M``; written by a kernel that produced ``x``, such
-    as `pagellm_fp8.kernels.fused_input`'s): one launch, the same bits."""
+    [M] float32, written by a kernel that produced ``x``, such as
+    `pagellm_fp8.kernels.fused_input`'s): one launch for up to ``ROW_MAXIMA_MAX_M`` rows (each
+    program reduces the maxima), else two (their maximum first); the same bits."""
     require_dtype("x", x, ACTIVATION_DTYPES)
     require_dtype("row_max", row_max, (torch.float32,))
     require_fp8_format(dtype)
     x2 = rows_of("x", x)
     M = x2.shape[0]
-    if M > ROW_MAXIMA_MAX_M or tuple(row_max.shape) != (M,):
+    if tuple(row_max.shape) != (M,):
         raise Fp8KernelInputError(
-            f"row_max has shape {tuple(row_max.shape)}; expected [{M}] for the {M} rows of x "
-            f"(at most {ROW_MAXIMA_MAX_M})"
+            f"row_max has shape {tuple(row_max.shape)}; expected [{M}] for the {M} rows of x"
         )
     q = torch.empty(x2.shape, dtype=dtype, device=x.device)
     out_scale = torch.empty(1, dtype=torch.float32, device=x.device)
     if M == 0:
         out_scale.fill_(MIN_SCALE)
         return q.view(x.shape), out_scale
+    if M > ROW_MAXIMA_MAX_M:
+        amax = row_max.amax().reshape(1)
+        return _quantize_per_tensor(x2, q, out_scale, amax, dtype, 0, x.shape)
     return _quantize_per_tensor(x2, q, out_scale, row_max, dtype, ROW_MAXIMA_MAX_M, x.shape)
 
 
