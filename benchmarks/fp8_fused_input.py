@@ -2,7 +2,7 @@
 
 For one Llama-3.1-8B decoder layer's three producers (the residual-add RMSNorm before qkv and
 before gate_up, 4,096 wide, and SiLU-and-multiply before down, 14,336 wide) at M = 1, 16, 64,
-200, 256, 1,024 tokens and each activation scale (``token``: per token, ``tensor``: dynamic per
+200, 256, 1,024, 8,192 tokens and each activation scale (``token``: per token, ``tensor``: dynamic per
 tensor, ``group``: per token and 128 columns):
 
 - ``unfused_us``: the CUDA platform's kernel (`pagellm_cuda.ops`), then pagellm-fp8's
@@ -13,9 +13,10 @@ tensor, ``group``: per token and 128 columns):
 Each pipeline runs 20 times inside one CUDA graph (how a decode step runs them: launch gaps
 included, host overhead not), replayed by ``triton.testing.do_bench`` (median, L2 flushed between
 replays); the figures are per run. ``step_saving_us`` sums, per M and mode, (unfused - fused)
-over the three producers times 32 layers: the saving of one W1 decode step.
+over the three producers times 32 layers: the saving of one step of M tokens (W1 decodes 200
+rows a step; its prefill steps are 8,192 tokens).
 
-    python benchmarks/fp8_fused_input.py [--ms 1 16 64 200 256 1024] [--output-json out.json]
+    python benchmarks/fp8_fused_input.py [--ms 1 16 64 200 256 1024 8192] [--output-json out.json]
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ except ImportError:  # the plugins not pip-installed: import them from the sourc
     from pagellm_fp8.kernels import fused_input, quant
 
 HIDDEN, INTERMEDIATE, LAYERS = 4096, 14336, 32
-MS = [1, 16, 64, 200, 256, 1024]
+MS = [1, 16, 64, 200, 256, 1024, 8192]
 MODES = ["token", "tensor", "group"]
 FP8 = torch.float8_e4m3fn
 REPEATS = 20
