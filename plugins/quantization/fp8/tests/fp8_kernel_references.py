@@ -4,9 +4,14 @@ test_fp8_kernels_gpu.py (compiled, CUDA)."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
+import pytest
 import torch
 
 PLUGIN_DIR = Path(__file__).resolve().parents[1]
@@ -20,6 +25,23 @@ def forget_kernels() -> None:
     reads TRITON_INTERPRET when a kernel is decorated)."""
     for name in [m for m in sys.modules if m.startswith("pagellm_fp8.kernels")]:
         del sys.modules[name]
+
+
+@contextlib.contextmanager
+def fresh_kernel_module(name: str, interpret: bool) -> Iterator[ModuleType]:
+    """``pagellm_fp8.kernels.<name>`` imported afresh from the source tree, interpreted by
+    Triton (``interpret``, with the GPU's bfloat16 rounding) or compiled; forgotten after."""
+    with contextlib.ExitStack() as stack:
+        mp = stack.enter_context(pytest.MonkeyPatch.context())
+        if interpret:
+            from pagellm.testing.triton_interpreter import gpu_bfloat16_rounding
+
+            mp.setenv("TRITON_INTERPRET", "1")
+            stack.enter_context(gpu_bfloat16_rounding())
+        mp.syspath_prepend(str(PLUGIN_DIR))
+        forget_kernels()
+        stack.callback(forget_kernels)
+        yield importlib.import_module(f"pagellm_fp8.kernels.{name}")
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -17,8 +17,7 @@ import pytest
 import torch
 from fp8_kernel_references import (
     FP8,
-    PLUGIN_DIR,
-    forget_kernels,
+    fresh_kernel_module,
     reference_per_group_quant,
     reference_per_tensor_quant,
     reference_per_token_quant,
@@ -46,15 +45,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 @pytest.fixture(scope="module")
 def fused() -> Iterator[ModuleType]:
     """The kernel module, compiled (imported afresh: the CPU tests' copy was interpreted)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.syspath_prepend(str(PLUGIN_DIR))
-        forget_kernels()
-        try:
-            from pagellm_fp8.kernels import fused_input
-
-            yield fused_input
-        finally:
-            forget_kernels()
+    with fresh_kernel_module("fused_input", interpret=False) as module:
+        yield module
 
 
 def _rows(m: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:

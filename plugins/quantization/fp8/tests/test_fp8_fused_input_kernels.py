@@ -17,8 +17,7 @@ import pytest
 import torch
 from fp8_kernel_references import (
     FP8,
-    PLUGIN_DIR,
-    forget_kernels,
+    fresh_kernel_module,
     reference_per_group_quant,
     reference_per_tensor_quant,
     reference_per_token_quant,
@@ -27,7 +26,6 @@ from fp8_kernel_references import (
 
 from pagellm.layers.activation import silu_and_mul_torch
 from pagellm.layers.layernorm import rms_norm_torch
-from pagellm.testing.triton_interpreter import gpu_bfloat16_rounding
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # Relative error of 2 ulps at the bottom of a binade, what the platform's kernels are allowed
@@ -42,16 +40,8 @@ STATIC_SCALE = torch.tensor([0.02])
 def fused() -> Iterator[ModuleType]:
     """The kernel module imported afresh under the interpreter, which rounds to bfloat16 as
     the GPU does (it truncates otherwise)."""
-    with pytest.MonkeyPatch.context() as mp, gpu_bfloat16_rounding():
-        mp.setenv("TRITON_INTERPRET", "1")
-        mp.syspath_prepend(str(PLUGIN_DIR))
-        forget_kernels()
-        try:
-            from pagellm_fp8.kernels import fused_input
-
-            yield fused_input
-        finally:
-            forget_kernels()
+    with fresh_kernel_module("fused_input", interpret=True) as module:
+        yield module
 
 
 def _rows(rows: int, cols: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
