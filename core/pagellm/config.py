@@ -102,6 +102,9 @@ class ModelConfig(_Config):
     """False for an encoder's bidirectional attention (every token sees the whole prompt)."""
     pooler: PoolerConfig | None = None
     """Set for the pooling runner."""
+    default_sampling: dict[str, Any] = Field(default_factory=dict)
+    """The sampling defaults of requests that leave them unset (`SamplingParams` field names),
+    from the model's generation config (``--generation-config``; `engine.generation_defaults`)."""
 
     @property
     def tasks(self) -> frozenset[str]:

@@ -8,7 +8,8 @@ allowlists and the scheduling policies:
 
 - ``main``: ``VLLM_PLUGINS=openai,admin,dummy_endpoint,embed_endpoint`` and an API key: most tests;
 - ``openai_only``: ``VLLM_PLUGINS=openai``; its engine process is killed at the end;
-- ``default``: VLLM_PLUGINS unset, ``--endpoints openai``; stopped with SIGTERM at the end;
+- ``default``: VLLM_PLUGINS unset, ``--endpoints openai``, sampling defaults set by
+  ``--override-generation-config``; stopped with SIGTERM at the end;
 - ``one_at_a_time``: ``--scheduling-policy priority --max-num-seqs 1 --enable-log-requests``.
 """
 
@@ -46,6 +47,8 @@ CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 HELLO = [{"role": "user", "content": "hi"}]
 LONG_TEXT = "word " * (MAX_MODEL_LEN + 10)
+# The ``default`` server's generation config defaults (``--override-generation-config``).
+GENERATION_DEFAULTS = {"temperature": 0.5, "top_k": 5, "max_new_tokens": 3}
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +67,16 @@ def servers(
             (),
         ),
         "openai_only": ({"VLLM_PLUGINS": "openai"}, ()),
-        "default": ({}, ("--endpoints", "openai")),
+        "default": (
+            {},
+            (
+                "--endpoints",
+                "openai",
+                "--enable-log-requests",
+                "--override-generation-config",
+                json.dumps(GENERATION_DEFAULTS),
+            ),
+        ),
         "one_at_a_time": (
             {"VLLM_PLUGINS": "openai"},
             ("--scheduling-policy", "priority", "--max-num-seqs", "1", "--enable-log-requests"),
@@ -620,6 +632,30 @@ def test_without_vllm_plugins_only_the_endpoints_option_is_served(servers: dict[
     assert server.get("/v1/admin/state").status_code == 404
     assert server.get("/v1/dummy/ping").status_code == 404
     assert "Endpoint plugin 'admin' skipped: endpoint plugins are off unless named" in server.log()
+
+
+def _last_engine_params(server: Server) -> str:
+    """The sampling parameters of the request the server sent to its engine last
+    (``--enable-log-requests``)."""
+    return [line for line in server.log().splitlines() if "Added request" in line][-1]
+
+
+def test_generation_config_defaults_fill_only_what_a_request_leaves_unset(
+    servers: dict[str, Server],
+):
+    server = servers["default"]
+    unset = server.post(COMPLETIONS, json={"prompt": "Hi", "ignore_eos": True})
+    assert unset.status_code == 200, unset.text
+    assert unset.json()["usage"]["completion_tokens"] == 3  # max_new_tokens caps the 16
+    logged = _last_engine_params(server)
+    assert "temperature=0.5, top_p=1.0, top_k=5," in logged and "max_tokens=3," in logged
+    chat = server.post(CHAT, json={"messages": HELLO, "ignore_eos": True})
+    assert chat.json()["usage"]["completion_tokens"] == 3  # the context's room, capped too
+    body = {"prompt": "Hi", "ignore_eos": True, "temperature": 1.0, "top_k": 0, "max_tokens": 6}
+    explicit = server.post(COMPLETIONS, json=body)
+    assert explicit.json()["usage"]["completion_tokens"] == 6  # what the request asks, uncapped
+    logged = _last_engine_params(server)
+    assert "temperature=1.0, top_p=1.0, top_k=0," in logged and "max_tokens=6," in logged
 
 
 def test_plugins_of_api_1_0_get_the_engine_client_and_later_ones_the_server_context():

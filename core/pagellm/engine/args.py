@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import types
 import typing
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from pagellm.config import (
     resolve_kv_cache_dtype,
 )
 from pagellm.engine import compilation
+from pagellm.engine.generation_defaults import resolve_default_sampling
 from pagellm.engine.model_limits import resolve_dtype, resolve_max_model_len
 from pagellm.engine.runners import pooler_config, resolve_runner
 from pagellm.io_processors.selection import resolve_io_processor_name
@@ -50,6 +52,19 @@ _DEFAULT_MAX_NUM_SEQS = 256
 _DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 
 PositiveInt = Annotated[int, Field(ge=1)]
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    """A CLI value that is a JSON object."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"not a JSON object: {text!r}")
+    return value
+
+
 DTypeArg = Literal[
     "auto", "float32", "float16", "bfloat16", "float", "half", "fp32", "fp16", "bf16"
 ]
@@ -140,6 +155,13 @@ class EngineArgs:
     """Most pixels (width × height) of one image, checked before it is decoded."""
     skip_tokenizer_init: bool = False
     """No tokenizer: prompts must be token ids and outputs carry no text."""
+    generation_config: str = "auto"
+    """Where requests' default sampling values come from (as in vLLM): auto, the model's
+    generation_config.json (its temperature, top_p, top_k, min_p, repetition_penalty and
+    max_new_tokens); vllm, none (the API's own defaults); or a directory holding a
+    generation_config.json."""
+    override_generation_config: dict[str, Any] | None = None
+    """Sampling defaults set over the generation config's, as JSON: '{"temperature": 0.5}'."""
     multiprocess_engine: bool = False
     """LLM: run the engine core in a background process (the API server always does)."""
     kv_cache_metrics: bool = False
@@ -166,6 +188,8 @@ class EngineArgs:
                 options["choices"] = typing.get_args(hint)
             elif typing.get_origin(hint) is list:  # --flag A B C
                 options.update(nargs="+", type=typing.get_args(hint)[0])
+            elif typing.get_origin(hint) is dict:  # --flag '{"key": value}'
+                options["type"] = _json_object
             else:
                 options["type"] = hint
             parser.add_argument("--" + f.name.replace("_", "-"), **options)
@@ -223,6 +247,10 @@ class EngineArgs:
             pooler=pooler_config(runner, source, model_cls),
         )
         model_cfg.max_model_len = resolve_max_model_len(self.max_model_len, model_cfg)
+        if runner == "generate":
+            model_cfg.default_sampling = resolve_default_sampling(
+                self.generation_config, self.override_generation_config, source.hf_directory()
+            )
 
         pooling = runner == "pooling"
         chunked = self.enable_chunked_prefill and not pooling  # pooling: each prompt whole

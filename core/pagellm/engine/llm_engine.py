@@ -13,6 +13,7 @@ from pagellm.config import EngineConfig
 from pagellm.engine.args import EngineArgs
 from pagellm.engine.core import EngineCore
 from pagellm.engine.core_client import EngineCoreClient, SyncMPClient
+from pagellm.engine.generation_defaults import default_sampling_params
 from pagellm.engine.processor import ProcessedPrompt, PromptType
 from pagellm.engine.request_frontend import RequestFrontend
 from pagellm.outputs import AnyRequestOutput
@@ -57,9 +58,11 @@ class LLMEngine(RequestFrontend):
     ) -> None:
         """Queue a request. A prompt that ``processor.process`` returned is not tokenized again
         and runs with its own parameters; any other runs with ``params`` (default
-        `SamplingParams()`)."""
+        `SamplingParams()` with the model's generation config defaults)."""
         if not isinstance(prompt, ProcessedPrompt):
-            prompt = self.processor.process(prompt, SamplingParams() if params is None else params)
+            if params is None:
+                params = default_sampling_params(self.config.model.default_sampling)
+            prompt = self.processor.process(prompt, params)
         self._add_request(request_id, prompt, priority)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[AnyRequestOutput]:

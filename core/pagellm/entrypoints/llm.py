@@ -12,6 +12,7 @@ import msgspec
 from tqdm.auto import tqdm
 
 from pagellm.engine.args import EngineArgs
+from pagellm.engine.generation_defaults import default_sampling_params
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.engine.processor import ProcessedPrompt, PromptType
 from pagellm.outputs import AnyRequestOutput, EmbeddingRequestOutput, RequestOutput
@@ -83,6 +84,11 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` use without sampling parameters: `SamplingParams()` with
+        the model's generation config defaults (``generation_config``, as in vLLM)."""
+        return default_sampling_params(self.llm_engine.config.model.default_sampling)
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -98,7 +104,7 @@ class LLM:
         """
         prompt_list = self._as_prompt_list(prompts)
         count = len(prompt_list)
-        default = SamplingParams() if sampling_params is None else sampling_params
+        default = self.get_default_sampling_params() if sampling_params is None else sampling_params
         params_list = _one_each("sampling_params", default, count)
         priorities = _one_each("priority", 0 if priority is None else priority, count)
         engine = self.llm_engine

@@ -148,7 +148,11 @@ async def create_completion(
     ctx: ServingContext, request: CompletionRequest, raw: Request
 ) -> Response:
     model = ctx.model_name(request.model)
-    reserved = request.max_tokens or DEFAULT_MAX_TOKENS  # what truncation leaves room for
+    # What truncation leaves room for: the request's max_tokens, else its default (capped by
+    # the model's generation config, as output_budget caps it).
+    reserved = request.max_tokens or min(
+        DEFAULT_MAX_TOKENS, ctx.default_sampling.get("max_tokens", DEFAULT_MAX_TOKENS)
+    )
     prompts = [ctx.truncate(p, request, reserved) for p in _prompts(ctx, request)]
     params = [
         ctx.sampling_params(

@@ -63,6 +63,9 @@ class ServingContext:
     """``usage.prompt_tokens_details`` in responses (``--enable-prompt-tokens-details``)."""
     return_tokens_as_token_ids: bool = False
     """The default of the requests' ``return_tokens_as_token_ids``."""
+    default_sampling: dict[str, Any] = field(default_factory=dict)
+    """The model's sampling defaults for requests that leave them unset (``--generation-config``:
+    temperature, top_p, top_k, min_p, repetition_penalty, max_tokens)."""
 
     @classmethod
     def from_server(cls, server: ServerContext) -> ServingContext:
@@ -81,6 +84,7 @@ class ServingContext:
             ),
             enable_prompt_tokens_details=server.args.enable_prompt_tokens_details,
             return_tokens_as_token_ids=server.args.return_tokens_as_token_ids,
+            default_sampling=dict(config.model.default_sampling),
         )
 
     def generate(
@@ -239,7 +243,8 @@ class ServingContext:
         prompt_param: str,
     ) -> int:
         """How many tokens to generate after ``prompt``: ``requested``, else ``default`` (None:
-        as many as the context leaves), within max_model_len."""
+        as many as the context leaves), capped by the model's generation config
+        (``max_new_tokens``) as vLLM caps it, within max_model_len."""
         room = self.max_model_len - len(prompt.token_ids)
         if room < 1:
             raise bad_request(
@@ -249,7 +254,8 @@ class ServingContext:
                 code="context_length_exceeded",
             )
         if requested is None:
-            return room if default is None else min(default, room)
+            limits = (room, default, self.default_sampling.get("max_tokens"))
+            return min(limit for limit in limits if limit is not None)
         if requested > room:
             raise bad_request(
                 f"{param}={requested} is too large: the prompt is {len(prompt.token_ids)} tokens "
@@ -304,14 +310,16 @@ class ServingContext:
         try:
             return SamplingParams(
                 n=request.n,
-                temperature=1.0 if request.temperature is None else request.temperature,
-                top_p=1.0 if request.top_p is None else request.top_p,
-                top_k=request.top_k or 0,
-                min_p=request.min_p or 0.0,
+                temperature=self._or_default(request.temperature, "temperature", 1.0),
+                top_p=self._or_default(request.top_p, "top_p", 1.0),
+                top_k=self._or_default(request.top_k, "top_k", 0),
+                min_p=self._or_default(request.min_p, "min_p", 0.0),
                 seed=request.seed,
                 presence_penalty=request.presence_penalty or 0.0,
                 frequency_penalty=request.frequency_penalty or 0.0,
-                repetition_penalty=request.repetition_penalty or 1.0,
+                repetition_penalty=self._or_default(
+                    request.repetition_penalty, "repetition_penalty", 1.0
+                ),
                 logit_bias=self._logit_bias(request.logit_bias),
                 allowed_token_ids=request.allowed_token_ids,
                 bad_words=request.bad_words or None,
@@ -333,6 +341,13 @@ class ServingContext:
             raise bad_request(str(exc), param=exc.param) from exc
         except ValueError as exc:
             raise bad_request(str(exc)) from exc
+
+    def _or_default(self, value: Any, name: str, api_default: Any) -> Any:
+        """A request's sampling value; unset, the model's generation config default, else the
+        API's."""
+        if value is not None:
+            return value
+        return self.default_sampling.get(name, api_default)
 
     def _logit_bias(self, bias: dict[str, float] | None) -> dict[int, float] | None:
         if not bias:
