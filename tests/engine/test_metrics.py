@@ -285,6 +285,10 @@ def test_build_stat_loggers_adds_plugin_loggers_built_with_the_model_name(
         "LoggingStatLogger",
         "PrometheusStatLogger",
     ]
+    # --disable-log-stats: no periodic line; /metrics keeps its engine metrics.
+    assert [type(s).__name__ for s in build_stat_loggers("tiny", None, log_stats=False)] == [
+        "PrometheusStatLogger",
+    ]
 
 
 def test_build_stat_loggers_rejects_unknown_builtin_and_foreign_names(dummy_frontend_importable):

@@ -7,7 +7,8 @@ installed already, and uninstalled afterwards. Four servers, started together, c
 allowlists and the scheduling policies:
 
 - ``main``: ``VLLM_PLUGINS=openai,admin,dummy_endpoint,embed_endpoint`` and an API key: most tests;
-- ``openai_only``: ``VLLM_PLUGINS=openai``; its engine process is killed at the end;
+- ``openai_only``: ``VLLM_PLUGINS=openai``, ``--disable-log-stats``; its engine process is killed
+  at the end;
 - ``default``: VLLM_PLUGINS unset, ``--endpoints openai``, sampling defaults set by
   ``--override-generation-config``; stopped with SIGTERM at the end;
 - ``one_at_a_time``: ``--scheduling-policy priority --max-num-seqs 1 --enable-log-requests``.
@@ -66,7 +67,7 @@ def servers(
             },
             (),
         ),
-        "openai_only": ({"VLLM_PLUGINS": "openai"}, ()),
+        "openai_only": ({"VLLM_PLUGINS": "openai"}, ("--disable-log-stats",)),
         "default": (
             {},
             (
@@ -624,6 +625,20 @@ def test_vllm_plugins_openai_serves_no_admin_routes(servers: dict[str, Server]):
     assert server.get("/v1/admin/state").status_code == 404
     assert server.post("/v1/admin/reset_prefix_cache").status_code == 404
     assert server.get("/v1/dummy/ping").status_code == 404
+
+
+def test_disable_log_stats_drops_the_periodic_line_not_the_metrics(
+    servers: dict[str, Server], main: Server
+):
+    quiet = servers["openai_only"]
+    for server in (main, quiet):
+        body = {"prompt": "Hi", "max_tokens": 4}
+        assert server.post(COMPLETIONS, json=body).status_code == 200
+    time.sleep(6)  # past the 5 s interval of the periodic line
+    assert "Prompt throughput:" in main.log()
+    assert "Prompt throughput:" not in quiet.log()
+    metrics = quiet.get("/metrics").text
+    assert re.search(r"^pagellm:generation_tokens_total\{[^}]*\} [1-9]", metrics, re.M)
 
 
 def test_without_vllm_plugins_only_the_endpoints_option_is_served(servers: dict[str, Server]):

@@ -168,7 +168,9 @@ async def _serve(args: ServerArgs, engine_args: EngineArgs) -> None:
     from pagellm.entrypoints.http_server import make_server, shutdown_margin, shutdown_timeout
     from pagellm.metrics.loggers import build_stat_loggers
 
-    stat_loggers = build_stat_loggers(args.served_model_names[0], list(args.stat_loggers))
+    stat_loggers = build_stat_loggers(
+        args.served_model_names[0], list(args.stat_loggers), not args.disable_log_stats
+    )
     engine = AsyncLLM.from_engine_args(
         engine_args,
         stat_loggers,

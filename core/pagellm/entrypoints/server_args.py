@@ -62,8 +62,14 @@ class ServerArgs:
     stat_loggers: Sequence[str] = _option(
         (),
         "Comma-separated stat loggers of pagellm.stat_logger_plugins to add to the built-in ones "
-        "(the periodic log line and Prometheus /metrics, always on).",
+        "(the periodic log line, unless --disable-log-stats, and Prometheus /metrics).",
         type=_names,
+    )
+    disable_log_stats: bool = _option(
+        False,
+        "No periodic stats line in the log (throughput, running and waiting requests, KV cache "
+        "use); /metrics still has them.",
+        action="store_true",
     )
     shutdown_timeout: float = _option(
         5.0,

@@ -78,13 +78,18 @@ BUILTIN_STAT_LOGGERS: dict[str, type[StatLoggerBase]] = {
 }
 
 
-def build_stat_loggers(model_name: str, names: list[str] | None = None) -> list[StatLoggerBase]:
-    """The built-in loggers (always on: logging, then Prometheus) followed by the plugin stat
-    loggers in ``names``, each built as ``cls(model_name=model_name)``."""
+def build_stat_loggers(
+    model_name: str, names: list[str] | None = None, log_stats: bool = True
+) -> list[StatLoggerBase]:
+    """The built-in loggers (logging, unless ``log_stats`` is False, then Prometheus, always on)
+    followed by the plugin stat loggers in ``names``, each built as
+    ``cls(model_name=model_name)``."""
     from pagellm.metrics.registry import stat_loggers
 
     loggers: list[StatLoggerBase] = [
-        cls(model_name=model_name) for cls in BUILTIN_STAT_LOGGERS.values()
+        cls(model_name=model_name)
+        for name, cls in BUILTIN_STAT_LOGGERS.items()
+        if log_stats or name != "logging"
     ]
     for name in names or ():
         if name in BUILTIN_STAT_LOGGERS:
