@@ -205,3 +205,29 @@ def test_bad_inputs_are_refused_with_the_reason(fused: ModuleType):
         fused.silu_and_mul_quant(x.t(), "token", FP8)
     with pytest.raises(error, match="not a float8 format"):
         fused.silu_and_mul_quant(x, "token", torch.bfloat16)
+
+
+@pytest.mark.parametrize("mode", ["token", "static", "tensor"])
+def test_the_triton_input_quantizer_hands_layers_the_kernels_results(fused: ModuleType, mode: str):
+    """`TritonInputQuantizer` (the CUDA path of the contract) on the interpreted kernels: the
+    norm's and the activation's quantized outputs and the residual sum, and None (unfused) for
+    inputs that are not rows with unit column stride."""
+    from pagellm_fp8.input_quant import TritonInputQuantizer
+
+    static = STATIC_SCALE if mode == "static" else None
+    quantizer = TritonInputQuantizer(fused, mode, FP8, static)
+    x, residual, weight = _norm_inputs(3, 256, torch.bfloat16)
+    expected = fused.rms_norm_quant(x, weight, EPS, mode, FP8, residual.clone(), static)
+    res = residual.clone()
+    quantized, new_residual = quantizer.fused_add_rms_norm(x, res, weight, EPS)
+    assert new_residual is res and torch.equal(res, x + residual)
+    assert same_bits(quantized.data, expected[0]) and torch.equal(quantized.scale, expected[1])
+    assert quantized.dtype == torch.bfloat16
+    first = quantizer.rms_norm(x, weight, EPS)
+    assert same_bits(first.data, fused.rms_norm_quant(x, weight, EPS, mode, FP8, None, static)[0])
+    gate_up = _rows(3, 512, torch.bfloat16, 7)
+    activation = quantizer.silu_and_mul(gate_up)
+    assert same_bits(activation.data, fused.silu_and_mul_quant(gate_up, mode, FP8, static)[0])
+    assert quantizer.silu_and_mul(gate_up.t()) is None
+    assert quantizer.rms_norm(x.view(3, 2, 128), weight[:128], EPS) is None
+    assert quantizer.fused_add_rms_norm(x, residual.t().contiguous().t(), weight, EPS) is None
