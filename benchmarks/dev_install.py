@@ -12,7 +12,7 @@ site-packages, whose ``.pth`` files Python reads at start-up):
 - one line in ``pagellm-dev.pth``: the directory its modules live in (``[tool.setuptools.
   packages.find] where``, else the package directory);
 
-and a launcher in ``--bin`` (by default beside the interpreter) for each ``[project.scripts]``.
+and a launcher in ``--bin`` (by default where pip puts scripts) for each ``[project.scripts]``.
 Only static ``[project]`` fields are read (the project's packages have no dynamic ones; a
 package with any is refused, so pip is used for it instead). Uses the standard library only.
 
@@ -94,7 +94,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("packages", nargs="+", type=Path, help="directories with a pyproject.toml")
     parser.add_argument("--site", type=Path, default=Path(sysconfig.get_paths()["purelib"]))
-    parser.add_argument("--bin", type=Path, default=Path(sys.executable).parent)
+    parser.add_argument("--bin", type=Path, default=Path(sysconfig.get_paths()["scripts"]))
     args = parser.parse_args()
     args.site.mkdir(parents=True, exist_ok=True)
     args.bin.mkdir(parents=True, exist_ok=True)
