@@ -4,11 +4,12 @@ leave them unset.
 
 Six keys are read, those vLLM reads: ``temperature``, ``top_p``, ``top_k``, ``min_p``,
 ``repetition_penalty`` and ``max_new_tokens`` (which becomes ``max_tokens``). The OpenAI
-endpoints use them for a request's unset fields (``max_tokens`` also caps what a request asks
-for), and `LLM.generate` / `LLM.chat` for calls without sampling parameters; an explicit
-`SamplingParams` is taken as it is. ``--generation-config vllm`` ignores the file (every default
-is the API's own), a directory reads its ``generation_config.json`` instead of the model's, and
-``--override-generation-config`` sets any of the six over both.
+endpoints use them for a request's unset fields (``max_tokens`` caps the default output
+length, never a request's own), and `LLM.generate` / `LLM.chat` for calls without sampling
+parameters; an explicit `SamplingParams` is taken as it is. ``--generation-config vllm``
+ignores the file (every default is the API's own), a directory reads its
+``generation_config.json`` instead of the model's, and ``--override-generation-config`` sets
+any of the six over both.
 """
 
 from __future__ import annotations
@@ -84,8 +85,3 @@ def resolve_default_sampling(
             values,
         )
     return values
-
-
-def default_sampling_params(defaults: dict[str, Any]) -> SamplingParams:
-    """`SamplingParams` with the model's defaults: what `LLM` uses when given none."""
-    return SamplingParams(**defaults)

@@ -13,7 +13,6 @@ from pagellm.config import EngineConfig
 from pagellm.engine.args import EngineArgs
 from pagellm.engine.core import EngineCore
 from pagellm.engine.core_client import EngineCoreClient, SyncMPClient
-from pagellm.engine.generation_defaults import default_sampling_params
 from pagellm.engine.processor import ProcessedPrompt, PromptType
 from pagellm.engine.request_frontend import RequestFrontend
 from pagellm.outputs import AnyRequestOutput
@@ -61,7 +60,7 @@ class LLMEngine(RequestFrontend):
         `SamplingParams()` with the model's generation config defaults)."""
         if not isinstance(prompt, ProcessedPrompt):
             if params is None:
-                params = default_sampling_params(self.config.model.default_sampling)
+                params = SamplingParams(**self.config.model.default_sampling)
             prompt = self.processor.process(prompt, params)
         self._add_request(request_id, prompt, priority)
 

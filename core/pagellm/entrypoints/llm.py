@@ -12,7 +12,6 @@ import msgspec
 from tqdm.auto import tqdm
 
 from pagellm.engine.args import EngineArgs
-from pagellm.engine.generation_defaults import default_sampling_params
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.engine.processor import ProcessedPrompt, PromptType
 from pagellm.outputs import AnyRequestOutput, EmbeddingRequestOutput, RequestOutput
@@ -87,7 +86,7 @@ class LLM:
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` and `chat` use without sampling parameters: `SamplingParams()` with
         the model's generation config defaults (``generation_config``, as in vLLM)."""
-        return default_sampling_params(self.llm_engine.config.model.default_sampling)
+        return SamplingParams(**self.llm_engine.config.model.default_sampling)
 
     def generate(
         self,
