@@ -70,6 +70,20 @@ def reference_per_group_quant(x: torch.Tensor, group: int) -> tuple[torch.Tensor
     return quantize(groups, scale[..., None]).flatten(-2), scale
 
 
+def reference_mode_quant(
+    y: torch.Tensor, mode: str, static_scale: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``y`` quantized as `pagellm_fp8.kernels.fused_input`'s ``mode`` does (``static``: with
+    ``static_scale``)."""
+    if mode == "token":
+        return reference_per_token_quant(y)
+    if mode == "group":
+        return reference_per_group_quant(y, 128)
+    if mode == "tensor":
+        return reference_per_tensor_quant(y)
+    return quantize(y, static_scale), static_scale
+
+
 def reference_block_quant_weight(
     w: torch.Tensor, block: int = 128
 ) -> tuple[torch.Tensor, torch.Tensor]:

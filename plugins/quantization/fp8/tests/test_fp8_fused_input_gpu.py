@@ -18,9 +18,7 @@ import torch
 from fp8_kernel_references import (
     FP8,
     fresh_kernel_module,
-    reference_per_group_quant,
-    reference_per_tensor_quant,
-    reference_per_token_quant,
+    reference_mode_quant,
     same_bits,
 )
 
@@ -60,17 +58,6 @@ def _static() -> torch.Tensor:
     return torch.tensor([0.02], device="cuda")
 
 
-def _reference(y: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
-    if mode == "token":
-        return reference_per_token_quant(y)
-    if mode == "group":
-        return reference_per_group_quant(y, 128)
-    if mode == "tensor":
-        return reference_per_tensor_quant(y)
-    scale = _static()
-    return (y.float() / scale).clamp(-448.0, 448.0).to(FP8), scale
-
-
 def _within_two_ulps(out: torch.Tensor, ref: torch.Tensor) -> None:
     rtol = 2.0**-6 if out.dtype == torch.bfloat16 else 2.0**-9
     err = (out.float() - ref.float()).abs()
@@ -95,7 +82,7 @@ def test_fused_norm_quantizes_its_output_bit_for_bit(
 
     assert result is not None
     q, scale = result
-    ref_q, ref_scale = _reference(normed, mode)
+    ref_q, ref_scale = reference_mode_quant(normed, mode, _static())
     assert torch.equal(scale, ref_scale) and same_bits(q, ref_q)
     assert torch.equal(res, normed_residual)
 
@@ -111,7 +98,7 @@ def test_fused_silu_and_mul_quantizes_its_output_bit_for_bit(
     result = fused.silu_and_mul_quant(x, mode, FP8, _static() if mode == "static" else None)
     assert result is not None
     q, scale = result
-    ref_q, ref_scale = _reference(product, mode)
+    ref_q, ref_scale = reference_mode_quant(product, mode, _static())
     assert torch.equal(scale, ref_scale) and same_bits(q, ref_q)
 
 

@@ -18,7 +18,7 @@ import torch
 from fp8_kernel_references import (
     FP8,
     fresh_kernel_module,
-    reference_per_group_quant,
+    reference_mode_quant,
     reference_per_tensor_quant,
     reference_per_token_quant,
     same_bits,
@@ -56,16 +56,6 @@ def _norm_inputs(rows: int, hidden: int, dtype: torch.dtype):
     x, residual = _rows(rows, hidden, dtype, 1), _rows(rows, hidden, dtype, 2)
     weight = (1.0 + 0.5 * torch.randn(hidden, generator=torch.Generator().manual_seed(3))).to(dtype)
     return x, residual, weight
-
-
-def _reference_quant(y: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
-    if mode == "token":
-        return reference_per_token_quant(y)
-    if mode == "group":
-        return reference_per_group_quant(y, 128)
-    if mode == "tensor":
-        return reference_per_tensor_quant(y)
-    return (y.float() / STATIC_SCALE).clamp(-448.0, 448.0).to(FP8), STATIC_SCALE
 
 
 def _assert_within_two_ulps(out: torch.Tensor, ref: torch.Tensor) -> None:
@@ -108,7 +98,7 @@ def test_rms_norm_quant_is_the_quantized_norm_bit_for_bit(
 
     assert result is not None
     q, scale = result
-    ref_q, ref_scale = _reference_quant(normed, mode)
+    ref_q, ref_scale = reference_mode_quant(normed, mode, STATIC_SCALE)
     assert q.dtype == FP8 and q.shape == x.shape
     assert scale.shape == ref_scale.shape and torch.equal(scale, ref_scale)
     assert same_bits(q, ref_q)
@@ -154,7 +144,7 @@ def test_silu_and_mul_quant_is_the_quantized_product_bit_for_bit(
 
     assert result is not None
     q, scale = result
-    ref_q, ref_scale = _reference_quant(product, mode)
+    ref_q, ref_scale = reference_mode_quant(product, mode, STATIC_SCALE)
     assert q.shape == product.shape and torch.equal(scale, ref_scale)
     assert same_bits(q, ref_q)
 
