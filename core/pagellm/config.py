@@ -11,6 +11,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from pagellm.multimodal.inputs import MultiModalSpec
+from pagellm.sampling_params import DEFAULT_MAX_LOGPROBS
 
 DTypeName = Literal["float32", "float16", "bfloat16"]
 LoadFormat = Literal["auto", "safetensors", "gguf", "dummy"]
@@ -102,6 +103,8 @@ class ModelConfig(_Config):
     """False for an encoder's bidirectional attention (every token sees the whole prompt)."""
     pooler: PoolerConfig | None = None
     """Set for the pooling runner."""
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS
+    """Most logprobs one request may ask for (``--max-logprobs``); -1: the whole vocabulary."""
     default_sampling: dict[str, Any] = Field(default_factory=dict)
     """The sampling defaults of requests that leave them unset (`SamplingParams` field names),
     from the model's generation config (``--generation-config``; `engine.generation_defaults`)."""

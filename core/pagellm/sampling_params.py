@@ -8,7 +8,8 @@ from enum import IntEnum
 import msgspec
 
 _GREEDY_EPS = 1e-5
-MAX_LOGPROBS = 20
+DEFAULT_MAX_LOGPROBS = 20
+"""The engine's default ``max_logprobs`` (``--max-logprobs``), as in vLLM."""
 # Integers cross the engine's wire as msgpack int64: anything outside is refused when constructed.
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
@@ -96,7 +97,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             )
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
-                _integer(name, getattr(self, name), 0, MAX_LOGPROBS)
+                # -1: every token of the vocabulary. The engine checks the count against its
+                # --max-logprobs when the request is added.
+                _integer(name, getattr(self, name), -1)
         if self.seed is not None:
             # Completion i of an n > 1 request samples with seed + i: that must fit too.
             _integer("seed", self.seed, INT64_MIN, INT64_MAX - (self.n - 1))

@@ -46,6 +46,7 @@ from pagellm.multimodal.inputs import multimodal_specs
 from pagellm.platforms import current_platform, current_platform_name
 from pagellm.quantization.registry import quantization_methods
 from pagellm.quantization.selection import resolve_quantization
+from pagellm.sampling_params import DEFAULT_MAX_LOGPROBS
 from pagellm.scheduler.policy import scheduling_policies
 
 _DEFAULT_MAX_NUM_SEQS = 256
@@ -155,6 +156,9 @@ class EngineArgs:
     """Most pixels (width × height) of one image, checked before it is decoded."""
     skip_tokenizer_init: bool = False
     """No tokenizer: prompts must be token ids and outputs carry no text."""
+    max_logprobs: Annotated[int, Field(ge=-1)] = DEFAULT_MAX_LOGPROBS
+    """Most logprobs (and prompt_logprobs) one request may ask for, as in vLLM; -1: the whole
+    vocabulary (which a request asks for with logprobs=-1)."""
     generation_config: str = "auto"
     """Where requests' default sampling values come from (as in vLLM): auto, the model's
     generation_config.json (its temperature, top_p, top_k, min_p, repetition_penalty and
@@ -245,6 +249,7 @@ class EngineArgs:
             runner=runner,
             is_causal=model_is_causal(model_cls),
             pooler=pooler_config(runner, source, model_cls),
+            max_logprobs=self.max_logprobs,
         )
         model_cfg.max_model_len = resolve_max_model_len(self.max_model_len, model_cfg)
         if runner == "generate":

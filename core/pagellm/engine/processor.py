@@ -217,6 +217,7 @@ class InputProcessor:
             if getattr(params, name):
                 self._check_vocab(name, list(getattr(params, name)))
         params = params.clone()
+        self._resolve_logprobs(params)
         if params.top_k >= self.vocab_size:
             params.top_k = 0  # keeping every token of the vocabulary is no top-k at all
         if not params.ignore_eos and self.extra_eos_ids:
@@ -229,6 +230,25 @@ class InputProcessor:
         if params.bad_words:
             params.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
         return ProcessedPrompt(text, ids, params, cache_salt, mm_items)
+
+    def _resolve_logprobs(self, params: SamplingParams) -> None:
+        """logprobs / prompt_logprobs within ``--max-logprobs`` (``SamplingParamsError`` naming the
+        field otherwise); -1, the whole vocabulary, becomes the vocabulary's size."""
+        limit = self.config.model.max_logprobs
+        if limit == -1:
+            limit = self.vocab_size
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(params, name)
+            if asked is None:
+                continue
+            count = self.vocab_size if asked == -1 else asked
+            if count > limit:
+                raise SamplingParamsError(
+                    name,
+                    f"{name}={asked} asks for {count} logprobs a token, more than this server's "
+                    f"limit of {limit} (--max-logprobs).",
+                )
+            setattr(params, name, count)
 
     def process_pooling(self, prompt: PromptType, params: PoolingParams) -> ProcessedPrompt:
         """Tokenize (cut to ``truncate_prompt_tokens`` when asked) and validate a pooling

@@ -75,13 +75,16 @@ async def create_chat_completion(
     prompt = ctx.truncate(prompt, request, requested or 1)
     max_tokens = ctx.output_budget(prompt, requested, None, param, "messages")
     top_n = request.top_logprobs or 0
-    params = ctx.sampling_params(request, max_tokens, top_n if request.logprobs else None)
+    params = ctx.sampling_params(
+        request, max_tokens, top_n if request.logprobs else None, logprobs_param="top_logprobs"
+    )
     request_id = ctx.response_id("chatcmpl", request, raw)
     tokenizer, as_ids = ctx.engine.tokenizer, ctx.tokens_as_ids(request)
     token_ids = request.return_token_ids
 
     def choice_logprobs(completion: CompletionOutput) -> ChoiceLogprobs | None:
-        return _logprobs(tokenizer, completion, top_n, as_ids) if request.logprobs else None
+        shown = ctx.vocab_size if top_n == -1 else top_n  # -1: the whole vocabulary
+        return _logprobs(tokenizer, completion, shown, as_ids) if request.logprobs else None
 
     def stream_choice(
         index: int, delta: dict[str, str | None], c: CompletionOutput | None = None

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from pagellm.sampling_params import INT64_MAX, MAX_LOGPROBS
+from pagellm.sampling_params import INT64_MAX
 from pagellm_openai.field_policy import (
     AcceptedNoOps,
     RefusedCompletionFields,
@@ -80,7 +80,8 @@ class SamplingRequest(AcceptedNoOps, RefusedFields, _Request):
     bad_words: list[Text] | None = None
     spaces_between_special_tokens: bool = True
     prompt_logprobs: int | None = None
-    """Logprobs of each prompt token and the top ``prompt_logprobs`` (0 to MAX_LOGPROBS)."""
+    """Logprobs of each prompt token and the top ``prompt_logprobs`` (up to the server's
+    ``--max-logprobs``; -1: the whole vocabulary)."""
     return_token_ids: bool = False
     """``prompt_token_ids`` and each choice's ``token_ids`` in the response (and chunks)."""
     return_tokens_as_token_ids: bool | None = None
@@ -94,7 +95,8 @@ class SamplingRequest(AcceptedNoOps, RefusedFields, _Request):
 class CompletionRequest(RefusedCompletionFields, SamplingRequest):
     prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(None, ge=-1)
+    """Top logprobs of each token (up to the server's ``--max-logprobs``; -1: the whole vocabulary)."""
     add_special_tokens: bool = True
     """Add the tokenizer's special tokens (BOS, ...) to a text prompt (vLLM's extension)."""
 
@@ -200,7 +202,8 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateRequest):
     max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     """OpenAI's current name of ``max_tokens``; when both are given, this one counts."""
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=-1)
+    """Top logprobs of each token (up to the server's ``--max-logprobs``; -1: the whole vocabulary)."""
     echo: bool = False
     """Start each answer with the last message's content when the answer has its role."""
 

@@ -16,7 +16,6 @@ from pagellm.io_processors import IOProcessorInputError
 from pagellm.multimodal import MultiModalItem
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import (
-    MAX_LOGPROBS,
     RequestOutputKind,
     SamplingParams,
     SamplingParamsError,
@@ -56,6 +55,8 @@ class ServingContext:
     max_model_len: int
     max_num_seqs: int
     vocab_size: int
+    max_logprobs: int
+    """Most logprobs a token one request may ask for (``--max-logprobs``; -1: the vocabulary)."""
     max_sequences_per_request: int
     """Prompts × n one HTTP request may ask for (``--max-sequences-per-request``)."""
     chat_templates: ChatTemplates
@@ -78,6 +79,7 @@ class ServingContext:
             max_model_len=config.model.max_model_len,
             max_num_seqs=config.scheduler.max_num_seqs,
             vocab_size=config.model.vocab_size,
+            max_logprobs=config.model.max_logprobs,
             max_sequences_per_request=server.args.max_sequences_per_request,
             chat_templates=ChatTemplates(
                 server.args.chat_template, server.args.trust_request_chat_template
@@ -272,9 +274,13 @@ class ServingContext:
         max_tokens: int,
         logprobs: int | None,
         echo_logprobs: int | None = None,
+        logprobs_param: str = "logprobs",
     ) -> SamplingParams:
         """The engine's parameters for ``request``; ``echo_logprobs``: the prompt logprobs an
-        echo needs when the request asks for none itself."""
+        echo needs when the request asks for none itself; ``logprobs_param``: the request's
+        field that ``logprobs`` comes from."""
+        self.check_logprobs(logprobs, logprobs_param)
+        self.check_logprobs(request.prompt_logprobs, "prompt_logprobs")
         if request.n > self.max_num_seqs:
             raise bad_request(
                 f"n={request.n} is larger than this server's limit of {self.max_num_seqs} "
@@ -298,13 +304,6 @@ class ServingContext:
                 param="return_tokens_as_token_ids",
             )
         prompt_logprobs = request.prompt_logprobs
-        if prompt_logprobs is not None and not 0 <= prompt_logprobs <= MAX_LOGPROBS:
-            raise bad_request(
-                f"prompt_logprobs={prompt_logprobs} is not supported: from 0 to {MAX_LOGPROBS} "
-                "(the server's limit, the same as for logprobs; -1, every token of the "
-                "vocabulary, is not supported).",
-                param="prompt_logprobs",
-            )
         if prompt_logprobs is None:
             prompt_logprobs = echo_logprobs
         try:
@@ -341,6 +340,20 @@ class ServingContext:
             raise bad_request(str(exc), param=exc.param) from exc
         except ValueError as exc:
             raise bad_request(str(exc)) from exc
+
+    def check_logprobs(self, count: int | None, param: str) -> None:
+        """A 400 naming ``param`` when it asks for more logprobs than ``--max-logprobs`` allows
+        (the engine checks again when the request is added)."""
+        if count is None:
+            return
+        limit = self.vocab_size if self.max_logprobs == -1 else self.max_logprobs
+        asked = self.vocab_size if count == -1 else count
+        if asked > limit:
+            raise bad_request(
+                f"{param}={count} asks for {asked} logprobs a token, more than this server's "
+                f"limit of {limit} (--max-logprobs).",
+                param=param,
+            )
 
     def _or_default(self, value: Any, name: str, api_default: Any) -> Any:
         """A request's sampling value; unset, the model's generation config default, else the

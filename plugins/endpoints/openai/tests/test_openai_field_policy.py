@@ -315,7 +315,9 @@ def out_of_range_cases(vocab: int) -> list[tuple[str, dict[str, Any], str]]:
     cases = [(route, fields, param) for route in ROUTES for fields, param in both]
     cases += [
         ("completions", {"logprobs": 21}, "logprobs"),
-        ("completions", {"logprobs": -1}, "logprobs"),
+        ("completions", {"logprobs": -1}, "logprobs"),  # the whole vocabulary: over 20
+        ("completions", {"prompt_logprobs": 21}, "prompt_logprobs"),
+        ("chat", {"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
         ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ("chat", {"top_logprobs": 2}, "top_logprobs"),
         ("chat", {"max_completion_tokens": MAX_MODEL_LEN}, "max_completion_tokens"),
