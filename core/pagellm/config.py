@@ -105,6 +105,8 @@ class ModelConfig(_Config):
     """Set for the pooling runner."""
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
     """Most logprobs one request may ask for (``--max-logprobs``); -1: the whole vocabulary."""
+    trust_remote_code: bool = False
+    """The model directory's own config/tokenizer code may run (``--trust-remote-code``)."""
     default_sampling: dict[str, Any] = Field(default_factory=dict)
     """The sampling defaults of requests that leave them unset (`SamplingParams` field names),
     from the model's generation config (``--generation-config``; `engine.generation_defaults`)."""

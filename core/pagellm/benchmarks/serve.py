@@ -48,6 +48,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "their text (default: the served model name, when it is a local path).",
     )
     parser.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="Let that tokenizer's own code (auto_map) run, as the server's flag of that name.",
+    )
+    parser.add_argument(
         "--api-key",
         default=os.environ.get("PAGELLM_API_KEY"),
         help="Sent as a bearer token (default: $PAGELLM_API_KEY).",
@@ -274,7 +279,7 @@ def main(args: argparse.Namespace) -> int:
     base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
     model = args.model or _served_model(base_url, args.api_key)
     try:
-        tokenizer = get_tokenizer(args.tokenizer or model)
+        tokenizer = get_tokenizer(args.tokenizer or model, args.trust_remote_code)
     except (ValueError, OSError) as exc:
         raise ValueError(
             f"Could not load the tokenizer for the prompts: {exc} Pass --tokenizer with a local "

@@ -308,7 +308,11 @@ def main(args: argparse.Namespace) -> int:
     from pagellm.tokenizer import get_tokenizer
 
     config = EngineArgs.from_cli_args(args).create_engine_config()
-    tokenizer = None if config.model.skip_tokenizer_init else get_tokenizer(config.model.tokenizer)
+    tokenizer = (
+        None
+        if config.model.skip_tokenizer_init
+        else get_tokenizer(config.model.tokenizer, config.model.trust_remote_code)
+    )
     special = set(getattr(tokenizer, "all_special_ids", None) or ())
     requests = requests_from_args(args, config.model.vocab_size, special)
     llm_result, peer = run_pagellm(args, requests)

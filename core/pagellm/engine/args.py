@@ -156,6 +156,10 @@ class EngineArgs:
     """Most pixels (width × height) of one image, checked before it is decoded."""
     skip_tokenizer_init: bool = False
     """No tokenizer: prompts must be token ids and outputs carry no text."""
+    trust_remote_code: bool = False
+    """Let transformers run the model directory's own Python code for its config and tokenizer
+    (config.json's auto_map), as in vLLM; the model itself must still be an architecture pagellm
+    implements."""
     max_logprobs: Annotated[int, Field(ge=-1)] = DEFAULT_MAX_LOGPROBS
     """Most logprobs (and prompt_logprobs) one request may ask for, as in vLLM; -1: the whole
     vocabulary (which a request asks for with logprobs=-1)."""
@@ -228,7 +232,7 @@ class EngineArgs:
         tokenizer = self.tokenizer or self.model
         if not self.skip_tokenizer_init:
             resolve_model_source(tokenizer, field="tokenizer")
-        hf_config = load_hf_config(source)
+        hf_config = load_hf_config(source, self.trust_remote_code)
         architectures = list(getattr(hf_config, "architectures", None) or [])
         architecture, model_cls = resolve_model_cls(architectures)
         runner = resolve_runner(self, architecture, model_runners(model_cls))
@@ -250,6 +254,7 @@ class EngineArgs:
             is_causal=model_is_causal(model_cls),
             pooler=pooler_config(runner, source, model_cls),
             max_logprobs=self.max_logprobs,
+            trust_remote_code=self.trust_remote_code,
         )
         model_cfg.max_model_len = resolve_max_model_len(self.max_model_len, model_cfg)
         if runner == "generate":

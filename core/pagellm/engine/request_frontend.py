@@ -31,7 +31,9 @@ class RequestFrontend:
         load_frontend_plugins()
         self.config = config
         self.tokenizer = (
-            None if config.model.skip_tokenizer_init else get_tokenizer(config.model.tokenizer)
+            None
+            if config.model.skip_tokenizer_init
+            else get_tokenizer(config.model.tokenizer, config.model.trust_remote_code)
         )
         self.io_processor: IOProcessor[Any, Any] | None = build_io_processor(config, self.tokenizer)
         """The model's IO processor (``config.model.io_processor``), or None."""

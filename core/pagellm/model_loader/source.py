@@ -64,7 +64,23 @@ def resolve_model_source(model: str, field: str = "model") -> ModelSource:
     )
 
 
-def load_hf_config(source: ModelSource) -> Any:
+REMOTE_CODE_HINT = "pass --trust-remote-code (LLM(trust_remote_code=True)) to allow it"
+
+
+def load_hf_config(source: ModelSource, trust_remote_code: bool = False) -> Any:
+    """The model's transformers config. Its directory's own configuration code (``auto_map``)
+    runs only with ``trust_remote_code``, as in vLLM; without it such a config is a
+    ``ValueError`` that names the flag."""
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(source.hf_directory())
+    try:
+        return AutoConfig.from_pretrained(
+            source.hf_directory(), trust_remote_code=trust_remote_code
+        )
+    except ValueError as exc:
+        if trust_remote_code or "trust_remote_code" not in str(exc):
+            raise
+        raise ValueError(
+            f"The model at {source.hf_directory()} brings its own configuration code (config.json's "
+            f"auto_map), which runs only when trusted: {REMOTE_CODE_HINT}."
+        ) from None
