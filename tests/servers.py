@@ -172,8 +172,9 @@ class Server:
     def async_client(self) -> openai.AsyncOpenAI:
         return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=self.api_key or "none")
 
-    def get(self, path: str) -> httpx.Response:
-        return httpx.get(f"{self.url}{path}", headers=self.headers(), timeout=60)
+    def get(self, path: str, headers: dict[str, str] | None = None) -> httpx.Response:
+        headers = {**self.headers(), **(headers or {})}
+        return httpx.get(f"{self.url}{path}", headers=headers, timeout=60)
 
     def post(
         self, path: str, headers: dict[str, str] | None = None, timeout: float = 60, **kwargs

@@ -47,6 +47,7 @@ API_KEY = "test-key"
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 HELLO = [{"role": "user", "content": "hi"}]
+UI_ORIGIN = "https://ui.example"
 LONG_TEXT = "word " * (MAX_MODEL_LEN + 10)
 # The ``default`` server's generation config defaults (``--override-generation-config``).
 GENERATION_DEFAULTS = {"temperature": 0.5, "top_k": 5, "max_new_tokens": 3}
@@ -67,7 +68,17 @@ def servers(
             },
             (),
         ),
-        "openai_only": ({"VLLM_PLUGINS": "openai"}, ("--disable-log-stats",)),
+        "openai_only": (
+            {"VLLM_PLUGINS": "openai"},
+            (
+                "--disable-log-stats",
+                "--allowed-origins",
+                json.dumps([UI_ORIGIN]),
+                "--allowed-methods",
+                '["GET", "POST"]',
+                "--allow-credentials",
+            ),
+        ),
         "default": (
             {},
             (
@@ -572,6 +583,54 @@ def test_api_key_is_required_on_every_route_but_health(main: Server):
     assert main.get("/v1/dummy/ping").json() == {"pong": "dummy", "model": MODEL_NAME}
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{main.url}/v1", api_key="wrong").models.list()
+
+
+def _preflight(server: Server, origin: str, method: str = "POST") -> httpx.Response:
+    return httpx.options(
+        f"{server.url}{COMPLETIONS}",
+        headers={
+            "Origin": origin,
+            "Access-Control-Request-Method": method,
+            "Access-Control-Request-Headers": "authorization, content-type",
+        },
+    )
+
+
+def test_cors_by_default_lets_any_origin_call_with_its_key(main: Server):
+    # vLLM's defaults: any origin, method and header; the preflight needs no API key.
+    preflight = _preflight(main, "https://anywhere.example")
+    assert preflight.status_code == 200, preflight.text
+    assert preflight.headers["access-control-allow-origin"] == "*"
+    assert "POST" in preflight.headers["access-control-allow-methods"]
+    assert "authorization" in preflight.headers["access-control-allow-headers"].lower()
+    origin = {"Origin": "https://anywhere.example"}
+    allowed = main.get("/v1/models", headers=origin)
+    assert allowed.status_code == 200 and allowed.headers["access-control-allow-origin"] == "*"
+    # A 401 carries the header too, so that the page can read why it was refused.
+    refused = httpx.get(f"{main.url}/v1/models", headers=origin)
+    assert refused.status_code == 401 and refused.headers["access-control-allow-origin"] == "*"
+    # No Origin, no CORS headers.
+    assert "access-control-allow-origin" not in main.get("/v1/models").headers
+
+
+def test_cors_flags_limit_origins_and_methods(servers: dict[str, Server]):
+    server = servers["openai_only"]
+    preflight = _preflight(server, UI_ORIGIN)
+    assert preflight.status_code == 200, preflight.text
+    assert preflight.headers["access-control-allow-origin"] == UI_ORIGIN
+    assert preflight.headers["access-control-allow-credentials"] == "true"
+    assert _preflight(server, "https://elsewhere.example").status_code == 400
+    assert _preflight(server, UI_ORIGIN, method="DELETE").status_code == 400
+    answer = httpx.post(
+        f"{server.url}{COMPLETIONS}",
+        headers={"Origin": UI_ORIGIN},
+        json={"model": MODEL_NAME, "prompt": "hi", "max_tokens": 1},
+    )
+    assert answer.status_code == 200
+    assert answer.headers["access-control-allow-origin"] == UI_ORIGIN
+    other = httpx.get(f"{server.url}/v1/models", headers={"Origin": "https://elsewhere.example"})
+    assert other.status_code == 200  # the browser, not the server, withholds it from the page
+    assert "access-control-allow-origin" not in other.headers
 
 
 def test_request_id_is_echoed_or_made(main: Server):

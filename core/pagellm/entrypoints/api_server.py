@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
+from starlette.middleware.cors import CORSMiddleware
 
 from pagellm.entrypoints.http_errors import SERVER_ERROR, APIError, install_error_handlers
 from pagellm.entrypoints.request_guard import RequestGuard
@@ -159,6 +160,15 @@ def build_app(engine: AsyncLLM, args: ServerArgs, stat_loggers: list[StatLoggerB
     )
     _attach_endpoint_plugins(app, ctx)
     app.add_middleware(RequestGuard, args=args)
+    # Outermost: a browser's preflight (OPTIONS) is answered here, before the API key's check,
+    # and every response, a 401 too, carries the CORS headers the browser needs to read it.
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=list(args.allowed_origins),
+        allow_methods=list(args.allowed_methods),
+        allow_headers=list(args.allowed_headers),
+        allow_credentials=args.allow_credentials,
+    )
     return app
 
 

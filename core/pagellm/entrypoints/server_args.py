@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,6 +36,17 @@ def _chat_template(value: str) -> str:
             f"{value!r} is neither a readable file nor a Jinja template"
         )
     return value.encode("latin-1", "backslashreplace").decode("unicode_escape")
+
+
+def _json_list(value: str) -> list[str]:
+    """``--allowed-origins '["https://a.example"]'``: a JSON list of strings, as vLLM takes it."""
+    try:
+        items = json.loads(value)
+    except ValueError:
+        items = None
+    if not isinstance(items, list) or not all(isinstance(item, str) for item in items):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a JSON list of strings")
+    return items
 
 
 @dataclass(frozen=True)
@@ -95,6 +107,27 @@ class ServerArgs:
         False,
         "Log each request as it is sent to the engine (its id, prompt length, priority and "
         "sampling parameters; never the prompt's text) and each abort.",
+        action="store_true",
+    )
+    # CORS, with vLLM's flags and defaults (any origin, method and header; no credentials).
+    allowed_origins: Sequence[str] = _option(
+        ("*",),
+        'Origins browsers may call the API from, as a JSON list (default ["*"]: any).',
+        type=_json_list,
+    )
+    allowed_methods: Sequence[str] = _option(
+        ("*",),
+        'HTTP methods allowed across origins, as a JSON list (default ["*"]).',
+        type=_json_list,
+    )
+    allowed_headers: Sequence[str] = _option(
+        ("*",),
+        'Request headers allowed across origins, as a JSON list (default ["*"]).',
+        type=_json_list,
+    )
+    allow_credentials: bool = _option(
+        False,
+        "Let browsers send credentials (cookies, Authorization) across origins.",
         action="store_true",
     )
     disable_fastapi_docs: bool = _option(
