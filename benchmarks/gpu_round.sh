@@ -147,10 +147,11 @@ for stage in "$@"; do
     w1) run w1 300 bash benchmarks/workloads.sh W1 --output-json "$OUT/w1.json" ;;
     # Issue 15's W1 runs on TRITON_ATTN: W1_RUNS (default bf16 fp8 fp8kv: bf16, fp8 weights, fp8
     # weights + fp8 KV; also fp8ch, fp8chkv: fp8_per_channel's weights and per-token
-    # activations, without and with the fp8 KV cache), each ran again with the opt-ins of each W1_VARIANTS word (words joined
-    # by +: fast_accum PAGELLM_FP8_FAST_ACCUM, one_launch PAGELLM_FP8_ONE_LAUNCH_QUANT, skinny
-    # PAGELLM_FP8_SKINNY_GEMM, fused PAGELLM_FP8_FUSED_INPUT_QUANT), e.g.
-    # W1_VARIANTS="fast_accum fast_accum+one_launch fast_accum+fused".
+    # activations, without and with the fp8 KV cache), each ran again with the switches of each W1_VARIANTS word (words joined
+    # by +: one_launch PAGELLM_FP8_ONE_LAUNCH_QUANT=1, skinny PAGELLM_FP8_SKINNY_GEMM=1; precise
+    # PAGELLM_FP8_FAST_ACCUM=0 and unfused PAGELLM_FP8_FUSED_INPUT_QUANT=0 turn the defaults off;
+    # fast_accum and fused set them on, as they are by default), e.g.
+    # W1_VARIANTS="precise+unfused one_launch skinny".
     w1-fp8) for v in ${W1_RUNS:-bf16 fp8 fp8kv}; do
         for variant in base ${W1_VARIANTS:-}; do
           [ $v = bf16 ] && [ $variant != base ] && continue
@@ -168,6 +169,8 @@ for stage in "$@"; do
               fast_accum) envs+=(PAGELLM_FP8_FAST_ACCUM=1) ;;
               one_launch) envs+=(PAGELLM_FP8_ONE_LAUNCH_QUANT=1) ;;
               skinny) envs+=(PAGELLM_FP8_SKINNY_GEMM=1) ;;
+              precise) envs+=(PAGELLM_FP8_FAST_ACCUM=0) ;;
+              unfused) envs+=(PAGELLM_FP8_FUSED_INPUT_QUANT=0) ;;
               fused) envs+=(PAGELLM_FP8_FUSED_INPUT_QUANT=1) ;;
               *) echo "unknown W1 variant word $opt" ;;
             esac

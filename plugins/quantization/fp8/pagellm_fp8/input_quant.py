@@ -5,14 +5,14 @@ SiLU-and-multiply before down_proj write float8 and its scales directly, one ker
 quantizes in one or two more launches. Per token: three launches fewer a Llama layer; per
 tensor (dynamic): three fewer too, the norm's kernel finding each row's maximum.
 
-Off unless ``PAGELLM_FP8_FUSED_INPUT_QUANT=1``, until the H200 measures it end to end. On the
+On by default; ``PAGELLM_FP8_FUSED_INPUT_QUANT=0`` turns it off. Measured end to end on an H100
+(docs/benchmarks.md, 2026-12-07): the same greedy tokens as unfused on W1, 1 % faster. On the
 CPU (the reference GEMM) the same contract is kept by torch: the producer's torch formula, then
 the layer's own quantization, the same bits as unfused (what the CPU tests check end to end).
 """
 
 from __future__ import annotations
 
-import os
 from types import ModuleType
 
 import torch
@@ -20,14 +20,14 @@ import torch
 from pagellm.layers.activation import silu_and_mul_torch
 from pagellm.layers.layernorm import rms_norm_torch
 from pagellm.quantization import InputQuantizer, QuantizedActivation
-from pagellm_fp8.gemm import Fp8Gemm, triton_kernels
+from pagellm_fp8.gemm import Fp8Gemm, env_switch, triton_kernels
 from pagellm_fp8.scheme import Fp8Scheme
 
 FUSED_INPUT_QUANT_ENV = "PAGELLM_FP8_FUSED_INPUT_QUANT"
 
 
 def fused_input_quant_enabled() -> bool:
-    return os.environ.get(FUSED_INPUT_QUANT_ENV) == "1"
+    return env_switch(FUSED_INPUT_QUANT_ENV)
 
 
 KERNEL_MODES = {

@@ -224,7 +224,7 @@ class Fp8LinearMethod(LinearMethodBase):
 
     def input_quantizer(self, layer: nn.Module) -> InputQuantizer | None:
         """The norm or activation before this layer writes its input in fp8 (`input_quant`;
-        opt-in: ``PAGELLM_FP8_FUSED_INPUT_QUANT=1``)."""
+        on unless ``PAGELLM_FP8_FUSED_INPUT_QUANT=0``)."""
         return make_input_quantizer(
             self.scheme,
             self._processed_gemm(),

@@ -1,7 +1,7 @@
 """`pagellm_fp8.kernels.fused_input` compiled on a CUDA GPU at Llama-3.1-8B sizes: each mode's
 quantization bit for bit the torch formula's over the layer's own output (the hardware fp8 cast
 included), that output within 2 ulps of the CUDA platform's unfused kernels, CUDA graph replay
-identical to eager, and the engine with ``PAGELLM_FP8_FUSED_INPUT_QUANT=1`` agreeing with the
+identical to eager, and the engine with fused input quantization (the default) agreeing with the
 bf16 model as the unfused fp8 engine does.
 
 Run on the device machine with ``pytest -m gpu -s plugins/quantization/fp8/tests/test_fp8_fused_input_gpu.py``.
@@ -172,6 +172,7 @@ def test_engine_with_fused_input_quantization_agrees_with_the_unfused_engine(
     )
     prompts = [[5, 6, 7, 8, 9], [40, 41, 300, 12], [700, 3, 18, 19, 20, 21]]
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    monkeypatch.setenv(FUSED_INPUT_QUANT_ENV, "0")
     unfused = LLM(str(path), **engine)
     outs = unfused.generate(prompts, greedy, use_tqdm=False)
     seqs = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs, strict=True)]

@@ -69,15 +69,16 @@ def test_skinny_gemm_opt_in_matches_scaled_mm(m, monkeypatch):
     )
 
 
-def test_fast_accumulation_opt_in_matches_scaled_mm(monkeypatch):
+def test_fast_accumulation_default_matches_promoted_scaled_mm(monkeypatch):
     from pagellm_fp8 import gemm as gemm_module
 
     torch.manual_seed(0)
     x = torch.randn(200, 4096, device="cuda", dtype=torch.bfloat16)
     q, scale = quantize_weight(torch.randn(1024, 4096, device="cuda") * 0.02, "tensor")
     scheme = Fp8Scheme("tensor", "tensor")
+    monkeypatch.setenv(gemm_module.FAST_ACCUM_ENV, "0")
     plain = gemm_module._scaled_mm_tensor(scheme)(x, q, scale, None)
-    monkeypatch.setenv(gemm_module.FAST_ACCUM_ENV, "1")
+    monkeypatch.delenv(gemm_module.FAST_ACCUM_ENV)
     fast = gemm_module._scaled_mm_tensor(scheme)(x, q, scale, None)
     rel = ((fast.float() - plain.float()).norm() / plain.float().norm()).item()
     print(f"fast accumulation against promoted, K = 4096: relative difference {rel:.2e}")

@@ -280,7 +280,7 @@ def _logprobs(llm: LLM) -> list[tuple[list[int], list[dict[int, float]]]]:
 def test_norms_and_activations_that_quantize_the_next_input_change_no_output(
     checkpoint, float_model, tmp_path, monkeypatch
 ):
-    """``PAGELLM_FP8_FUSED_INPUT_QUANT=1``: each norm and SiLU-and-multiply hands its linear
+    """Fused input quantization (the default; ``PAGELLM_FP8_FUSED_INPUT_QUANT=0`` is off): each norm and SiLU-and-multiply hands its linear
     layer a `QuantizedActivation` (here through the torch quantizer the reference path offers,
     on CUDA through the fused kernels): the same bits as the layer quantizing its input."""
     from pagellm_fp8.input_quant import FUSED_INPUT_QUANT_ENV, TorchInputQuantizer
@@ -293,6 +293,7 @@ def test_norms_and_activations_that_quantize_the_next_input_change_no_output(
         model, engine = fp8_config_checkpoint(float_model, tmp_path / "fp8cfg", False), ENGINE
     else:
         model, engine = float_model, {**ENGINE, "quantization": checkpoint}
+    monkeypatch.setenv(FUSED_INPUT_QUANT_ENV, "0")
     unfused = _logprobs(LLM(str(model), **engine))
 
     monkeypatch.setenv(FUSED_INPUT_QUANT_ENV, "1")
@@ -317,3 +318,19 @@ def test_norms_and_activations_that_quantize_the_next_input_change_no_output(
     fused = _logprobs(llm)
     assert {name.rsplit(".", 1)[-1] for name in calls} == {"qkv_proj", "gate_up_proj", "down_proj"}
     assert fused == unfused
+
+
+def test_fast_accumulation_and_fused_input_are_on_unless_set_to_0(monkeypatch):
+    from pagellm_fp8.gemm import FAST_ACCUM_ENV, env_switch
+    from pagellm_fp8.input_quant import FUSED_INPUT_QUANT_ENV, fused_input_quant_enabled
+
+    for name in (FAST_ACCUM_ENV, FUSED_INPUT_QUANT_ENV):
+        monkeypatch.delenv(name, raising=False)
+        assert env_switch(name)
+        monkeypatch.setenv(name, "0")
+        assert not env_switch(name)
+        monkeypatch.setenv(name, "yes")
+        with pytest.raises(ValueError, match=f"{name}='yes'"):
+            env_switch(name)
+        monkeypatch.delenv(name)
+    assert fused_input_quant_enabled()

@@ -83,7 +83,13 @@ def _skinny_gemm_kernel(
     for _ in range(0, K_SLICE // BLOCK_K):
         w = tl.load(w_ptrs, mask=row_ok, other=0.0)
         x = tl.load(x_ptrs, mask=token_ok, other=0.0)
-        acc = tl.dot(w, tl.trans(x), acc)
+        if SCALED:
+            # Hopper's FP8 MMAs add into the accumulator with fewer bits than float32, and
+            # Triton lets them run through all of K unless told (its sm_90 default): one
+            # promotion into float32 a K tile, as cuBLAS does without fast accumulation.
+            acc = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=BLOCK_K)
+        else:
+            acc = tl.dot(w, tl.trans(x), acc)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     if SCALED:
