@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One round on the GPU machine: offline install (wheels carried in .whl), GPU tests, benchmarks.
 # Writes logs and JSON under $OUT. Stages: tests, tests-flashinfer, fi-jit, fi-cache-save, fa-tests,
-# fa-kernels, fp8-tests, fp8-fused, fp8-gemm, fp8-skinny, decode-tiles, decode-splits, decode-swap, int4-tests, int4-sweep, int4-gemm, int4-w1, gguf-tests,
+# fa-kernels, fp8-tests, fp8-fused, issue15, fp8-gemm, fp8-skinny, decode-tiles, decode-splits, decode-swap, int4-tests, int4-sweep, int4-gemm, int4-w1, gguf-tests,
 # gguf-gemm, gguf-smollm2, gguf-sweep-a, gguf-sweep-b, gguf-sweep-c, prof, step-prof, w1, w1-fp8, w2,
 # overhead, hf (W1/W2 with the HF peer).
 #   bash benchmarks/gpu_round.sh tests w2 w1 overhead
@@ -180,6 +180,13 @@ for stage in "$@"; do
             --attention-backend TRITON_ATTN "${flags[@]}" --output-json "$OUT/$name.json"
         done
       done ;;
+    # Issue 15's whole H200 round in one call (about 520 s on a fresh machine): W1 in bf16, fp8
+    # weights and fp8 weights + fp8 KV with the defaults, vLLM 0.25.1's online fp8 on the same
+    # requests (needs .vllm-peer carried), then the fp8 GPU tests with what time is left.
+    issue15) W1_RUNS="bf16 fp8 fp8kv" bash "$0" w1-fp8
+      STAGES="vllm:W1" PEER_EXTRA="--quantization fp8" BUDGET_S=200 PROJ=. bash .vllm-peer/run.sh
+      python3 benchmarks/w1_summary.py "$OUT"/w1_*.json
+      bash "$0" fp8-tests ;;
     w2-eager) run w2_eager 300 bash benchmarks/workloads.sh W2 --enforce-eager --output-json "$OUT/w2_eager.json" ;;
     w2-hf) run w2_hf 560 bash benchmarks/workloads.sh W2 --backend hf --hf-mode continuous --output-json "$OUT/w2_hf.json" ;;
     w1-hf) run w1_hf 560 bash benchmarks/workloads.sh W1 --backend hf --hf-mode continuous --output-json "$OUT/w1_hf.json" ;;
