@@ -18,6 +18,7 @@ import os
 import re
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -115,7 +116,13 @@ class Server:
     def __init__(self, model: str, log_path: Path, env: dict[str, str], *args: str) -> None:
         self.model = model
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        # HTTPS when the flags ask for it: a self-signed certificate is its own CA.
+        self.verify: ssl.SSLContext | bool = True
+        scheme = "http"
+        if "--ssl-certfile" in args:
+            self.verify = ssl.create_default_context(cafile=args[args.index("--ssl-certfile") + 1])
+            scheme = "https"
+        self.url = f"{scheme}://127.0.0.1:{self.port}"
         self.log_path = log_path
         controls = ("VLLM_PLUGINS", "PAGELLM_API_KEY", "PAGELLM_PLUGINS_STRICT")
         full_env = {k: v for k, v in os.environ.items() if k not in controls}
@@ -148,7 +155,10 @@ class Server:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"pagellm serve exited ({self.proc.returncode}):\n{self.log()}")
             try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                if (
+                    httpx.get(f"{self.url}/health", timeout=2, verify=self.verify).status_code
+                    == 200
+                ):
                     return self
             except httpx.HTTPError:
                 pass
@@ -174,13 +184,15 @@ class Server:
 
     def get(self, path: str, headers: dict[str, str] | None = None) -> httpx.Response:
         headers = {**self.headers(), **(headers or {})}
-        return httpx.get(f"{self.url}{path}", headers=headers, timeout=60)
+        return httpx.get(f"{self.url}{path}", headers=headers, timeout=60, verify=self.verify)
 
     def post(
         self, path: str, headers: dict[str, str] | None = None, timeout: float = 60, **kwargs
     ) -> httpx.Response:
         headers = {**self.headers(), **(headers or {})}
-        return httpx.post(f"{self.url}{path}", headers=headers, timeout=timeout, **kwargs)
+        return httpx.post(
+            f"{self.url}{path}", headers=headers, timeout=timeout, verify=self.verify, **kwargs
+        )
 
     def state(self) -> dict:
         response = self.get("/v1/admin/state")
@@ -326,3 +338,43 @@ def shared_server(shared_server_process: Server) -> Server:
     """One server with the defaults and ``VLLM_PLUGINS=openai,admin``, started once for the session
     and shared by the modules whose tests need nothing else of it (each leaves it idle)."""
     return shared_server_process.wait_ready()
+
+
+def self_signed_certificate(directory: Path) -> tuple[str, str]:
+    """A key and a self-signed certificate for 127.0.0.1 (its own CA), for HTTPS servers."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    key_path, cert_path = directory / "key.pem", directory / "cert.pem"
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return str(key_path), str(cert_path)

@@ -11,7 +11,8 @@ allowlists and the scheduling policies:
   at the end;
 - ``default``: VLLM_PLUGINS unset, ``--endpoints openai``, sampling defaults set by
   ``--override-generation-config``; stopped with SIGTERM at the end;
-- ``one_at_a_time``: ``--scheduling-policy priority --max-num-seqs 1 --enable-log-requests``.
+- ``one_at_a_time``: ``--scheduling-policy priority --max-num-seqs 1 --enable-log-requests``,
+  over HTTPS (a self-signed certificate) under ``--root-path /llm``.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from servers import (
     MAX_NUM_SEQS,
     MODEL_NAME,
     Server,
+    self_signed_certificate,
     started_servers,
 )
 
@@ -48,6 +50,7 @@ CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 HELLO = [{"role": "user", "content": "hi"}]
 UI_ORIGIN = "https://ui.example"
+ROOT_PATH = "/llm"
 LONG_TEXT = "word " * (MAX_MODEL_LEN + 10)
 # The ``default`` server's generation config defaults (``--override-generation-config``).
 GENERATION_DEFAULTS = {"temperature": 0.5, "top_k": 5, "max_new_tokens": 3}
@@ -60,6 +63,7 @@ def servers(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[dict[str, Server]]:
     logs = tmp_path_factory.mktemp("server_logs")
+    key, cert = self_signed_certificate(tmp_path_factory.mktemp("tls"))
     specs: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
         "main": (
             {
@@ -91,7 +95,19 @@ def servers(
         ),
         "one_at_a_time": (
             {"VLLM_PLUGINS": "openai"},
-            ("--scheduling-policy", "priority", "--max-num-seqs", "1", "--enable-log-requests"),
+            (
+                "--scheduling-policy",
+                "priority",
+                "--max-num-seqs",
+                "1",
+                "--enable-log-requests",
+                "--ssl-keyfile",
+                key,
+                "--ssl-certfile",
+                cert,
+                "--root-path",
+                ROOT_PATH,
+            ),
         ),
     }
     with started_servers(model_dir, logs, specs) as running:
@@ -463,6 +479,57 @@ def test_priority_decides_which_waiting_request_runs_first(servers: dict[str, Se
         thread.join(60)
     assert finished == ["first", "high", "low"]
     assert re.search(r"Added request \S+: 1 prompt tokens, priority -10, ", server.log())
+
+
+def test_https_and_root_path(servers: dict[str, Server]):
+    server = servers["one_at_a_time"]
+    assert server.url.startswith("https://")
+    # The certificate is checked (the client trusts only it); plain HTTP gets no answer.
+    assert server.get("/health").status_code == 200
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"{server.url}/health", timeout=5)  # the system's CAs do not know it
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(server.url.replace("https://", "http://") + "/health", timeout=5)
+    # A proxy strips --root-path: the routes stay where they are, /health stays open, and the
+    # in-flight count (/load) still counts generation routes.
+    body = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 400, "ignore_eos": True}
+    answers: list[int] = []
+    thread = threading.Thread(
+        target=lambda: answers.append(server.post(COMPLETIONS, json=body).status_code)
+    )
+    thread.start()
+    deadline = time.monotonic() + 30
+    while server.get("/load").json()["server_load"] != 1:
+        assert time.monotonic() < deadline and thread.is_alive(), "the request was not counted"
+        time.sleep(0.01)
+    thread.join(60)
+    assert answers == [200] and server.get("/load").json() == {"server_load": 0}
+    # Links the server makes carry the prefix.
+    assert server.get("/openapi.json").json()["servers"] == [{"url": ROOT_PATH}]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--ssl-keyfile", "KEY"], "--ssl-keyfile and --ssl-certfile go together"),
+        (["--ssl-keyfile", "KEY", "--ssl-certfile", "/no/such.pem"], "--ssl-certfile /no/such.pem"),
+        (["--ssl-cert-reqs", "2"], "need HTTPS"),
+        (
+            ["--ssl-keyfile", "KEY", "--ssl-certfile", "CERT", "--ssl-cert-reqs", "2"],
+            "--ssl-ca-certs",
+        ),
+    ],
+)
+def test_tls_flags_that_do_not_fit_stop_before_the_engine_starts(
+    flags: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+):
+    from pagellm.entrypoints.cli import main as cli_main
+
+    key, cert = self_signed_certificate(tmp_path)
+    argv = [key if f == "KEY" else cert if f == "CERT" else f for f in flags]
+    # No model is loaded: the TLS check comes first (the path need not even exist).
+    assert cli_main(["serve", str(tmp_path / "no-model"), *argv]) == 2
+    assert message in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- bad requests

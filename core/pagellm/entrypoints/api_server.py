@@ -223,6 +223,7 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
 
 def run_server(args: ServerArgs, engine_args: EngineArgs) -> None:
     """Build the engine and serve it until SIGTERM/SIGINT (``pagellm serve``)."""
+    args.check_tls()  # before the engine is built: a typo costs no model load
     logging.getLogger("uvicorn.error").setLevel(logging.INFO)
     factory = _loop_factory()
     if factory is None or sys.version_info < (3, 11):

@@ -125,6 +125,11 @@ def make_server(app: Any, args: ServerArgs, on_shutdown: Callable[[], None]) -> 
         port=args.port,
         log_config=None,
         access_log=False,
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile,
+        ssl_ca_certs=args.ssl_ca_certs,
+        ssl_cert_reqs=args.ssl_cert_reqs,
+        root_path=args.root_path or "",
         http=protocol if protocol is not None else "auto",
         timeout_graceful_shutdown=graceful,
     )

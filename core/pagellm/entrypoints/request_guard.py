@@ -20,6 +20,14 @@ logger = logging.getLogger(__name__)
 OPEN_PATHS = frozenset({"/health", "/health/", "/ping"})
 
 
+def route_path(scope: Scope) -> str:
+    """The path routes match: the request's, less the ``--root-path`` prefix uvicorn puts in
+    front of it (ASGI's ``path`` includes ``root_path``)."""
+    path: str = scope["path"]
+    root: str = scope.get("root_path", "")
+    return path[len(root) :] if root and path.startswith(root) else path
+
+
 class RequestGuard:
     """Request id, API key and body-size limit, in front of every route.
 
@@ -53,7 +61,7 @@ class RequestGuard:
                 message["headers"] = [*message.get("headers", ()), id_header]
             await send(message)
 
-        if scope["path"] not in OPEN_PATHS and not self._authorized(headers):
+        if route_path(scope) not in OPEN_PATHS and not self._authorized(headers):
             error = APIError(
                 401,
                 "Missing or wrong API key: send it as 'Authorization: Bearer <key>'.",

@@ -109,6 +109,25 @@ class ServerArgs:
         "sampling parameters; never the prompt's text) and each abort.",
         action="store_true",
     )
+    # TLS and a proxy's path prefix, with vLLM's flags.
+    ssl_keyfile: str | None = _option(
+        None, "The TLS private key file (with --ssl-certfile: HTTPS)."
+    )
+    ssl_certfile: str | None = _option(None, "The TLS certificate chain file.")
+    ssl_ca_certs: str | None = _option(
+        None, "CA certificates clients' certificates are checked against (--ssl-cert-reqs)."
+    )
+    ssl_cert_reqs: int = _option(
+        0,
+        "Client certificates: 0 none asked (default), 1 checked when sent, 2 required (Python's "
+        "ssl.CERT_NONE, CERT_OPTIONAL, CERT_REQUIRED).",
+        choices=(0, 1, 2),
+    )
+    root_path: str | None = _option(
+        None,
+        "The path prefix a proxy serves the API under and strips (e.g. /llm): the routes stay "
+        "where they are; links the server makes (/docs) carry the prefix.",
+    )
     # CORS, with vLLM's flags and defaults (any origin, method and header; no credentials).
     allowed_origins: Sequence[str] = _option(
         ("*",),
@@ -175,6 +194,24 @@ class ServerArgs:
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> ServerArgs:
         return cls(**{f.name: vars(args)[f.name] for f in dataclasses.fields(cls)})
+
+    def check_tls(self) -> None:
+        """``ValueError`` naming the flag when the TLS flags do not make a whole: a key without
+        its certificate (or the reverse), a file that is not there, client certificates asked
+        for with no CA to check them against."""
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("--ssl-keyfile and --ssl-certfile go together: give both for HTTPS.")
+        for flag, path in (
+            ("--ssl-keyfile", self.ssl_keyfile),
+            ("--ssl-certfile", self.ssl_certfile),
+            ("--ssl-ca-certs", self.ssl_ca_certs),
+        ):
+            if path is not None and not os.path.isfile(path):
+                raise ValueError(f"{flag} {path}: no such file.")
+        if self.ssl_certfile is None and (self.ssl_ca_certs or self.ssl_cert_reqs):
+            raise ValueError("--ssl-ca-certs and --ssl-cert-reqs need HTTPS (--ssl-certfile).")
+        if self.ssl_cert_reqs and self.ssl_ca_certs is None:
+            raise ValueError("--ssl-cert-reqs 1 or 2 needs --ssl-ca-certs to check certificates.")
 
     @property
     def served_model_names(self) -> list[str]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from pagellm.entrypoints.request_guard import route_path
+
 
 class InFlight:
     """The requests in flight on the counted routes."""
@@ -23,7 +25,7 @@ class CountInFlight:
         self.in_flight = in_flight
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] not in self.paths:
+        if scope["type"] != "http" or route_path(scope) not in self.paths:
             await self.app(scope, receive, send)
             return
         self.in_flight.count += 1
