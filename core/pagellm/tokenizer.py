@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagellm.model_loader.source import REMOTE_CODE_HINT, resolve_model_source
+from pagellm.model_loader.source import from_pretrained_trusting, resolve_model_source
 
 
 def get_tokenizer(tokenizer: str, trust_remote_code: bool = False) -> Any:
@@ -12,14 +12,6 @@ def get_tokenizer(tokenizer: str, trust_remote_code: bool = False) -> Any:
     from transformers import AutoTokenizer
 
     source = resolve_model_source(tokenizer, field="tokenizer")
-    try:
-        return AutoTokenizer.from_pretrained(
-            source.hf_directory(), trust_remote_code=trust_remote_code
-        )
-    except ValueError as exc:
-        if trust_remote_code or "trust_remote_code" not in str(exc):
-            raise
-        raise ValueError(
-            f"The tokenizer at {source.hf_directory()} brings its own code (auto_map), which runs only "
-            f"when trusted: {REMOTE_CODE_HINT}."
-        ) from None
+    return from_pretrained_trusting(
+        AutoTokenizer, source.hf_directory(), trust_remote_code, "The tokenizer"
+    )

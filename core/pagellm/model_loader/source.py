@@ -64,23 +64,27 @@ def resolve_model_source(model: str, field: str = "model") -> ModelSource:
     )
 
 
-REMOTE_CODE_HINT = "pass --trust-remote-code (LLM(trust_remote_code=True)) to allow it"
-
-
-def load_hf_config(source: ModelSource, trust_remote_code: bool = False) -> Any:
-    """The model's transformers config. Its directory's own configuration code (``auto_map``)
-    runs only with ``trust_remote_code``, as in vLLM; without it such a config is a
-    ``ValueError`` that names the flag."""
-    from transformers import AutoConfig
-
+def from_pretrained_trusting(
+    auto_class: Any, directory: str, trust_remote_code: bool, what: str
+) -> Any:
+    """``auto_class.from_pretrained(directory)``. A directory's own code (``auto_map``) runs only
+    with ``trust_remote_code``, as in vLLM; untrusted, such a directory is a ``ValueError`` that
+    names the flag (``what``: what brings the code, for the message)."""
     try:
-        return AutoConfig.from_pretrained(
-            source.hf_directory(), trust_remote_code=trust_remote_code
-        )
+        return auto_class.from_pretrained(directory, trust_remote_code=trust_remote_code)
     except ValueError as exc:
         if trust_remote_code or "trust_remote_code" not in str(exc):
             raise
         raise ValueError(
-            f"The model at {source.hf_directory()} brings its own configuration code (config.json's "
-            f"auto_map), which runs only when trusted: {REMOTE_CODE_HINT}."
+            f"{what} at {directory} brings its own code (auto_map), which runs only when trusted: "
+            "pass --trust-remote-code (LLM(trust_remote_code=True)) to allow it."
         ) from None
+
+
+def load_hf_config(source: ModelSource, trust_remote_code: bool = False) -> Any:
+    """The model's transformers config (its own configuration code only when trusted)."""
+    from transformers import AutoConfig
+
+    return from_pretrained_trusting(
+        AutoConfig, source.hf_directory(), trust_remote_code, "The model's config.json"
+    )
