@@ -520,16 +520,29 @@ def test_https_and_root_path(servers: dict[str, Server]):
         ),
     ],
 )
-def test_tls_flags_that_do_not_fit_stop_before_the_engine_starts(
-    flags: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+def test_tls_flags_that_do_not_fit_are_refused_naming_the_flag(
+    flags: list[str], message: str, tmp_path: Path
 ):
-    from pagellm.entrypoints.cli import main as cli_main
+    from pagellm.entrypoints.server_args import ServerArgs
 
     key, cert = self_signed_certificate(tmp_path)
     argv = [key if f == "KEY" else cert if f == "CERT" else f for f in flags]
-    # No model is loaded: the TLS check comes first (the path need not even exist).
-    assert cli_main(["serve", str(tmp_path / "no-model"), *argv]) == 2
-    assert message in capsys.readouterr().err
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ServerArgs.from_cli_args(parser.parse_args(["model", *argv])).check_tls()
+
+
+def test_the_serve_command_checks_tls_before_it_looks_for_the_model(tmp_path: Path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "pagellm.entrypoints.cli", "serve", str(tmp_path / "none")]
+        + ["--ssl-certfile", str(tmp_path / "missing.pem")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "--ssl-keyfile and --ssl-certfile go together" in proc.stderr
 
 
 # ---------------------------------------------------------------- bad requests
