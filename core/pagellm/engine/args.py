@@ -157,17 +157,13 @@ class EngineArgs:
     skip_tokenizer_init: bool = False
     """No tokenizer: prompts must be token ids and outputs carry no text."""
     trust_remote_code: bool = False
-    """Let transformers run the model directory's own Python code for its config and tokenizer
-    (config.json's auto_map), as in vLLM; the model itself must still be an architecture pagellm
-    implements."""
+    """Let the model directory's own config and tokenizer code (auto_map) run, as in vLLM."""
     max_logprobs: Annotated[int, Field(ge=-1)] = DEFAULT_MAX_LOGPROBS
-    """Most logprobs (and prompt_logprobs) one request may ask for, as in vLLM; -1: the whole
-    vocabulary (which a request asks for with logprobs=-1)."""
+    """Most logprobs (and prompt_logprobs) a request may ask for, as in vLLM; -1: the vocabulary."""
     generation_config: str = "auto"
     """Where requests' default sampling values come from (as in vLLM): auto, the model's
-    generation_config.json (its temperature, top_p, top_k, min_p, repetition_penalty and
-    max_new_tokens); vllm, none (the API's own defaults); or a directory holding a
-    generation_config.json."""
+    generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens);
+    vllm, none (the API's own defaults); or a directory holding a generation_config.json."""
     override_generation_config: dict[str, Any] | None = None
     """Sampling defaults set over the generation config's, as JSON: '{"temperature": 0.5}'."""
     multiprocess_engine: bool = False
