@@ -13,10 +13,10 @@ from pagellm.outputs import CompletionOutput, RequestOutput
 from pagellm_openai.chat_template import echoed_text
 from pagellm_openai.generation import Answer, respond
 from pagellm_openai.logprobs import prompt_logprobs_json, token_name, token_text
-from pagellm_openai.protocol import (
+from pagellm_openai.protocol import ChatCompletionRequest
+from pagellm_openai.responses import (
     AssistantMessage,
     ChatChoice,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChoiceLogprobs,
     TokenLogprob,

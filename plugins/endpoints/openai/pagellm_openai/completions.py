@@ -11,10 +11,10 @@ from pagellm.entrypoints.http_errors import bad_request
 from pagellm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pagellm_openai.generation import Answer, respond
 from pagellm_openai.logprobs import prompt_logprobs_json, token_name, token_text
-from pagellm_openai.protocol import (
+from pagellm_openai.protocol import CompletionRequest
+from pagellm_openai.responses import (
     CompletionChoice,
     CompletionLogprobs,
-    CompletionRequest,
     CompletionResponse,
     UsageInfo,
 )

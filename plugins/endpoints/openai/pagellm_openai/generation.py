@@ -20,7 +20,8 @@ from pydantic import BaseModel
 from pagellm.outputs import CompletionOutput, RequestOutput
 from pagellm_openai import streams
 from pagellm_openai.event_stream import EventStream, EventWriter
-from pagellm_openai.protocol import SamplingRequest, UsageInfo
+from pagellm_openai.protocol import SamplingRequest
+from pagellm_openai.responses import UsageInfo
 
 # (index of the prompt, its output, one completion of it) -> a choice (a dict, a TextChoice, or
 # the final body's model)

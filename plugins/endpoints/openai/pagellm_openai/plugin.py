@@ -16,14 +16,8 @@ from pagellm_openai import tokenization
 from pagellm_openai.bodies import json_body, keys, validated
 from pagellm_openai.chat import create_chat_completion
 from pagellm_openai.completions import create_completion
-from pagellm_openai.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    ModelCard,
-    ModelList,
-    ServerLoad,
-)
+from pagellm_openai.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest
+from pagellm_openai.responses import ModelCard, ModelList, ServerLoad
 from pagellm_openai.server_load import CountInFlight, InFlight
 from pagellm_openai.serving import ServingContext
 

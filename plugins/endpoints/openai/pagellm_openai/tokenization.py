@@ -7,11 +7,10 @@ from pagellm.entrypoints.http_errors import bad_request
 from pagellm_openai.bodies import keys, validated
 from pagellm_openai.protocol import (
     DetokenizeRequest,
-    DetokenizeResponse,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
-    TokenizeResponse,
 )
+from pagellm_openai.responses import DetokenizeResponse, TokenizeResponse
 from pagellm_openai.serving import ServingContext
 
 

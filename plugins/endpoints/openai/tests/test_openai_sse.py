@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("pagellm_openai", reason="the pagellm-openai package is not installed")
 
-from pagellm_openai.protocol import ChatCompletionChunk  # noqa: E402
+from pagellm_openai.responses import ChatCompletionChunk  # noqa: E402
 from pagellm_openai.streams import sse  # noqa: E402
 
 
