@@ -45,6 +45,21 @@ def _integer(name: str, value: object, low: int = INT64_MIN, high: int = INT64_M
     return value
 
 
+def logprobs_count(name: str, asked: int, max_logprobs: int, vocab_size: int) -> int:
+    """How many logprobs a token ``name``'s value ``asked`` means (-1: the whole vocabulary),
+    within the engine's ``max_logprobs`` (-1: the vocabulary); ``SamplingParamsError`` naming
+    ``name`` beyond it."""
+    limit = vocab_size if max_logprobs == -1 else max_logprobs
+    count = vocab_size if asked == -1 else asked
+    if count > limit:
+        raise SamplingParamsError(
+            name,
+            f"{name}={asked} asks for {count} logprobs a token, more than this server's limit of "
+            f"{limit} (--max-logprobs).",
+        )
+    return count
+
+
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     """How to pick the next tokens of one request. Invalid values raise ``ValueError`` naming the
     field as soon as the object is created; checks that need the vocabulary (token ids) happen

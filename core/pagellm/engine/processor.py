@@ -20,6 +20,7 @@ from pagellm.sampling_params import (
     RequestOutputKind,
     SamplingParams,
     SamplingParamsError,
+    logprobs_count,
 )
 from pagellm.scheduler.policy import scheduling_policies
 
@@ -232,23 +233,13 @@ class InputProcessor:
         return ProcessedPrompt(text, ids, params, cache_salt, mm_items)
 
     def _resolve_logprobs(self, params: SamplingParams) -> None:
-        """logprobs / prompt_logprobs within ``--max-logprobs`` (``SamplingParamsError`` naming the
-        field otherwise); -1, the whole vocabulary, becomes the vocabulary's size."""
-        limit = self.config.model.max_logprobs
-        if limit == -1:
-            limit = self.vocab_size
+        """logprobs / prompt_logprobs within ``--max-logprobs`` (`logprobs_count`); -1, the
+        whole vocabulary, becomes the vocabulary's size."""
         for name in ("logprobs", "prompt_logprobs"):
             asked = getattr(params, name)
-            if asked is None:
-                continue
-            count = self.vocab_size if asked == -1 else asked
-            if count > limit:
-                raise SamplingParamsError(
-                    name,
-                    f"{name}={asked} asks for {count} logprobs a token, more than this server's "
-                    f"limit of {limit} (--max-logprobs).",
-                )
-            setattr(params, name, count)
+            if asked is not None:
+                limit = self.config.model.max_logprobs
+                setattr(params, name, logprobs_count(name, asked, limit, self.vocab_size))
 
     def process_pooling(self, prompt: PromptType, params: PoolingParams) -> ProcessedPrompt:
         """Tokenize (cut to ``truncate_prompt_tokens`` when asked) and validate a pooling

@@ -19,6 +19,7 @@ from pagellm.sampling_params import (
     RequestOutputKind,
     SamplingParams,
     SamplingParamsError,
+    logprobs_count,
 )
 from pagellm_openai.chat_template import ChatTemplates
 from pagellm_openai.field_policy import check_best_of
@@ -343,17 +344,12 @@ class ServingContext:
 
     def check_logprobs(self, count: int | None, param: str) -> None:
         """A 400 naming ``param`` when it asks for more logprobs than ``--max-logprobs`` allows
-        (the engine checks again when the request is added)."""
-        if count is None:
-            return
-        limit = self.vocab_size if self.max_logprobs == -1 else self.max_logprobs
-        asked = self.vocab_size if count == -1 else count
-        if asked > limit:
-            raise bad_request(
-                f"{param}={count} asks for {asked} logprobs a token, more than this server's "
-                f"limit of {limit} (--max-logprobs).",
-                param=param,
-            )
+        (the engine checks again when the request is added, naming its own field)."""
+        if count is not None:
+            try:
+                logprobs_count(param, count, self.max_logprobs, self.vocab_size)
+            except SamplingParamsError as exc:
+                raise bad_request(str(exc), param=param) from exc
 
     def _or_default(self, value: Any, name: str, api_default: Any) -> Any:
         """A request's sampling value; unset, the model's generation config default, else the
