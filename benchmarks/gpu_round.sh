@@ -166,6 +166,7 @@ for stage in "$@"; do
           envs=()
           for opt in ${variant//+/ }; do
             case $opt in
+              base) ;;
               fast_accum) envs+=(PAGELLM_FP8_FAST_ACCUM=1) ;;
               one_launch) envs+=(PAGELLM_FP8_ONE_LAUNCH_QUANT=1) ;;
               skinny) envs+=(PAGELLM_FP8_SKINNY_GEMM=1) ;;
