@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One round on the GPU machine: offline install (wheels carried in .whl), GPU tests, benchmarks.
 # Writes logs and JSON under $OUT. Stages: tests, tests-flashinfer, fi-jit, fi-cache-save, fa-tests,
-# fa-kernels, fp8-tests, fp8-fused, issue15, fp8-gemm, fp8-skinny, decode-tiles, decode-splits, decode-swap, int4-tests, int4-sweep, int4-gemm, int4-w1, gguf-tests,
+# fa-kernels, issue14-fi, fp8-tests, fp8-fused, issue15, fp8-gemm, fp8-skinny, decode-tiles, decode-splits, decode-swap, int4-tests, int4-sweep, int4-gemm, int4-w1, gguf-tests,
 # gguf-gemm, gguf-smollm2, gguf-sweep-a, gguf-sweep-b, gguf-sweep-c, prof, step-prof, w1, w1-fp8, w2,
 # overhead, hf (W1/W2 with the HF peer).
 #   bash benchmarks/gpu_round.sh tests w2 w1 overhead
@@ -78,6 +78,19 @@ for stage in "$@"; do
     fa-tests) run fa_tests 560 python3 -m pytest -m gpu plugins/attention_backends/flash_attn/tests -q -s -p no:cacheprovider --timeout 300 ;;
     fa-kernels) run fa_kernels 300 python3 benchmarks/flash_attn_kernels.py --output-json "$OUT/fa_kernels.json" ;;
     # pagellm-fp8 (kernels, _scaled_mm paths, engine parity) and the FP8 KV cache of TRITON_ATTN.
+    # Issue 14's FLASHINFER round: a first engine start with an empty JIT cache (compile time in
+    # its log), a second start (nothing compiled), W2 and W1 against TRITON_ATTN on one machine.
+    issue14-fi) rm -rf "$FLASHINFER_WORKSPACE_BASE"
+      run w2_FLASHINFER_first 330 bash benchmarks/workloads.sh W2 --attention-backend FLASHINFER \
+        --output-json "$OUT/w2_FLASHINFER_first.json"
+      for w in W2 W1; do
+        for b in FLASHINFER TRITON_ATTN; do
+          run "${w,,}_$b" 240 bash benchmarks/workloads.sh $w --attention-backend $b \
+            --output-json "$OUT/${w,,}_$b.json"
+        done
+      done
+      grep -ah "FlashInfer: \|engine ready\|warm-up\|capture" "$OUT"/w[12]_FLASHINFER*.log | cut -c1-220
+      python3 benchmarks/w1_summary.py "$OUT"/w[12]_*.json ;;
     fp8-tests) run fp8_tests 300 python3 -m pytest -m gpu -q -s -p no:cacheprovider --timeout 200 \
         plugins/quantization/fp8/tests plugins/attention_backends/triton/tests/test_triton_attn_fp8_gpu.py ;;
     # TRITON_ATTN's decode kernel over a sweep of tiles, bf16 and FP8 caches.
