@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One round on the GPU machine: offline install (wheels carried in .whl), GPU tests, benchmarks.
 # Writes logs and JSON under $OUT. Stages: tests, tests-flashinfer, fi-jit, fi-cache-save, fa-tests,
-# fa-kernels, issue14-fi, fp8-tests, fp8-fused, issue15, fp8-gemm, fp8-skinny, decode-tiles, decode-splits, decode-swap, int4-tests, int4-sweep, int4-gemm, int4-w1, gguf-tests,
+# fa-kernels, issue14-fi, fp8-tests, fp8-fused, issue15, fp8-gemm, fp8-skinny, decode-tiles, decode-splits, decode-swap, int4-tests, int4-sweep, int4-probe, int4-gemm, int4-w1, gguf-tests,
 # gguf-gemm, gguf-smollm2, gguf-sweep-a, gguf-sweep-b, gguf-sweep-c, prof, step-prof, w1, w1-fp8, w2,
 # overhead, hf (W1/W2 with the HF peer).
 #   bash benchmarks/gpu_round.sh tests w2 w1 overhead
@@ -140,6 +140,9 @@ for stage in "$@"; do
     # configs/<GPU>.json, which the kernel then reads; a copy in $OUT to commit).
     int4-sweep) run int4_sweep ${SWEEP_S:-330} python3 benchmarks/int4_gemm.py --sweep --ms 1 16 \
         --sweep-ms ${SWEEP_MS:-1 16} --sweep-json "$OUT/int4_tiles.json" ;;
+    # Every tile of a fixed grid (kind, columns, split, pipeline depth), timed and printed.
+    int4-probe) run int4_probe ${SWEEP_S:-400} python3 benchmarks/int4_gemm.py --probe \
+        --sweep-ms ${SWEEP_MS:-1 16} --output-json "$OUT/int4_probe.json" ;;
     int4-gemm) run int4_gemm 400 python3 benchmarks/int4_gemm.py --output-json "$OUT/int4_gemm.json" ;;
     # W1's model as a GPTQ int4 checkpoint of random weights (our RTN writer, on the GPU, kept
     # under build/), then low-batch decode (1 and 16 requests at once, 512 in / 512 out) against

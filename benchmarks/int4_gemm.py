@@ -239,6 +239,32 @@ def sweep_layer(n: int, k: int, group: int, ms: list[int]) -> dict[str, dict[str
     return best
 
 
+def probe(group: int, ms: list[int], stages: list[int], out_json: Path | None) -> None:
+    """Every tile of a fixed grid for each matmul at each of ``ms``, timed and printed (no table
+    written): how the time moves with the pipeline depth, the split and the column tile."""
+    rows = []
+    for name, (n, k) in LAYERS.items():
+        layouts = layout_copies(random_layout(n, k, group))
+        for m in ms:
+            x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
+            kinds = [("dot", 16), ("dot_t", 16)] if m <= 16 else [("dot", 32), ("dot", 64)]
+            for kind, bm in kinds:
+                for bn in (64, 128):
+                    for split in (1, 4, 8, 16):
+                        if split > triton.cdiv(k, 128):
+                            continue
+                        for st in stages:
+                            cfg = int4_tiles.TileConfig(kind, bm, bn, 128, split, 4, st)
+                            us = time_tiles(x, layouts, cfg)
+                            rows.append({"layer": name, "M": m, **dataclasses.asdict(cfg), "us": us})
+                            print(f"probe {name} M={m} {kind} bn={bn} split={split} stages={st}: "
+                                  f"{us:.2f} us", flush=True)
+        del layouts
+        torch.cuda.empty_cache()
+    if out_json:
+        out_json.write_text(json.dumps(rows) + "\n")
+
+
 def sweep(group: int, sweep_json: Path | None, ms: list[int]) -> None:
     """Each matmul's fastest tiles into the device's table (the entries of other Ms kept),
     written after each matmul."""
@@ -269,9 +295,14 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="measure tiles, write the table")
     parser.add_argument("--sweep-json", type=Path, help="a copy of the table --sweep writes")
     parser.add_argument("--sweep-ms", type=int, nargs="+", default=SWEEP_MS)
+    parser.add_argument("--probe", action="store_true", help="time a fixed grid of tiles, print all")
+    parser.add_argument("--probe-stages", type=int, nargs="+", default=[2, 3, 5, 8])
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
+    if args.probe:
+        probe(args.group_size, args.sweep_ms, args.probe_stages, args.output_json)
+        return
     if args.sweep:
         sweep(args.group_size, args.sweep_json, args.sweep_ms)
     rows = []
