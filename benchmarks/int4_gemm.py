@@ -20,6 +20,10 @@ M = 1, 16, 64 (`SWEEP_MS`, or ``--sweep-ms``) and writes the fastest to the kern
 (``pagellm_int4/configs/<GPU name>.json``, which `int4_tiles.tile_config` reads; also
 ``--sweep-json``), then times the table as above with the new entries.
 
+``--probe`` times every tile of a grid instead (kinds ``--probe-kinds``, 64 or 128 columns, splits
+1/4/8/16, ``--probe-stages``, ``--probe-chains``), prints each and writes them all to
+``--output-json``; no table is written.
+
 Prints one table line per (matmul, M), then one JSON object (also written to ``--output-json``).
 
     python benchmarks/int4_gemm.py [--ms 1 16 64 256 1024 8192] [--group-size 128] [--sweep]
@@ -30,6 +34,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import itertools
 import json
 import platform
 import sys
@@ -224,6 +229,7 @@ def sweep_layer(n: int, k: int, group: int, ms: list[int]) -> dict[str, dict[str
             variants.append({"reduce": "kernel"})  # the partial sums in a second launch
         if top.kind == "dot":
             variants.append({"unpack": "shift"})  # Triton ops instead of the inline PTX
+            variants.append({"chains": 2})  # two MMA chains a tile
         for change in variants:
             cfg = dataclasses.replace(top, **change)
             t = time_tiles(x, layouts, cfg)
@@ -239,26 +245,30 @@ def sweep_layer(n: int, k: int, group: int, ms: list[int]) -> dict[str, dict[str
     return best
 
 
-def probe(group: int, ms: list[int], stages: list[int], out_json: Path | None) -> None:
-    """Every tile of a fixed grid for each matmul at each of ``ms``, timed and printed (no table
-    written): how the time moves with the pipeline depth, the split and the column tile."""
+def probe(group: int, ms: list[int], grid: dict[str, list[Any]], out_json: Path | None) -> None:
+    """Every tile of a grid (``grid``: kinds, stages, chains) for each matmul at each of
+    ``ms``, timed and printed (no table written): how the time moves with the pipeline depth,
+    the split, the column tile and the MMA chains."""
     rows = []
     for name, (n, k) in LAYERS.items():
         layouts = layout_copies(random_layout(n, k, group))
         for m in ms:
             x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
-            kinds = [("dot", 16), ("dot_t", 16)] if m <= 16 else [("dot", 32), ("dot", 64)]
-            for kind, bm in kinds:
-                for bn in (64, 128):
-                    for split in (1, 4, 8, 16):
-                        if split > triton.cdiv(k, 128):
-                            continue
-                        for st in stages:
-                            cfg = int4_tiles.TileConfig(kind, bm, bn, 128, split, 4, st)
-                            us = time_tiles(x, layouts, cfg)
-                            rows.append({"layer": name, "M": m, **dataclasses.asdict(cfg), "us": us})
-                            print(f"probe {name} M={m} {kind} bn={bn} split={split} stages={st}: "
-                                  f"{us:.2f} us", flush=True)
+            bm = 16 if m <= 16 else 64
+            kinds = [kd for kd in grid["kinds"] if kd == "dot" or m <= 16]
+            for kind, bn, split, st, ch in itertools.product(
+                kinds, (64, 128), (1, 4, 8, 16), grid["stages"], grid["chains"]
+            ):
+                if split > triton.cdiv(k, 128) or (ch > 1 and kind != "dot"):
+                    continue
+                cfg = int4_tiles.TileConfig(kind, bm, bn, 128, split, 4, st, chains=ch)
+                us = time_tiles(x, layouts, cfg)
+                rows.append({"layer": name, "M": m, **dataclasses.asdict(cfg), "us": us})
+                print(
+                    f"probe {name} M={m} {kind} bn={bn} split={split} stages={st} chains={ch}: "
+                    f"{us:.2f} us",
+                    flush=True,
+                )
         del layouts
         torch.cuda.empty_cache()
     if out_json:
@@ -295,13 +305,18 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="measure tiles, write the table")
     parser.add_argument("--sweep-json", type=Path, help="a copy of the table --sweep writes")
     parser.add_argument("--sweep-ms", type=int, nargs="+", default=SWEEP_MS)
-    parser.add_argument("--probe", action="store_true", help="time a fixed grid of tiles, print all")
-    parser.add_argument("--probe-stages", type=int, nargs="+", default=[2, 3, 5, 8])
+    parser.add_argument(
+        "--probe", action="store_true", help="time a fixed grid of tiles, print all"
+    )
+    parser.add_argument("--probe-kinds", nargs="+", default=["dot"], choices=["dot", "dot_t"])
+    parser.add_argument("--probe-stages", type=int, nargs="+", default=[3])
+    parser.add_argument("--probe-chains", type=int, nargs="+", default=[1, 2], choices=[1, 2])
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
     if args.probe:
-        probe(args.group_size, args.sweep_ms, args.probe_stages, args.output_json)
+        grid = {"kinds": args.probe_kinds, "stages": args.probe_stages, "chains": args.probe_chains}
+        probe(args.group_size, args.sweep_ms, grid, args.output_json)
         return
     if args.sweep:
         sweep(args.group_size, args.sweep_json, args.sweep_ms)

@@ -156,19 +156,23 @@ def test_a_measured_table_is_used_for_its_shapes_and_the_rule_elsewhere(tmp_path
         int4_tiles.measured_table.cache_clear()
 
 
-@pytest.mark.parametrize(("kind", "block_m"), [("fma", 1), ("fma", 4), ("dot", 16), ("dot_t", 16)])
+@pytest.mark.parametrize(
+    ("kind", "block_m", "chains"),
+    [("fma", 1, 1), ("fma", 4, 1), ("dot", 16, 1), ("dot", 16, 2), ("dot_t", 16, 1)],
+)
 @pytest.mark.parametrize(
     ("k", "n", "group"),
     # K tiles past K (masked), one group, groups shorter than a tile, and a shape where every
     # load is in bounds (K = 512 in two splits of two tiles, N a multiple of the tile).
     [(384, 72, 128), (200, 72, 200), (256, 72, 32), (512, 128, 128)],
 )
-def test_both_kinds_of_program_match_the_reference(kind, block_m, k, n, group):
+def test_both_kinds_of_program_match_the_reference(kind, block_m, chains, k, n, group):
     """Tile-interleaved words (row 16 i + r of a tile in nibble i of word row r) as the kernel
-    reads them, against the reference path on the unpacked codes."""
+    reads them, against the reference path on the unpacked codes; the dot kind with its slabs
+    summed in one MMA chain or two."""
     layout = _layout(k, n, group, act_order=False, seed=8)
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(9))
-    tiles = int4_tiles.TileConfig(kind, block_m, 64, 128, 2, 4, 2)
+    tiles = int4_tiles.TileConfig(kind, block_m, 64, 128, 2, 4, 2, chains=chains)
     out = w4a16.w4a16_gemm(x, layout.qweight, layout.scales, layout.zeros, group, tiles=tiles)
     torch.testing.assert_close(out, gemm.reference_gemm(x, layout), rtol=1e-5, atol=1e-5)
 

@@ -41,6 +41,10 @@ class TileConfig:
     reduce: str = "serial"
     """How split-K partial sums meet: ``serial`` (the last program of an output tile to finish
     adds them, counted by an atomic per tile: one launch) or ``kernel`` (a second launch)."""
+    chains: int = 1
+    """Dependent MMA chains a tensor-core K tile is summed in: 1 (the eight slabs into one
+    accumulator) or 2 (even and odd slabs apart, added once a tile: half the chain's latency
+    for eight more additions)."""
 
 
 SPLIT_K_MAX_M = 16

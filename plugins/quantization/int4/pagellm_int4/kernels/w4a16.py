@@ -99,6 +99,7 @@ def _w4a16_gemm_kernel(
     USE_DOT: tl.constexpr,
     USE_ASM: tl.constexpr,
     SWAP: tl.constexpr,
+    CHAINS: tl.constexpr,
     CODE: tl.constexpr,
     OFFSET: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -171,21 +172,35 @@ def _w4a16_gemm_kernel(
                     acc_t += part_t * s[:, None]
                 else:
                     part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                    if CHAINS == 2:  # odd slabs into a second sum: two MMA chains of four
+                        part2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                     for i in tl.static_range(8):
                         rows = k0 + (BLOCK_K // 8) * i + offs_w
                         a = _activation_slab(x_ptr, offs_m, rows, M, K, stride_xm, mask_m, EVEN_K)
-                        part = tl.dot(a, slabs[i], part)
+                        if CHAINS == 2 and i % 2 == 1:
+                            part2 = tl.dot(a, slabs[i], part2)
+                        else:
+                            part = tl.dot(a, slabs[i], part)
+                    if CHAINS == 2:
+                        part += part2
                     acc += part * s[None, :]
             elif USE_DOT:
                 # offset + q in the product, offset + z times the activations' sum taken off
                 # once per tile (the sum reduced across threads once, not per slab).
                 part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                if CHAINS == 2:
+                    part2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 a_sum = tl.zeros((BLOCK_M, BLOCK_K // 8), dtype=tl.float32)
                 for i in tl.static_range(8):
                     rows = k0 + (BLOCK_K // 8) * i + offs_w
                     a = _activation_slab(x_ptr, offs_m, rows, M, K, stride_xm, mask_m, EVEN_K)
-                    part = tl.dot(a, slab_codes(words, i, CODE), part)
+                    if CHAINS == 2 and i % 2 == 1:
+                        part2 = tl.dot(a, slab_codes(words, i, CODE), part2)
+                    else:
+                        part = tl.dot(a, slab_codes(words, i, CODE), part)
                     a_sum += a.to(tl.float32)
+                if CHAINS == 2:
+                    part += part2
                 x_sum = tl.sum(a_sum, axis=1)
                 acc += (part - x_sum[:, None] * (z[None, :] + OFFSET)) * s[None, :]
             else:
@@ -287,6 +302,7 @@ def _launch(
         USE_DOT=tiles.kind in TENSOR_CORE_KINDS,
         USE_ASM=use_asm,
         SWAP=use_asm and tiles.kind == "dot_t",
+        CHAINS=tiles.chains,
         CODE=code,
         OFFSET=CODE_OFFSET[code],
         EVEN_K=k % tiles.block_k == 0,
