@@ -214,9 +214,7 @@ def attend_paged_tile_swapped(
     if FP8_P:
         # Into a fresh sum, added to acc_t in float32: on sm_90 Triton would otherwise let FP8
         # MMAs accumulate in the tensor cores' reduced precision through the whole context.
-        acc_t = tl.dot(
-            v_t, (p_t * P_FP8_SCALE).to(q_t.dtype), acc_t, max_num_imprecise_acc=BLOCK_N
-        )
+        acc_t = tl.dot(v_t, (p_t * P_FP8_SCALE).to(q_t.dtype), acc_t, max_num_imprecise_acc=BLOCK_N)
     else:
         p16 = p_t.to(q_t.dtype)
         acc_t = tl.dot(v_t.to(q_t.dtype), p16, acc_t, input_precision=DOT_PRECISION)
