@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One round on the GPU machine: offline install (wheels carried in .whl), GPU tests, benchmarks.
 # Writes logs and JSON under $OUT. Stages: tests, tests-flashinfer, fi-jit, fi-cache-save, fa-tests,
-# fa-kernels, issue14-fi, fp8-tests, fp8-fused, issue15, fp8-gemm, fp8-skinny, decode-tiles, decode-splits, decode-swap, int4-tests, int4-sweep, int4-probe, int4-gemm, int4-w1, gguf-tests,
+# fa-kernels, issue14-fi, issue17, fp8-tests, fp8-fused, issue15, fp8-gemm, fp8-skinny, decode-tiles, decode-splits, decode-swap, int4-tests, int4-sweep, int4-probe, int4-gemm, int4-w1, gguf-tests,
 # gguf-gemm, gguf-smollm2, gguf-sweep-a, gguf-sweep-b, gguf-sweep-c, prof, step-prof, w1, w1-fp8, w2,
 # overhead, hf (W1/W2 with the HF peer).
 #   bash benchmarks/gpu_round.sh tests w2 w1 overhead
@@ -78,6 +78,9 @@ for stage in "$@"; do
     fa-tests) run fa_tests 560 python3 -m pytest -m gpu plugins/attention_backends/flash_attn/tests -q -s -p no:cacheprovider --timeout 300 ;;
     fa-kernels) run fa_kernels 300 python3 benchmarks/flash_attn_kernels.py --output-json "$OUT/fa_kernels.json" ;;
     # pagellm-fp8 (kernels, _scaled_mm paths, engine parity) and the FP8 KV cache of TRITON_ATTN.
+    # Issue 17's round in one call: pagellm (TRITON_ATTN, its defaults) on the prefill-heavy run,
+    # W2 and W1, then vLLM 0.25.1 on the same requests (carry .vllm-peer too); about 500 s.
+    issue17) BACKENDS=TRITON_ATTN bash benchmarks/backends_round.sh ph w2 w1 peer-ph peer-w ;;
     # Issue 14's FLASHINFER round: a first engine start with an empty JIT cache (compile time in
     # its log), a second start (nothing compiled), W2 and W1 against TRITON_ATTN on one machine.
     issue14-fi) rm -rf "$FLASHINFER_WORKSPACE_BASE"
