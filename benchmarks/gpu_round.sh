@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One round on the GPU machine: offline install (wheels carried in .whl), GPU tests, benchmarks.
 # Writes logs and JSON under $OUT. Stages: tests, tests-flashinfer, fi-jit, fi-cache-save, fa-tests,
-# fa-kernels, issue14-fi, issue17, fp8-tests, fp8-fused, issue15, fp8-gemm, fp8-skinny, decode-tiles, decode-splits, decode-swap, int4-tests, int4-sweep, int4-probe, int4-gemm, int4-w1, gguf-tests,
+# fa-kernels, issue14-fi, issue14-fi-triton, issue17, fp8-tests, fp8-fused, issue15, fp8-gemm, fp8-skinny, decode-tiles, decode-splits, decode-swap, int4-tests, int4-sweep, int4-probe, int4-gemm, int4-w1, gguf-tests,
 # gguf-gemm, gguf-smollm2, gguf-sweep-a, gguf-sweep-b, gguf-sweep-c, prof, step-prof, w1, w1-fp8, w2,
 # overhead, hf (W1/W2 with the HF peer).
 #   bash benchmarks/gpu_round.sh tests w2 w1 overhead
@@ -81,6 +81,17 @@ for stage in "$@"; do
     # Issue 17's round in one call: pagellm (TRITON_ATTN, its defaults) on the prefill-heavy run,
     # W2 and W1, then vLLM 0.25.1 on the same requests (carry .vllm-peer too); about 500 s.
     issue17) BACKENDS=TRITON_ATTN bash benchmarks/backends_round.sh ph w2 w1 peer-ph peer-w ;;
+    # FLASHINFER with its one-token rows on TRITON_ATTN's kernel (PAGELLM_FLASHINFER_DECODE=triton):
+    # W2 and W1 against TRITON_ATTN on one machine, then that option's GPU tests.
+    issue14-fi-triton) for w in W2 W1; do
+        PAGELLM_FLASHINFER_DECODE=triton run "${w,,}_FLASHINFER_triton" 240 bash benchmarks/workloads.sh \
+          $w --attention-backend FLASHINFER --output-json "$OUT/${w,,}_FLASHINFER_triton.json"
+        run "${w,,}_TRITON_ATTN" 240 bash benchmarks/workloads.sh $w --attention-backend TRITON_ATTN \
+          --output-json "$OUT/${w,,}_TRITON_ATTN.json"
+      done
+      run fi_triton_tests 300 python3 -m pytest -m gpu -q -s -p no:cacheprovider --timeout 280 \
+        plugins/attention_backends/flashinfer/tests -k "triton or decode"
+      python3 benchmarks/w1_summary.py "$OUT"/w[12]_*.json ;;
     # Issue 14's FLASHINFER round: a first engine start with an empty JIT cache (compile time in
     # its log), a second start (nothing compiled), W2 and W1 against TRITON_ATTN on one machine.
     issue14-fi) rm -rf "$FLASHINFER_WORKSPACE_BASE"

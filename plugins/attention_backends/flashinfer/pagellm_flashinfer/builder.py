@@ -39,6 +39,7 @@ from pagellm_flashinfer.planning import (
     plan_prefill,
     prefill_backend,
 )
+from pagellm_flashinfer.triton_decode import TritonDecode, triton_decode_runner
 
 
 @dataclass
@@ -47,18 +48,25 @@ class StepPart:
 
     start: int
     end: int
-    index: PagedKVIndex
-    """These rows' arrays, their indptrs starting at 0 (as FlashInfer reads them)."""
+    index: PagedKVIndex | None
+    """These rows' arrays, their indptrs starting at 0 (as FlashInfer reads them); None for
+    TRITON_ATTN's decode kernel (`triton_decode`), which reads the block table."""
     wrapper: Any
     plan: Callable[[StepPart, LayerParams], None]
+
+    @property
+    def arrays(self) -> PagedKVIndex:
+        """The index of a part a FlashInfer wrapper serves."""
+        assert self.index is not None, "TRITON_ATTN's decode part has no FlashInfer arrays"
+        return self.index
 
 
 @dataclass
 class FlashInferMetadata:
     num_actual_tokens: int
     slot_mapping: torch.Tensor
-    index: PagedKVIndex
-    """The whole step's arrays."""
+    index: PagedKVIndex | None
+    """The whole step's arrays; None when no FlashInfer wrapper serves the step."""
     parts: list[StepPart]
     """One part for a step of decode rows (an eager decode wrapper, or a captured graph's) or
     of prompt rows; two for a mixed step whose leading rows decode: those rows on the decode
@@ -70,7 +78,7 @@ class FlashInferMetadata:
 
     @property
     def decode_only(self) -> bool:
-        return all(part.index.max_query_len == 1 for part in self.parts)
+        return all(part.index is None or part.index.max_query_len == 1 for part in self.parts)
 
     @property
     def wrapper(self) -> Any:
@@ -175,6 +183,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
         self._graphs: dict[int, GraphDecode] = {}
         self._graph_storage: _GraphStorage | None = None
         self._graph_int_workspace: torch.Tensor | None = None
+        self._triton = triton_decode_runner(kv_cache_spec, device)
 
     # ------------------------------------------------------------------ eager steps
 
@@ -185,8 +194,11 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
                 dtype=torch.int32,
                 device=self.device,
             )
-        index = self._index(common, self._kv_indptr[: common.num_reqs + 1])
         num_tokens = common.num_actual_tokens
+        if self._triton is not None and common.max_query_len == 1:
+            part = self._triton_part(common, num_tokens, common.num_reqs, for_graph=False)
+            return FlashInferMetadata(num_tokens, common.slot_mapping, None, [part])
+        index = self._index(common, self._kv_indptr[: common.num_reqs + 1])
         if common.max_query_len == 1:
             parts = [StepPart(0, num_tokens, index, self._decode, self._plan_decode)]
         else:
@@ -199,12 +211,22 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
                     StepPart(0, num_decodes, decodes, self._decode, self._plan_decode),
                     StepPart(num_decodes, num_tokens, prompts, self._prefill, self._plan_prefill),
                 ]
+                if self._triton is not None:  # after the prompts: every one-token row
+                    qsl = common.query_start_loc_cpu
+                    ones = int(((qsl[1:] - qsl[:-1]) == 1).sum())
+                    parts = [parts[1], self._triton_part(common, num_tokens, ones, False)]
         return FlashInferMetadata(
             num_actual_tokens=num_tokens,
             slot_mapping=common.slot_mapping,
             index=index,
             parts=parts,
         )
+
+    def _triton_part(
+        self, common: CommonAttentionMetadata, num_tokens: int, num_decodes: int, for_graph: bool
+    ) -> StepPart:
+        wrapper = TritonDecode(self._triton, common, num_decodes, for_graph)
+        return StepPart(0, num_tokens, None, wrapper, TritonDecode.set_params)
 
     def _index(self, common: CommonAttentionMetadata, kv_indptr: torch.Tensor) -> PagedKVIndex:
         """The step's arrays; ``kv_indptr`` is the device buffer the page gather reads."""
@@ -257,19 +279,22 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
             self._copies_done.record()
 
     def _plan_prefill(self, part: StepPart, params: LayerParams) -> None:
-        plan_prefill(part.wrapper, part.index, params, self.kv_cache_spec)
+        plan_prefill(part.wrapper, part.arrays, params, self.kv_cache_spec)
         self._issued_copies()
 
     def _plan_decode(self, part: StepPart, params: LayerParams) -> None:
-        plan_decode(part.wrapper, part.index, params, self.kv_cache_spec)
+        plan_decode(part.wrapper, part.arrays, params, self.kv_cache_spec)
         self._issued_copies()
 
     # ------------------------------------------------------------------ CUDA graphs
 
     def build_for_cudagraph(self, common: CommonAttentionMetadata) -> FlashInferMetadata:
         num_rows = common.seq_lens.shape[0]
-        graph = self._graph(num_rows, num_rows * common.block_table.shape[1])
         num_tokens = common.slot_mapping.shape[0]
+        if self._triton is not None:
+            part = self._triton_part(common, num_tokens, num_rows, for_graph=True)
+            return FlashInferMetadata(num_tokens, common.slot_mapping, None, [part], True)
+        graph = self._graph(num_rows, num_rows * common.block_table.shape[1])
         index = self._index(common, graph.kv_indptr)
         plan = functools.partial(self._plan_graph, graph)
         return FlashInferMetadata(
@@ -286,13 +311,17 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
         meta = attn_metadata
         if meta.planned_with is None:
             raise RuntimeError("FLASHINFER: a graph was captured before any layer planned it")
-        graph = self._graphs[meta.index.num_rows]
         (part,) = meta.parts
+        if isinstance(part.wrapper, TritonDecode):
+            part.wrapper.prepare_replay(common)
+            return
+        assert meta.index is not None
+        graph = self._graphs[meta.index.num_rows]
         meta.index = part.index = self._index(common, graph.kv_indptr)
         part.plan(part, meta.planned_with)
 
     def _plan_graph(self, graph: GraphDecode, part: StepPart, params: LayerParams) -> None:
-        plan_graph_decode(self._flashinfer, graph, part.index, params, self.kv_cache_spec)
+        plan_graph_decode(self._flashinfer, graph, part.arrays, params, self.kv_cache_spec)
         self._issued_copies()
 
     def _graph(self, num_rows: int, max_pages: int) -> GraphDecode:

@@ -28,6 +28,11 @@ from pagellm_flashinfer.builder import FlashInferMetadataBuilder
 from pagellm_flashinfer.jit_cache import modules_for
 from pagellm_flashinfer.paged_kv import fill_page_counts, gather_page_indices
 from pagellm_flashinfer.planning import prefill_backend, window_left
+from pagellm_flashinfer.triton_decode import (
+    DECODE_VAR,
+    decode_kernel_choice,
+    triton_decode_runner,
+)
 
 from pagellm.attention.backend import CommonAttentionMetadata
 from pagellm.attention.registry import attention_backends
@@ -681,3 +686,87 @@ def test_the_package_registers_flashinfer_through_its_entry_point():
     assert attention_backends.get("FLASHINFER") is FlashInferBackend
     extras = entry.dist.metadata.get_all("Provides-Extra") or []
     assert "flashinfer" in extras
+
+
+# ---------------------------------------------------------------------------- TRITON_ATTN's decode
+
+
+@pytest.fixture
+def triton_decode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``PAGELLM_FLASHINFER_DECODE=triton``: the one-token rows on TRITON_ATTN's decode kernel
+    (Triton's interpreter here)."""
+    pytest.importorskip("pagellm_triton_attn")
+    monkeypatch.setenv(DECODE_VAR, "triton")
+
+
+@pytest.mark.parametrize(
+    ("rows", "window"),
+    [
+        ([(13, 1), (1, 1), (22, 1)], None),  # decode only
+        ([(13, 1), (31, 1), (0, 9), (22, 1), (4, 4)], None),  # leading decodes, and a later one
+        ([(0, 9), (13, 1), (4, 4)], 5),  # no leading decode row: the prefill wrapper serves all
+        ([(40, 1), (3, 1)], 5),
+    ],
+)
+def test_triton_decode_matches_reference(fake, triton_decode, rows, window):
+    step = make_step(rows)
+    builder = FlashInferMetadataBuilder(spec_of(step, window), torch.device("cpu"))
+    meta = builder.build(step.common)
+    impl = impl_for(step, window)
+    out = attend(impl, step, meta)
+    torch.testing.assert_close(out.double(), reference(step, impl.scale, window))
+    assert_new_kv_written(step)
+    # FlashInfer's decode wrapper is never planned; a decode-only step gathers no pages either.
+    assert fake.log.named("decode.plan") == []
+    if all(n == 1 for _, n in rows):
+        assert meta.index is None and meta.decode_only and fake.log.named("prefill.plan") == []
+    else:
+        (plan,) = fake.log.named("prefill.plan")
+        leading = next(i for i, (_, n) in enumerate(rows) if n > 1)
+        assert plan.args[0].tolist()[-1] == sum(n for _, n in rows[leading:])
+
+
+def test_triton_decode_graphs_replay_from_the_persistent_buffers(fake, triton_decode):
+    """A captured batch: no FlashInfer wrapper, plan or page gather; before each replay only the
+    row order is rewritten (longest first), into the buffer the capture's kernels read."""
+    rows, block_cols, block_size = 4, 8, 4
+    buffers = PersistentBuffers(rows, block_cols)
+    first = make_step([(9, 1), (0, 1), (4, 1)], padding_rows=1, seed=1)
+    second = make_step([(2, 1), (14, 1), (7, 1)], padding_rows=1, seed=2)
+    num_blocks = max(first.kv_cache.shape[1], second.kv_cache.shape[1])
+    kv_cache = torch.zeros(2, num_blocks, block_size, 2, 8)
+    builder = FlashInferMetadataBuilder(spec_of(first), torch.device("cpu"))
+    meta = builder.build_for_cudagraph(buffers.common(max_seq_len=block_cols * block_size))
+    assert meta.decode_only and meta.pads_with_null_slots and meta.index is None
+    impl = impl_for(first)
+    zeros = torch.zeros(rows, first.num_heads * 8)
+    impl.forward(zeros, zeros[:, :16], zeros[:, :16], kv_cache, meta)  # the capture's pass
+    (part,) = meta.parts
+    order = part.wrapper.plan.row_order
+    for step, longest_first in ((first, [0, 2, 1, 3]), (second, [1, 2, 0, 3])):
+        kv_cache.fill_(float("nan"))
+        kv_cache[:, : step.kv_cache.shape[1]] = step.kv_cache
+        step.kv_cache = kv_cache
+        builder.prepare_cudagraph_replay(meta, buffers.stage(step))
+        assert part.wrapper.plan.row_order is order and order.tolist() == longest_first
+        out = attend(impl, step, meta)  # the "replay": the same metadata and buffers
+        expected = reference(step, impl.scale, None)
+        torch.testing.assert_close(out[:-1].double(), expected[:-1])
+        assert_new_kv_written(step)
+        assert kv_cache[:, 0].isnan().all(), "the padding token's K/V went to no block"
+    assert fake.log.named("decode.plan") == [] and fake.log.named("fast_decode_plan") == []
+    assert [c.name for c in fake.log.calls if c.name == "decode.__init__"] == ["decode.__init__"]
+
+
+def test_the_decode_kernel_choice_is_checked(fake, monkeypatch):
+    spec = KVCacheSpec(4, 2, 8, torch.bfloat16)
+    assert decode_kernel_choice({}) == "flashinfer"
+    assert triton_decode_runner(spec, torch.device("cpu"), {}) is None
+    with pytest.raises(ValueError, match="PAGELLM_FLASHINFER_DECODE='fa3': expected one of"):
+        decode_kernel_choice({DECODE_VAR: "fa3"})
+    monkeypatch.setenv(DECODE_VAR, "triton")
+    monkeypatch.setattr(
+        "pagellm_flashinfer.triton_decode.triton_unavailable_reason", lambda: "no Triton here"
+    )
+    with pytest.raises(ValueError, match="=triton, but TRITON_ATTN's decode kernel cannot run: no"):
+        FlashInferMetadataBuilder(spec, torch.device("cpu"))

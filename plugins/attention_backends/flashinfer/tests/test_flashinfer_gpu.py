@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
+from pagellm_flashinfer.triton_decode import DECODE_KERNELS, DECODE_VAR
 
 from pagellm.attention.backend import CommonAttentionMetadata
 from pagellm.kv_cache.spec import KVCacheSpec
@@ -328,6 +329,20 @@ def test_decode_of_256_rows_matches_reference(config):
     batch, window = batch_for(config, random_decode_rows(256, 8192, seed=7))
     out, meta, _ = run_eager(batch, window)
     assert meta.decode_only
+    assert_new_kv_written(batch)
+    assert_matches_reference(out, batch, make_impl(batch, window).scale, window)
+
+
+@pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[4]], ids=str)
+@pytest.mark.parametrize("kind", ["decodes", "decodes-first"])
+def test_triton_decode_rows_match_reference(config, kind, monkeypatch):
+    """``PAGELLM_FLASHINFER_DECODE=triton``: 256 decode rows, and 200 leading a mixed step (the
+    prefill wrapper serves the others, then TRITON_ATTN's kernel every one-token row)."""
+    monkeypatch.setenv(DECODE_VAR, "triton")
+    decodes = random_decode_rows(256 if kind == "decodes" else 200, 8192, seed=11)
+    batch, window = batch_for(config, decodes if kind == "decodes" else decodes + MIXED_ROWS)
+    out, meta, _ = run_eager(batch, window)
+    assert meta.decode_only == (kind == "decodes")
     assert_new_kv_written(batch)
     assert_matches_reference(out, batch, make_impl(batch, window).scale, window)
 
@@ -688,11 +703,14 @@ def teacher_forced(model: str, backend: str, generations) -> list[list[tuple[int
     return scores
 
 
+@pytest.mark.parametrize("decode", DECODE_KERNELS)
 @pytest.mark.parametrize("kind", list(MODELS))
-def test_greedy_tokens_are_triton_attn_argmaxes(models, kind):
+def test_greedy_tokens_are_triton_attn_argmaxes(models, kind, decode, monkeypatch):
     """FLASHINFER's greedy tokens, scored by TRITON_ATTN over the same sequences (teacher
     forcing, so that one near-tie cannot send the rest down another path): its argmax at nearly
-    every position, with close logprobs (the bfloat16 tolerances of the suite against HF)."""
+    every position, with close logprobs (the bfloat16 tolerances of the suite against HF); its
+    one-token rows on FlashInfer's decode wrapper or on TRITON_ATTN's kernel."""
+    monkeypatch.setenv(DECODE_VAR, decode)
     generations = generate(models[kind], "FLASHINFER")
     scores = teacher_forced(models[kind], "TRITON_ATTN", generations)
     agree = total = 0
@@ -703,13 +721,16 @@ def test_greedy_tokens_are_triton_attn_argmaxes(models, kind):
         total += len(row)
         worst = max(worst, *(abs(a - b) for a, (_, b) in zip(lps, row, strict=True)))
     print(
-        f"{kind} bf16 FLASHINFER vs TRITON_ATTN: top-1 {agree}/{total}, max |dlogprob| {worst:.4f}"
+        f"{kind} bf16 FLASHINFER ({decode} decode) vs TRITON_ATTN: top-1 {agree}/{total}, "
+        f"max |dlogprob| {worst:.4f}"
     )
     assert agree / total >= 0.93, f"top-1 agreement {agree}/{total}"
     assert worst <= 0.15, f"max logprob difference {worst}"
 
 
-def test_cuda_graphs_give_the_tokens_of_eager_steps(models):
+@pytest.mark.parametrize("decode", DECODE_KERNELS)
+def test_cuda_graphs_give_the_tokens_of_eager_steps(models, decode, monkeypatch):
+    monkeypatch.setenv(DECODE_VAR, decode)
     graphs = generate(models["qwen3"], "FLASHINFER")
     eager = generate(models["qwen3"], "FLASHINFER", enforce_eager=True)
     # As in tests/e2e/test_gpu_models.py: up to the first difference the logprobs agree; at it,
