@@ -82,15 +82,14 @@ for stage in "$@"; do
     # W2 and W1, then vLLM 0.25.1 on the same requests (carry .vllm-peer too); about 500 s.
     issue17) BACKENDS=TRITON_ATTN bash benchmarks/backends_round.sh ph w2 w1 peer-ph peer-w ;;
     # FLASHINFER with its one-token rows on TRITON_ATTN's kernel (PAGELLM_FLASHINFER_DECODE=triton):
-    # W2 and W1 against TRITON_ATTN on one machine, then that option's GPU tests.
+    # W2 and W1 against TRITON_ATTN on one machine (carry .ficache: its GPU tests, in
+    # tests-flashinfer, first compile every module they use).
     issue14-fi-triton) for w in W2 W1; do
         PAGELLM_FLASHINFER_DECODE=triton run "${w,,}_FLASHINFER_triton" 240 bash benchmarks/workloads.sh \
           $w --attention-backend FLASHINFER --output-json "$OUT/${w,,}_FLASHINFER_triton.json"
         run "${w,,}_TRITON_ATTN" 240 bash benchmarks/workloads.sh $w --attention-backend TRITON_ATTN \
           --output-json "$OUT/${w,,}_TRITON_ATTN.json"
       done
-      run fi_triton_tests 300 python3 -m pytest -m gpu -q -s -p no:cacheprovider --timeout 280 \
-        plugins/attention_backends/flashinfer/tests -k "triton or decode"
       python3 benchmarks/w1_summary.py "$OUT"/w[12]_*.json ;;
     # Issue 14's FLASHINFER round: a first engine start with an empty JIT cache (compile time in
     # its log), a second start (nothing compiled), W2 and W1 against TRITON_ATTN on one machine.
