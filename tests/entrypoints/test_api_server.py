@@ -576,7 +576,6 @@ BAD_REQUESTS = {
         CHAT,
         {"messages": [{"role": "user", "content": LONG_TEXT}]},
     ),
-    "unknown model": (CHAT, {"model": "gpt-17", "messages": HELLO}),
     "negative temperature": (COMPLETIONS, {"prompt": "hi", "temperature": -0.5}),
     "NaN temperature": (COMPLETIONS, b'{"prompt": "hi", "temperature": NaN}'),
     "logit_bias id beyond the vocabulary": (
@@ -608,6 +607,21 @@ def test_bad_request_gets_400_with_an_openai_error(main: Server, case: str):
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert error["type"] == "invalid_request_error" and error["message"]
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        (CHAT, {"model": "gpt-17", "messages": HELLO}),
+        (COMPLETIONS, {"model": "gpt-17", "prompt": "hi"}),
+    ],
+)
+def test_an_unknown_model_gets_404_as_from_openai_and_vllm(main: Server, path: str, body: dict):
+    response = main.post(path, json=body)
+    assert response.status_code == 404, response.text
+    error = response.json()["error"]
+    assert error["param"] == "model" and error["code"] == "model_not_found", error
+    assert "'gpt-17' does not exist" in error["message"] and MODEL_NAME in error["message"]
 
 
 def test_bad_requests_name_the_parameter(main: Server):

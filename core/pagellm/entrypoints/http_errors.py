@@ -64,6 +64,23 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
+def served_model_name(requested: str | None, served: list[str]) -> str:
+    """The model name a response reports: the first served name when the request names none.
+    A name the server does not serve gets HTTP 404 (``code: "model_not_found"``), as from
+    OpenAI and vLLM."""
+    if requested is None:
+        return served[0]
+    if requested not in served:
+        raise APIError(
+            404,
+            f"The model {requested!r} does not exist; this server serves "
+            f"{', '.join(repr(n) for n in served)}.",
+            param="model",
+            code="model_not_found",
+        )
+    return requested
+
+
 def _path(loc: tuple[int | str, ...]) -> str:
     """A field's location as a client writes it: ``stream_options.include_usage``, ``prompt[2]``."""
     path = ""

@@ -10,7 +10,7 @@ from typing import Any
 
 from fastapi import Request
 
-from pagellm.entrypoints.http_errors import bad_request
+from pagellm.entrypoints.http_errors import bad_request, served_model_name
 from pagellm.entrypoints.server_context import EngineClient, ServerContext
 from pagellm.io_processors import IOProcessorInputError
 from pagellm.multimodal import MultiModalItem
@@ -173,17 +173,8 @@ class ServingContext:
         return tokenizer
 
     def model_name(self, requested: str | None) -> str:
-        """The name to report; a name the server does not serve is refused."""
-        if requested is None:
-            return self.model_names[0]
-        if requested not in self.model_names:
-            raise bad_request(
-                f"The model {requested!r} does not exist; this server serves "
-                f"{', '.join(repr(n) for n in self.model_names)}.",
-                param="model",
-                code="model_not_found",
-            )
-        return requested
+        """The name to report; a name the server does not serve is refused (404)."""
+        return served_model_name(requested, self.model_names)
 
     def text_prompt(self, text: str, add_special_tokens: bool = True) -> Prompt:
         if not text:

@@ -19,7 +19,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from pagellm.engine.processor import PromptType
-from pagellm.entrypoints.http_errors import bad_request
+from pagellm.entrypoints.http_errors import bad_request, served_model_name
 from pagellm.entrypoints.server_context import EngineClient, ServerContext
 from pagellm.outputs import EmbeddingRequestOutput
 from pagellm.plugins import EndpointPlugin, hookimpl
@@ -82,16 +82,7 @@ def attach(app: FastAPI, server: ServerContext) -> None:
     router = APIRouter()
 
     def model_name(requested: str | None) -> str:
-        if requested is None:
-            return names[0]
-        if requested not in names:
-            raise bad_request(
-                f"The model {requested!r} does not exist; this server serves "
-                f"{', '.join(repr(n) for n in names)}.",
-                param="model",
-                code="model_not_found",
-            )
-        return requested
+        return served_model_name(requested, names)
 
     @router.get("/v1/models")
     async def models() -> dict[str, Any]:

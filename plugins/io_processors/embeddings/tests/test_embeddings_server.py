@@ -100,7 +100,6 @@ def test_truncate_prompt_tokens_cuts_a_long_input_instead_of_refusing_it(server:
         ({"input": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "positive"),
         ({"input": "x", "truncate_prompt_tokens": 9999}, "truncate_prompt_tokens", "more than"),
         ({"input": "x", "encoding_format": "int8"}, "encoding_format", "float"),
-        ({"input": "x", "model": "gpt-4"}, "model", "does not exist"),
         ({"input": "x", "temperature": 0.5}, "temperature", "Unknown parameter"),
         ({"input": ["x"] * 257}, "input", "at most 256"),
     ],
@@ -110,6 +109,13 @@ def test_bad_inputs_get_a_400_naming_the_field(server: Server, body, param, mess
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param and message in error["message"], error
+
+
+def test_an_unknown_model_gets_404(server: Server):
+    response = server.post("/v1/embeddings", json={"input": "x", "model": "gpt-4"})
+    assert response.status_code == 404, response.text
+    error = response.json()["error"]
+    assert error["param"] == "model" and error["code"] == "model_not_found", error
 
 
 def test_the_server_stays_healthy_and_frees_every_block_after_bad_inputs(server: Server):
