@@ -132,6 +132,13 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             self.stop = [self.stop]
         if self.stop is not None and any(not isinstance(s, str) or not s for s in self.stop):
             raise SamplingParamsError("stop", f"stop must be non-empty strings, got {self.stop!r}.")
+        if self.bad_words is not None and any(
+            not isinstance(w, str) or not w for w in self.bad_words
+        ):
+            # An empty word would ban what follows a space: the space token itself.
+            raise SamplingParamsError(
+                "bad_words", f"bad_words must be non-empty strings, got {self.bad_words!r}."
+            )
         for name in ("stop_token_ids", "allowed_token_ids"):
             for token in getattr(self, name) or ():
                 _integer(name, token, 0)

@@ -595,6 +595,9 @@ BAD_REQUESTS = {
     ),
     "oversized body": (COMPLETIONS, {"prompt": "x" * (2 << 20)}),
     "empty prompt": (COMPLETIONS, {"prompt": ""}),
+    "empty stop string": (COMPLETIONS, {"prompt": "hi", "stop": ""}),
+    "empty stop string in a list": (CHAT, {"messages": HELLO, "stop": ["x", ""]}),
+    "empty bad word": (COMPLETIONS, {"prompt": "hi", "bad_words": ["x", ""]}),
 }
 
 

@@ -123,6 +123,18 @@ def test_integers_beyond_the_wire_range_are_refused_naming_the_field(kwargs, par
     assert info.value.param == param
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [({"stop": ""}, "stop"), ({"stop": ["a", ""]}, "stop"), ({"bad_words": [""]}, "bad_words")],
+)
+def test_empty_stop_strings_and_bad_words_are_refused(kwargs, param):
+    """An empty stop string would stop at once; an empty bad word would ban the space token
+    (what follows a space)."""
+    with pytest.raises(SamplingParamsError, match=f"{param} must be non-empty strings") as info:
+        SamplingParams(**kwargs)
+    assert info.value.param == param
+
+
 def test_top_k_beyond_the_vocabulary_is_no_top_k_and_the_engine_lives(llm):
     # Used to index past the vocabulary in the sampler's gather and kill the engine.
     params = SamplingParams(temperature=1.0, top_k=100_000, seed=1, max_tokens=4, ignore_eos=True)

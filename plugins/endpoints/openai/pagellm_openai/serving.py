@@ -314,7 +314,7 @@ class ServingContext:
                 logit_bias=self._logit_bias(request.logit_bias),
                 allowed_token_ids=request.allowed_token_ids,
                 bad_words=request.bad_words or None,
-                stop=request.stop or None,
+                stop=None if request.stop == [] else request.stop,
                 stop_token_ids=request.stop_token_ids,
                 include_stop_str_in_output=request.include_stop_str_in_output,
                 ignore_eos=request.ignore_eos,
