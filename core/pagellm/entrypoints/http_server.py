@@ -124,7 +124,7 @@ def make_server(app: Any, args: ServerArgs, on_shutdown: Callable[[], None]) -> 
         host=args.host,
         port=args.port,
         log_config=None,
-        access_log=False,
+        access_log=not args.disable_uvicorn_access_log,
         ssl_keyfile=args.ssl_keyfile,
         ssl_certfile=args.ssl_certfile,
         ssl_ca_certs=args.ssl_ca_certs,

@@ -109,6 +109,11 @@ class ServerArgs:
         "sampling parameters; never the prompt's text) and each abort.",
         action="store_true",
     )
+    disable_uvicorn_access_log: bool = _option(
+        False,
+        "Log no line per HTTP request (by default, as vLLM: client, method, path, status).",
+        action="store_true",
+    )
     # TLS and a proxy's path prefix, with vLLM's flags.
     ssl_keyfile: str | None = _option(
         None, "The TLS private key file (with --ssl-certfile: HTTPS)."
