@@ -419,6 +419,18 @@ class PersistentBuffers:
         return self.common(c.max_seq_len, c.block_table.shape[1])
 
 
+def two_graph_steps(
+    rows: int, block_cols: int, block_size: int
+) -> tuple[PersistentBuffers, Step, Step, torch.Tensor]:
+    """A graph's persistent buffers, two padded decode steps of three rows to replay in them, and
+    a KV cache large enough for either."""
+    buffers = PersistentBuffers(rows, block_cols)
+    first = make_step([(9, 1), (0, 1), (4, 1)], padding_rows=1, seed=1, block_size=block_size)
+    second = make_step([(2, 1), (14, 1), (7, 1)], padding_rows=1, seed=2, block_size=block_size)
+    num_blocks = max(first.kv_cache.shape[1], second.kv_cache.shape[1])
+    return buffers, first, second, torch.zeros(2, num_blocks, block_size, 2, 8)
+
+
 @pytest.mark.parametrize(
     "replans", [True, False], ids=["few-rows-replanned", "many-rows-planned-once"]
 )
@@ -431,11 +443,7 @@ def test_graph_metadata_is_planned_at_capture_and_replanned_before_each_replay(
     if not replans:
         monkeypatch.setattr(FlashInferMetadataBuilder, "graph_split_kv_below_ctas", 0)
     rows, block_cols, block_size = 4, 8, 4
-    buffers = PersistentBuffers(rows, block_cols)
-    first = make_step([(9, 1), (0, 1), (4, 1)], padding_rows=1, seed=1)
-    second = make_step([(2, 1), (14, 1), (7, 1)], padding_rows=1, seed=2)
-    num_blocks = max(first.kv_cache.shape[1], second.kv_cache.shape[1])
-    kv_cache = torch.zeros(2, num_blocks, block_size, 2, 8)
+    buffers, first, second, kv_cache = two_graph_steps(rows, block_cols, block_size)
     builder = FlashInferMetadataBuilder(spec_of(first), torch.device("cpu"))
 
     # Capture: every row is padding, the block table at full width.
@@ -730,11 +738,7 @@ def test_triton_decode_graphs_replay_from_the_persistent_buffers(fake, triton_de
     """A captured batch: no FlashInfer wrapper, plan or page gather; before each replay only the
     row order is rewritten (longest first), into the buffer the capture's kernels read."""
     rows, block_cols, block_size = 4, 8, 4
-    buffers = PersistentBuffers(rows, block_cols)
-    first = make_step([(9, 1), (0, 1), (4, 1)], padding_rows=1, seed=1)
-    second = make_step([(2, 1), (14, 1), (7, 1)], padding_rows=1, seed=2)
-    num_blocks = max(first.kv_cache.shape[1], second.kv_cache.shape[1])
-    kv_cache = torch.zeros(2, num_blocks, block_size, 2, 8)
+    buffers, first, second, kv_cache = two_graph_steps(rows, block_cols, block_size)
     builder = FlashInferMetadataBuilder(spec_of(first), torch.device("cpu"))
     meta = builder.build_for_cudagraph(buffers.common(max_seq_len=block_cols * block_size))
     assert meta.decode_only and meta.pads_with_null_slots and meta.index is None
