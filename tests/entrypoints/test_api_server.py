@@ -10,8 +10,8 @@ allowlists and the scheduling policies:
 - ``openai_only``: ``VLLM_PLUGINS=openai``, ``--disable-log-stats``; its engine process is killed
   at the end;
 - ``default``: VLLM_PLUGINS unset, ``--endpoints openai``, sampling defaults set by
-  ``--override-generation-config``, ``--disable-uvicorn-access-log``; stopped with SIGTERM at the
-  end;
+  ``--override-generation-config``, ``--disable-uvicorn-access-log``, ``--uvicorn-log-level
+  warning``; stopped with SIGTERM at the end;
 - ``one_at_a_time``: ``--scheduling-policy priority --max-num-seqs 1 --enable-log-requests``,
   over HTTPS (a self-signed certificate) under ``--root-path /llm``.
 """
@@ -93,6 +93,8 @@ def servers(
                 "--override-generation-config",
                 json.dumps(GENERATION_DEFAULTS),
                 "--disable-uvicorn-access-log",
+                "--uvicorn-log-level",
+                "warning",
             ),
         ),
         "one_at_a_time": (
@@ -484,12 +486,15 @@ def test_priority_decides_which_waiting_request_runs_first(servers: dict[str, Se
 
 
 def test_one_access_log_line_per_request_unless_disabled(servers: dict[str, Server]):
+    """``main`` logs as vLLM by default; ``default`` runs with no access log and uvicorn's log at
+    warning level (no start-up lines either)."""
     main, quiet = servers["main"], servers["default"]
     for server in (main, quiet):
         assert server.get("/v1/models").status_code == 200
     line = r'INFO uvicorn\.access: 127\.0\.0\.1:\d+ - "GET /v1/models HTTP/1\.1" 200'
     assert re.search(line, main.log()), main.log()[-2000:]
-    assert "uvicorn.access" not in quiet.log()
+    assert "INFO uvicorn.error: Application startup complete" in main.log()
+    assert "uvicorn.access" not in quiet.log() and "INFO uvicorn.error" not in quiet.log()
 
 
 def test_https_and_root_path(servers: dict[str, Server]):

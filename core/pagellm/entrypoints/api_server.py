@@ -224,8 +224,6 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
 def run_server(args: ServerArgs, engine_args: EngineArgs) -> None:
     """Build the engine and serve it until SIGTERM/SIGINT (``pagellm serve``)."""
     args.check_tls()  # before the engine is built: a typo costs no model load
-    logging.getLogger("uvicorn.error").setLevel(logging.INFO)
-    logging.getLogger("uvicorn.access").setLevel(logging.INFO)  # off with the flag: no records
     factory = _loop_factory()
     if factory is None or sys.version_info < (3, 11):
         asyncio.run(_serve(args, engine_args))

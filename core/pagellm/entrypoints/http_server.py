@@ -123,7 +123,8 @@ def make_server(app: Any, args: ServerArgs, on_shutdown: Callable[[], None]) -> 
         _WithBodySend(app),
         host=args.host,
         port=args.port,
-        log_config=None,
+        log_config=None,  # the process's logging; uvicorn only sets its loggers' levels
+        log_level=args.uvicorn_log_level,
         access_log=not args.disable_uvicorn_access_log,
         ssl_keyfile=args.ssl_keyfile,
         ssl_certfile=args.ssl_certfile,

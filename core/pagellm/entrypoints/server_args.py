@@ -109,6 +109,11 @@ class ServerArgs:
         "sampling parameters; never the prompt's text) and each abort.",
         action="store_true",
     )
+    uvicorn_log_level: str = _option(
+        "info",
+        "The level of uvicorn's log (its start-up, shutdown and access lines), as vLLM's flag.",
+        choices=("critical", "error", "warning", "info", "debug", "trace"),
+    )
     disable_uvicorn_access_log: bool = _option(
         False,
         "Log no line per HTTP request (by default, as vLLM: client, method, path, status).",
