@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # One round on the GPU machine: offline install (wheels carried in .whl), GPU tests, benchmarks.
 # Writes logs and JSON under $OUT. Stages: tests, tests-flashinfer, fi-jit, fi-cache-save, fa-tests,
-# fa-kernels, issue14-fi, issue14-fi-triton, issue17, fp8-tests, fp8-fused, issue15, fp8-gemm, fp8-skinny, decode-tiles, decode-splits, decode-swap, int4-tests, int4-sweep, int4-probe, int4-gemm, int4-w1, gguf-tests,
+# fa-kernels, tp-tests, issue21-w1, issue21-70b, issue21-serve, issue14-fi, issue14-fi-triton, issue17, fp8-tests, fp8-fused, issue15, fp8-gemm, fp8-skinny, decode-tiles, decode-splits, decode-swap, int4-tests, int4-sweep, int4-probe, int4-gemm, int4-w1, gguf-tests,
 # gguf-gemm, gguf-smollm2, gguf-sweep-a, gguf-sweep-b, gguf-sweep-c, prof, step-prof, w1, w1-fp8, w2,
 # overhead, hf (W1/W2 with the HF peer).
 #   bash benchmarks/gpu_round.sh tests w2 w1 overhead
 set -uo pipefail
+# NVLink multicast stays off in every process a round starts (two-GPU machines; harmless on one).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -83,8 +85,8 @@ for stage in "$@"; do
     issue17) BACKENDS=TRITON_ATTN bash benchmarks/backends_round.sh ph w2 w1 peer-ph peer-w ;;
     # FLASHINFER with its one-token rows on TRITON_ATTN's kernel (PAGELLM_FLASHINFER_DECODE=triton):
     # W2 and W1 against TRITON_ATTN on one machine (carry .ficache: its GPU tests, in
-    # tests-flashinfer, first compile every module they use).
-    issue14-fi-triton) for w in W2 W1; do
+    # tests-flashinfer, first compile every module they use). WORKLOADS="W2" for one of them.
+    issue14-fi-triton) for w in ${WORKLOADS:-W2 W1}; do
         PAGELLM_FLASHINFER_DECODE=triton run "${w,,}_FLASHINFER_triton" 240 bash benchmarks/workloads.sh \
           $w --attention-backend FLASHINFER --output-json "$OUT/${w,,}_FLASHINFER_triton.json"
         run "${w,,}_TRITON_ATTN" 240 bash benchmarks/workloads.sh $w --attention-backend TRITON_ATTN \
@@ -218,6 +220,31 @@ for stage in "$@"; do
       STAGES="vllm:W1" PEER_EXTRA="--quantization fp8" BUDGET_S=200 PROJ=. bash .vllm-peer/run.sh
       python3 benchmarks/w1_summary.py "$OUT"/w1_*.json
       bash "$0" fp8-tests ;;
+    # Issue 21, on a machine with two GPUs (kind nvidia-h200-x2), one stage a call: the TP GPU
+    # tests; W1 at TP = 1 and 2; Llama-3.1-70B's shapes (dummy bf16, ~141 GB) at TP = 2; W1 served
+    # at TP = 2 (compare with issue21-w1's offline TP = 2).
+    tp-tests) run tp_tests 560 python3 -m pytest -m gpu -q -s -p no:cacheprovider --timeout 500 \
+        tests/e2e/test_gpu_tensor_parallel.py ;;
+    issue21-w1) for tp in 1 2; do
+        run "w1_tp$tp" 280 bash benchmarks/workloads.sh W1 --tensor-parallel-size $tp \
+          --output-json "$OUT/w1_tp$tp.json"
+      done
+      python3 benchmarks/w1_summary.py "$OUT"/w1_tp*.json ;;
+    issue21-70b) run w70b_tp2 560 pagellm bench throughput --model benchmarks/configs/llama-3.1-70b \
+        --load-format dummy --dtype bfloat16 --skip-tokenizer-init --temperature 0 --seed 0 \
+        --num-prompts 200 --input-len 512 --output-len 512 --tensor-parallel-size 2 \
+        --output-json "$OUT/w70b_tp2.json"
+      python3 benchmarks/w1_summary.py "$OUT/w70b_tp2.json" ;;
+    issue21-serve) t0=$SECONDS
+      pagellm serve benchmarks/configs/llama-3.1-8b --load-format dummy --dtype bfloat16 \
+        --skip-tokenizer-init --max-model-len 1025 --tensor-parallel-size 2 --port 8301 >"$OUT/w1_tp2_server.log" 2>&1 &
+      server=$!
+      for _ in $(seq 1 300); do curl -sf 127.0.0.1:8301/health >/dev/null && break; sleep 1; done
+      curl -sf 127.0.0.1:8301/health >/dev/null || { echo "server did not start"; tail -30 "$OUT/w1_tp2_server.log"; }
+      echo "server ready in $((SECONDS - t0)) s"
+      run w1_tp2_serve 300 pagellm bench serve --port 8301 --num-prompts 200 --input-len 512 \
+        --output-len 512 --temperature 0 --seed 0 --output-json "$OUT/w1_tp2_serve.json"
+      kill -TERM $server; wait $server ;;
     w2-eager) run w2_eager 300 bash benchmarks/workloads.sh W2 --enforce-eager --output-json "$OUT/w2_eager.json" ;;
     w2-hf) run w2_hf 560 bash benchmarks/workloads.sh W2 --backend hf --hf-mode continuous --output-json "$OUT/w2_hf.json" ;;
     w1-hf) run w1_hf 560 bash benchmarks/workloads.sh W1 --backend hf --hf-mode continuous --output-json "$OUT/w1_hf.json" ;;
