@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One round on the GPU machine: offline install (wheels carried in .whl), GPU tests, benchmarks.
 # Writes logs and JSON under $OUT. Stages: tests, tests-flashinfer, fi-jit, fi-cache-save, fa-tests,
-# fa-kernels, tp-tests, issue21-w1, issue21-70b, issue21-serve, issue14-fi, issue14-fi-triton, issue17, fp8-tests, fp8-fused, issue15, fp8-gemm, fp8-skinny, decode-tiles, decode-splits, decode-swap, int4-tests, int4-sweep, int4-probe, int4-gemm, int4-w1, gguf-tests,
+# fa-kernels, tp-tests, allreduce, issue21-w1, issue21-70b, issue21-serve, issue14-fi, issue14-fi-triton, issue17, fp8-tests, fp8-fused, issue15, fp8-gemm, fp8-skinny, decode-tiles, decode-splits, decode-swap, int4-tests, int4-sweep, int4-probe, int4-gemm, int4-w1, gguf-tests,
 # gguf-gemm, gguf-smollm2, gguf-sweep-a, gguf-sweep-b, gguf-sweep-c, prof, step-prof, w1, w1-fp8, w2,
 # overhead, hf (W1/W2 with the HF peer).
 #   bash benchmarks/gpu_round.sh tests w2 w1 overhead
@@ -225,6 +225,7 @@ for stage in "$@"; do
     # at TP = 2 (compare with issue21-w1's offline TP = 2).
     tp-tests) run tp_tests 560 python3 -m pytest -m gpu -q -s -p no:cacheprovider --timeout 500 \
         tests/e2e/test_gpu_tensor_parallel.py ;;
+    allreduce) run allreduce 200 python3 benchmarks/allreduce.py --output-json "$OUT/allreduce.json" ;;
     issue21-w1) for tp in 1 2; do
         run "w1_tp$tp" 280 bash benchmarks/workloads.sh W1 --tensor-parallel-size $tp \
           --output-json "$OUT/w1_tp$tp.json"
