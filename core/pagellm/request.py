@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import msgspec
 
@@ -86,7 +86,9 @@ class Request:
         block_hasher: Callable[[Request], list[bytes]] | None = None,
     ) -> None:
         self.request_id = request_id
-        self.prompt_token_ids = list(prompt_token_ids)
+        # A tuple of ints: the garbage collector stops tracking it after the first collection it
+        # survives, so full collections do not walk every running request's prompt again.
+        self.prompt_token_ids: tuple[int, ...] = tuple(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
         self.arrival_time = time.time() if arrival_time is None else arrival_time
@@ -100,7 +102,6 @@ class Request:
         self.stop_reason: int | str | None = None
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self.output_token_ids: list[int] = []
-        self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_output_placeholders = 0
         """Tokens scheduled to be sampled whose values have not come back yet (asynchronous
@@ -117,16 +118,30 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.all_token_ids)
+        return self.num_prompt_tokens + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """The prompt then the output, as a new list (no list of them is kept: it would be one
+        more list per request for every full garbage collection to walk)."""
+        return [*self.prompt_token_ids, *self.output_token_ids]
+
+    def token_slice(self, start: int, end: int) -> Sequence[int]:
+        """``all_token_ids[start:end]`` without building the whole list."""
+        prompt_len = self.num_prompt_tokens
+        if end <= prompt_len:
+            return self.prompt_token_ids[start:end]
+        if start >= prompt_len:
+            return self.output_token_ids[start - prompt_len : end - prompt_len]
+        return [*self.prompt_token_ids[start:], *self.output_token_ids[: end - prompt_len]]
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
-        self.all_token_ids.append(token_id)
         self.update_block_hashes()
 
     def update_block_hashes(self) -> None:
         """Hash the blocks that became full since the last call."""
-        if self._block_hasher is not None and len(self.all_token_ids) >= self._hash_block_size * (
+        if self._block_hasher is not None and self.num_tokens >= self._hash_block_size * (
             len(self.block_hashes) + 1
         ):
             self.block_hashes.extend(self._block_hasher(self))

@@ -949,7 +949,11 @@ class Simulation:
     def check_request_outputs(self, request):
         req_id = request.request_id
         assert request.output_token_ids == self.expected_outputs[req_id]
-        assert request.all_token_ids == request.prompt_token_ids + request.output_token_ids
+        tokens = [*request.prompt_token_ids, *request.output_token_ids]
+        assert request.num_tokens == len(tokens)
+        prompt_len = request.num_prompt_tokens
+        for start, end in [(0, prompt_len), (prompt_len, len(tokens)), (1, len(tokens) - 1)]:
+            assert list(request.token_slice(start, end)) == tokens[start:end]
         if request.status == RequestStatus.FINISHED_ABORTED:
             return
         params = request.sampling_params

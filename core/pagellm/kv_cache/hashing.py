@@ -60,7 +60,7 @@ def make_block_hasher(block_size: int) -> Callable[[Request], list[bytes]]:
         # hashed in ~60 us rather than ~600): block i's bytes are the slice of its tokens, as
         # `hash_block_tokens` would convert them.
         data = np.asarray(
-            request.all_token_ids[start * block_size : num_full * block_size], dtype=np.int64
+            request.token_slice(start * block_size, num_full * block_size), dtype=np.int64
         ).tobytes()
         width = block_size * 8
         any_extra = bool(request.cache_salt) or bool(request.mm_items)

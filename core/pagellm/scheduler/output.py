@@ -16,7 +16,7 @@ class NewRequestData:
     """A request the workers have not seen: everything needed to build its state."""
 
     req_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: tuple[int, ...]
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int

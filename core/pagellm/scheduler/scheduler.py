@@ -395,5 +395,5 @@ class Scheduler:
                 request.status = RequestStatus.FINISHED_STOPPED
                 request.stop_reason = token_id
                 return
-        if num_output >= max_tokens or len(request.all_token_ids) >= self.config.max_model_len:
+        if num_output >= max_tokens or request.num_tokens >= self.config.max_model_len:
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED

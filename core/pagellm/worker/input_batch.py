@@ -22,7 +22,9 @@ class CachedRequestState:
     """What the worker keeps per request, across preemptions, until the request finishes."""
 
     req_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: tuple[int, ...]
+    """The scheduler's tuple (no list: a running request's prompt stays out of the garbage
+    collector's full collections)."""
     sampling_params: SamplingParams
     generator: torch.Generator | None
     eos_token_id: int | None = None

@@ -6,6 +6,8 @@ with the context. The tensors are allocated when the first request with a penalt
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
@@ -33,7 +35,9 @@ class PenaltyState:
             self.prompt_mask = torch.zeros(shape, dtype=torch.bool, device=self.device)
         return self.output_counts, self.prompt_mask
 
-    def fill_row(self, row: int, prompt_token_ids: list[int], output_token_ids: list[int]) -> None:
+    def fill_row(
+        self, row: int, prompt_token_ids: Sequence[int], output_token_ids: list[int]
+    ) -> None:
         """A request (new, or resumed after preemption) takes ``row``."""
         counts, mask = self._allocate()
         counts[row].zero_()
@@ -43,7 +47,7 @@ class PenaltyState:
             tokens = self._to_device(output_token_ids)
             counts[row].index_add_(0, tokens, torch.ones_like(tokens, dtype=torch.float32))
 
-    def _to_device(self, token_ids: list[int]) -> torch.Tensor:
+    def _to_device(self, token_ids: Sequence[int]) -> torch.Tensor:
         return small_to_device(np.asarray(token_ids, dtype=np.int64), self.device, self.pin_memory)
 
     def move_row(self, src: int, dst: int) -> None:
