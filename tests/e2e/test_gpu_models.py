@@ -141,6 +141,34 @@ def _hf_scores(model_dir: str, dtype: str, prompts, generations):
     return argmaxes, logprobs
 
 
+def _agreement_with_hf(generations, argmaxes, hf_logprobs) -> tuple[int, int, float]:
+    """Positions where pagellm's token is HF's argmax, positions in all, and the largest
+    |logprob difference| of pagellm's tokens."""
+    agree = total = 0
+    worst = 0.0
+    for (tokens, our_lps), hf_top, hf_lps in zip(generations, argmaxes, hf_logprobs, strict=True):
+        agree += sum(a == b for a, b in zip(tokens, hf_top, strict=True))
+        total += len(tokens)
+        worst = max(worst, max(abs(a - b) for a, b in zip(our_lps, hf_lps, strict=True)))
+    return agree, total, worst
+
+
+def _count_identical(runs_a, runs_b, tol: float, context: object) -> int:
+    """Sequences two runs generated alike. Up to and at a sequence's first differing token the
+    logprobs agree within ``tol`` (at it both picks are near-ties); after it the sequences are
+    on different paths and are not compared."""
+    identical = 0
+    for (a_tokens, a_lps), (b_tokens, b_lps) in zip(runs_a, runs_b, strict=True):
+        diverged = next(
+            (i for i, (a, b) in enumerate(zip(a_tokens, b_tokens, strict=True)) if a != b), None
+        )
+        end = len(a_tokens) if diverged is None else diverged + 1
+        for a, b in zip(a_lps[:end], b_lps[:end], strict=True):
+            assert abs(a - b) <= tol, (context, a_tokens, b_tokens, a_lps, b_lps)
+        identical += diverged is None
+    return identical
+
+
 def _skip_unless_available(backend: str) -> None:
     from pagellm.attention.registry import attention_backends
 
@@ -168,13 +196,8 @@ def test_greedy_matches_transformers_on_gpu(
     )
     assert requested is None or backend == requested
     argmaxes, hf_logprobs = _hf_scores(gpu_models[kind], dtype, prompts, generations)
-    agree = total = 0
-    worst = 0.0
-    for (tokens, our_lps), hf_top, hf_lps in zip(generations, argmaxes, hf_logprobs, strict=True):
-        assert len(tokens) == NUM_NEW_TOKENS
-        agree += sum(a == b for a, b in zip(tokens, hf_top, strict=True))
-        total += len(tokens)
-        worst = max(worst, max(abs(a - b) for a, b in zip(our_lps, hf_lps, strict=True)))
+    assert all(len(tokens) == NUM_NEW_TOKENS for tokens, _ in generations)
+    agree, total, worst = _agreement_with_hf(generations, argmaxes, hf_logprobs)
     min_agree, max_diff = TOLERANCE[dtype]
     print(f"{kind} {dtype} {backend}: top-1 agreement {agree}/{total}, max |dlogprob| {worst:.4f}")
     assert agree / total >= min_agree, f"top-1 agreement {agree}/{total} with {backend}"
@@ -191,15 +214,7 @@ def test_cuda_graphs_give_the_same_tokens_as_eager(gpu_models, dtype: str) -> No
     # agree; at it, both picks must be near-ties (their logprobs close); after it the sequences
     # are on different paths and are not compared.
     tol = 1e-4 if dtype == "float32" else 0.1
-    identical = 0
-    for (g_tokens, g_lps), (e_tokens, e_lps) in zip(graphs, eager, strict=True):
-        diverged = next(
-            (i for i, (a, b) in enumerate(zip(g_tokens, e_tokens, strict=True)) if a != b), None
-        )
-        end = len(g_tokens) if diverged is None else diverged + 1
-        for a, b in zip(g_lps[:end], e_lps[:end], strict=True):
-            assert abs(a - b) <= tol, (dtype, g_tokens, e_tokens, g_lps, e_lps)
-        identical += diverged is None
+    identical = _count_identical(graphs, eager, tol, dtype)
     min_identical = len(prompts) if dtype == "float32" else len(prompts) - 2
     assert identical >= min_identical, f"{identical}/{len(prompts)} sequences identical"
 

@@ -18,7 +18,15 @@ import os
 import pytest
 import torch
 
-from test_gpu_models import TOLERANCE, _hf_scores, _pagellm_generate, _prompts, _save_model
+from test_gpu_models import (
+    TOLERANCE,
+    _agreement_with_hf,
+    _count_identical,
+    _hf_scores,
+    _pagellm_generate,
+    _prompts,
+    _save_model,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -74,19 +82,8 @@ def test_two_ranks_match_transformers_and_one_rank(tp_models, kind: str, eager: 
     two = _generate(tp_models[kind], 2, eager)
     one = _generate(tp_models[kind], 1, eager)
     argmaxes, hf_logprobs = _hf_scores(tp_models[kind], "bfloat16", prompts, two)
-    agree = total = 0
-    worst = 0.0
-    for (tokens, lps), hf_top, hf_lps in zip(two, argmaxes, hf_logprobs, strict=True):
-        agree += sum(a == b for a, b in zip(tokens, hf_top, strict=True))
-        total += len(tokens)
-        worst = max(worst, max(abs(a - b) for a, b in zip(lps, hf_lps, strict=True)))
-    identical = 0
-    for (t2, lp2), (t1, lp1) in zip(two, one, strict=True):
-        diverged = next((i for i, (a, b) in enumerate(zip(t2, t1, strict=True)) if a != b), None)
-        end = len(t2) if diverged is None else diverged + 1
-        for a, b in zip(lp2[:end], lp1[:end], strict=True):
-            assert abs(a - b) <= NEAR_TIE, (kind, t2, t1, lp2, lp1)
-        identical += diverged is None
+    agree, total, worst = _agreement_with_hf(two, argmaxes, hf_logprobs)
+    identical = _count_identical(two, one, NEAR_TIE, kind)
     min_agree, max_diff = TOLERANCE["bfloat16"]
     print(
         f"{kind} TP=2 {'eager' if eager else 'graphs'}: top-1 agreement with HF {agree}/{total}, "
