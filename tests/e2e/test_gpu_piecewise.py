@@ -18,6 +18,8 @@ import numpy as np
 import pytest
 import torch
 
+from test_gpu_models import _count_identical, _skip_unless_available
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -115,16 +117,6 @@ def _generate(model: str, dtype: str, **kwargs) -> list[tuple[list[int], list[fl
     return result
 
 
-def _skip_unless_available(backend: str) -> None:
-    from pagellm.attention.registry import attention_backends
-
-    if backend not in attention_backends.names():
-        pytest.skip(f"{backend} is not installed")
-    reason = attention_backends.get(backend).is_available()
-    if reason is not None:
-        pytest.skip(f"{backend} is unavailable: {reason}")
-
-
 @pytest.mark.parametrize(
     "dtype, backend",
     [("float32", None)] + [("bfloat16", backend) for backend in GPU_BACKENDS],
@@ -142,15 +134,7 @@ def test_piecewise_graphs_give_the_eager_tokens(gpu_models, kind, dtype, backend
     # so in bf16 two near-tied tokens may swap. Up to the first difference the logprobs agree;
     # at it both picks must be near-ties; after it the sequences are on different paths.
     tol = 1e-4 if dtype == "float32" else 0.1
-    identical = 0
-    for (p_tokens, p_lps), (e_tokens, e_lps) in zip(piecewise, eager, strict=True):
-        diverged = next(
-            (i for i, (a, b) in enumerate(zip(p_tokens, e_tokens, strict=True)) if a != b), None
-        )
-        end = len(p_tokens) if diverged is None else diverged + 1
-        for a, b in zip(p_lps[:end], e_lps[:end], strict=True):
-            assert abs(a - b) <= tol, (kind, dtype, backend, p_tokens, e_tokens)
-        identical += diverged is None
+    identical = _count_identical(piecewise, eager, tol, (kind, dtype, backend))
     prompts = len(piecewise)
     min_identical = prompts if dtype == "float32" else prompts - 2
     print(f"{kind} {dtype} {backend}: {identical}/{prompts} sequences identical")
