@@ -23,7 +23,14 @@ if [ -d .devassets/smollm2-tokenizer ]; then
 fi
 # Installed once per machine (a warm machine keeps /tmp between calls): again only when the
 # set of wheels changed.
-wheels=$(ls .whl/*.whl | sort | md5sum | cut -c1-12)
+# A call that carries no .whl (one that carries FA4's wheel parts instead, benchmarks/fa4_wheels.sh)
+# uses what an earlier call on this warm machine installed.
+if ls .whl/*.whl >/dev/null 2>&1; then
+  wheels=$(ls .whl/*.whl | sort | md5sum | cut -c1-12)
+else
+  wheels=$(ls -t /tmp/site/.installed-* 2>/dev/null | head -1 | sed 's/.*\.installed-//')
+  [ -n "$wheels" ] || { echo "no .whl carried and nothing installed on this machine" >&2; exit 1; }
+fi
 export PYTHONPATH=/tmp/site
 if [ ! -e "/tmp/site/.installed-$wheels" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
