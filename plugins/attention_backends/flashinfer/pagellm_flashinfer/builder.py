@@ -158,10 +158,15 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
             capability = (major, minor)
         self.prefill_backend = prefill_backend(capability, torch.version.cuda)
         spec = kv_cache_spec
+        self._triton = triton_decode_runner(kv_cache_spec, device)
         compile_missing(
             flashinfer,
             modules_for(
-                self.prefill_backend, spec.dtype, spec.head_size, spec.sliding_window is not None
+                self.prefill_backend,
+                spec.dtype,
+                spec.head_size,
+                spec.sliding_window is not None,
+                decode_wrapper=self._triton is None,
             ),
         )
         # Allocated here, before the profiling run, so that the KV cache sizing counts them.
@@ -183,7 +188,6 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
         self._graphs: dict[int, GraphDecode] = {}
         self._graph_storage: _GraphStorage | None = None
         self._graph_int_workspace: torch.Tensor | None = None
-        self._triton = triton_decode_runner(kv_cache_spec, device)
 
     # ------------------------------------------------------------------ eager steps
 

@@ -84,11 +84,16 @@ class DecodeModule:
 
 
 def modules_for(
-    prefill_backend: str, dtype: torch.dtype, head_size: int, sliding_window: bool
+    prefill_backend: str,
+    dtype: torch.dtype,
+    head_size: int,
+    sliding_window: bool,
+    decode_wrapper: bool = True,
 ) -> list[KernelModule]:
-    """The prefill backend's module and the decode wrapper's (the same one when prefill runs
-    on ``"fa2"``)."""
-    backends = dict.fromkeys([prefill_backend, "fa2"])
+    """The prefill backend's module and, when the decode wrapper runs (``decode_wrapper``; not
+    when TRITON_ATTN's kernel takes the one-token rows), its ``"fa2"`` one (the same one when
+    prefill runs on ``"fa2"``)."""
+    backends = dict.fromkeys([prefill_backend] + (["fa2"] if decode_wrapper else []))
     return [KernelModule(b, dtype, head_size, sliding_window) for b in backends]
 
 

@@ -1,13 +1,15 @@
-"""FLASHINFER's one-token rows on TRITON_ATTN's split-KV decode kernel, an opt-in:
-``PAGELLM_FLASHINFER_DECODE=triton`` (default ``flashinfer``: the tensor-core decode wrapper).
+"""FLASHINFER's one-token rows on TRITON_ATTN's split-KV decode kernel: the default on CUDA when
+pagellm-triton-attn can run; ``PAGELLM_FLASHINFER_DECODE=flashinfer`` picks FlashInfer's
+tensor-core decode wrapper, ``=triton`` insists on this kernel (start-up fails without it).
 
 Measured on an H100 (docs/benchmarks.md, 2026-12-07), FlashInfer's decode kernel takes 6.04 ms of
-a 256-row decode step of W2's model where TRITON_ATTN's takes 5.77, which leaves FLASHINFER 2-4 %
-behind TRITON_ATTN on W1 and W2. With this choice FLASHINFER keeps its FA3 prefill and decodes
-as TRITON_ATTN does, over its own NHD pages (pagellm-triton-attn's `DecodeRunner`: a permuted
-view, no copy). Decode-only steps and captured decode graphs then need no page gather and no
-FlashInfer plan; in a mixed step the prefill wrapper serves the rows after the leading decode
-rows, then the kernel writes every one-token row.
+a 256-row decode step of W2's model where TRITON_ATTN's takes 5.77, which left FLASHINFER 2-4 %
+behind TRITON_ATTN on W1 and W2; with this kernel its decode steps take TRITON_ATTN's time
+(6.61 against 6.60 ms, 14.15 against 14.15 ms) and W1/W2 are level with TRITON_ATTN's. FLASHINFER
+keeps its FA3 prefill and decodes as TRITON_ATTN does, over its own NHD pages
+(pagellm-triton-attn's `DecodeRunner`: a permuted view, no copy). Decode-only steps and captured
+decode graphs then need no page gather and no FlashInfer plan; in a mixed step the prefill
+wrapper serves the rows after the leading decode rows, then the kernel writes every one-token row.
 """
 
 from __future__ import annotations
@@ -29,8 +31,14 @@ DECODE_VAR = "PAGELLM_FLASHINFER_DECODE"
 DECODE_KERNELS = ("flashinfer", "triton")
 
 
-def decode_kernel_choice(environ: Mapping[str, str] = os.environ) -> str:
-    value = environ.get(DECODE_VAR, "flashinfer")
+def decode_kernel_choice(device: torch.device, environ: Mapping[str, str] = os.environ) -> str:
+    """``PAGELLM_FLASHINFER_DECODE`` when set; else ``"triton"`` on CUDA when TRITON_ATTN's
+    kernel can run there (the measured faster one), else ``"flashinfer"``."""
+    value = environ.get(DECODE_VAR)
+    if value is None:
+        if device.type == "cuda" and triton_unavailable_reason() is None:
+            return "triton"
+        return "flashinfer"
     if value not in DECODE_KERNELS:
         raise ValueError(f"{DECODE_VAR}={value!r}: expected one of {', '.join(DECODE_KERNELS)}")
     return value
@@ -50,9 +58,12 @@ def triton_unavailable_reason() -> str | None:
 def triton_decode_runner(
     kv_cache_spec: KVCacheSpec, device: torch.device, environ: Mapping[str, str] = os.environ
 ) -> Any:
-    """pagellm-triton-attn's `DecodeRunner` when ``PAGELLM_FLASHINFER_DECODE=triton``, else
-    None; raises ValueError when that kernel cannot run here."""
-    if decode_kernel_choice(environ) != "triton":
+    """pagellm-triton-attn's `DecodeRunner` when the one-token rows go to TRITON_ATTN's kernel
+    (`decode_kernel_choice`), else None; raises ValueError when ``PAGELLM_FLASHINFER_DECODE=triton``
+    asks for that kernel and it cannot run here."""
+    choice = decode_kernel_choice(device, environ)
+    if choice != "triton":
+        logger.info("FLASHINFER: one-token rows on FlashInfer's tensor-core decode wrapper")
         return None
     reason = triton_unavailable_reason()
     if reason:
@@ -61,7 +72,12 @@ def triton_decode_runner(
         )
     from pagellm_triton_attn.decode_runner import DecodeRunner
 
-    logger.info("FLASHINFER: one-token rows on TRITON_ATTN's decode kernel (%s=triton)", DECODE_VAR)
+    how = (
+        f"{DECODE_VAR}=triton"
+        if DECODE_VAR in environ
+        else f"the default; {DECODE_VAR}=flashinfer for FlashInfer's"
+    )
+    logger.info("FLASHINFER: one-token rows on TRITON_ATTN's decode kernel (%s)", how)
     return DecodeRunner(kv_cache_spec, device)
 
 

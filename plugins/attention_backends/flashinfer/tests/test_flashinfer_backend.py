@@ -560,6 +560,9 @@ def test_kernel_modules_are_compiled_once_when_the_builder_is_made(fake, caplog)
         ("fa3", 64, False),
         ("fa2", 64, False),
     ]
+    # With TRITON_ATTN's kernel on the one-token rows (the CUDA default) no decode wrapper runs.
+    modules = modules_for("fa3", torch.float16, 64, False, decode_wrapper=False)
+    assert [m.backend for m in modules] == ["fa3"]
 
 
 def test_a_module_built_by_a_combined_build_is_rebuilt_once_at_start_up(fake, caplog):
@@ -764,10 +767,23 @@ def test_triton_decode_graphs_replay_from_the_persistent_buffers(fake, triton_de
 
 def test_the_decode_kernel_choice_is_checked(fake, monkeypatch):
     spec = KVCacheSpec(4, 2, 8, torch.bfloat16)
-    assert decode_kernel_choice({}) == "flashinfer"
-    assert triton_decode_runner(spec, torch.device("cpu"), {}) is None
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    # Unset: TRITON_ATTN's kernel on CUDA where it can run (the measured faster decode), else
+    # FlashInfer's wrapper; set: as asked.
+    with monkeypatch.context() as patch:
+        patch.setattr("pagellm_flashinfer.triton_decode.triton_unavailable_reason", lambda: None)
+        assert decode_kernel_choice(cuda, {}) == "triton"
+    assert decode_kernel_choice(cpu, {}) == "flashinfer"
+    assert decode_kernel_choice(cuda, {DECODE_VAR: "flashinfer"}) == "flashinfer"
+    assert decode_kernel_choice(cpu, {DECODE_VAR: "triton"}) == "triton"
+    assert triton_decode_runner(spec, cpu, {}) is None
     with pytest.raises(ValueError, match="PAGELLM_FLASHINFER_DECODE='fa3': expected one of"):
-        decode_kernel_choice({DECODE_VAR: "fa3"})
+        decode_kernel_choice(cpu, {DECODE_VAR: "fa3"})
+    with monkeypatch.context() as patch:
+        patch.setattr(
+            "pagellm_flashinfer.triton_decode.triton_unavailable_reason", lambda: "no Triton"
+        )
+        assert decode_kernel_choice(cuda, {}) == "flashinfer"  # unset: falls back, no error
     monkeypatch.setenv(DECODE_VAR, "triton")
     monkeypatch.setattr(
         "pagellm_flashinfer.triton_decode.triton_unavailable_reason", lambda: "no Triton here"

@@ -93,6 +93,13 @@ def exact_float32_matmul(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
 
 
+@pytest.fixture(autouse=True)
+def flashinfer_decode_wrapper(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FlashInfer's decode wrapper unless a test asks for TRITON_ATTN's kernel (the CUDA default
+    of an engine: tests/e2e/test_gpu_models.py runs it), so that these tests cover the wrapper."""
+    monkeypatch.setenv(DECODE_VAR, "flashinfer")
+
+
 # ---------------------------------------------------------------------------- batches
 
 
@@ -666,18 +673,22 @@ def release_gpu_memory() -> None:
     torch.cuda.empty_cache()
 
 
-def generate(model: str, backend: str, **kwargs) -> list[tuple[list[int], list[float]]]:
+def generate(
+    model: str, backend: str, **kwargs
+) -> list[tuple[list[int], list[float], list[dict[int, float]]]]:
+    """Per prompt: the greedy tokens, their logprobs, and per position the logprobs of the two
+    most likely tokens (the pick among them)."""
     from pagellm import SamplingParams
 
     engine = llm(model, backend, **kwargs)
     assert engine.llm_engine.config.attention_backend == backend
-    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, logprobs=1, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, logprobs=2, ignore_eos=True)
     outputs = engine.generate([{"prompt_token_ids": p} for p in prompts()], params, use_tqdm=False)
     result = []
     for o in outputs:
         tokens = list(o.outputs[0].token_ids)
-        lps = [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, tokens, strict=True)]
-        result.append((tokens, lps))
+        tops = [{tok: lp[tok].logprob for tok in lp} for lp in o.outputs[0].logprobs]
+        result.append((tokens, [top[t] for top, t in zip(tops, tokens, strict=True)], tops))
     del engine, outputs
     release_gpu_memory()
     return result
@@ -693,7 +704,7 @@ def teacher_forced(model: str, backend: str, generations) -> list[list[tuple[int
     requests = [{"prompt_token_ids": p + g[0]} for p, g in zip(prompts(), generations, strict=True)]
     outputs = engine.generate(requests, params, use_tqdm=False)
     scores = []
-    for prompt, (tokens, _), o in zip(prompts(), generations, outputs, strict=True):
+    for prompt, (tokens, *_), o in zip(prompts(), generations, outputs, strict=True):
         positions = o.prompt_logprobs[len(prompt) : len(prompt) + len(tokens)]
         scores.append(
             [(pos[t].rank, pos[t].logprob) for pos, t in zip(positions, tokens, strict=True)]
@@ -715,7 +726,7 @@ def test_greedy_tokens_are_triton_attn_argmaxes(models, kind, decode, monkeypatc
     scores = teacher_forced(models[kind], "TRITON_ATTN", generations)
     agree = total = 0
     worst = 0.0
-    for (tokens, lps), row in zip(generations, scores, strict=True):
+    for (tokens, lps, _), row in zip(generations, scores, strict=True):
         assert len(tokens) == NUM_NEW_TOKENS
         agree += sum(rank == 1 for rank, _ in row)
         total += len(row)
@@ -730,21 +741,33 @@ def test_greedy_tokens_are_triton_attn_argmaxes(models, kind, decode, monkeypatc
 
 @pytest.mark.parametrize("decode", DECODE_KERNELS)
 def test_cuda_graphs_give_the_tokens_of_eager_steps(models, decode, monkeypatch):
+    """Up to the first token where graphs and eager steps differ their logprobs agree; at it the
+    two picks are a near-tie in both runs (each run's pick the other's runner-up, within 0.1);
+    after it the sequences are on different paths and are not compared (as FLASH_ATTN's suite
+    compares it with TRITON_ATTN: a count of identical sequences says little of a model whose
+    top two tokens are often that close)."""
     monkeypatch.setenv(DECODE_VAR, decode)
     graphs = generate(models["qwen3"], "FLASHINFER")
     eager = generate(models["qwen3"], "FLASHINFER", enforce_eager=True)
-    # As in tests/e2e/test_gpu_models.py: up to the first difference the logprobs agree; at it,
-    # both picks must be near-ties; after it the sequences are on different paths.
     identical = 0
-    for (g_tokens, g_lps), (e_tokens, e_lps) in zip(graphs, eager, strict=True):
+    for (g_tokens, g_lps, g_tops), (e_tokens, e_lps, e_tops) in zip(graphs, eager, strict=True):
         diverged = next(
             (i for i, (a, b) in enumerate(zip(g_tokens, e_tokens, strict=True)) if a != b), None
         )
-        end = len(g_tokens) if diverged is None else diverged + 1
-        for a, b in zip(g_lps[:end], e_lps[:end], strict=True):
-            assert abs(a - b) <= 0.1, (g_tokens, e_tokens, g_lps, e_lps)
+        end = len(g_tokens) if diverged is None else diverged
+        for pos in range(end):
+            assert abs(g_lps[pos] - e_lps[pos]) <= 0.1, (decode, pos, g_tops[pos], e_tops[pos])
         identical += diverged is None
-    assert identical >= len(graphs) - 2, f"{identical}/{len(graphs)} sequences identical"
+        if diverged is not None:
+            g_tok, e_tok = g_tokens[diverged], e_tokens[diverged]
+            g_at, e_at = g_tops[diverged], e_tops[diverged]
+            tie = (decode, diverged, g_tok, e_tok, g_at, e_at)
+            assert e_tok in g_at and g_tok in e_at, tie  # each pick the other's runner-up
+            assert g_at[g_tok] - g_at[e_tok] <= 0.1 and e_at[e_tok] - e_at[g_tok] <= 0.1, tie
+    print(
+        f"qwen3 ({decode} decode): {identical}/{len(graphs)} sequences identical, graphs vs eager"
+    )
+    assert identical >= 1
 
 
 def test_a_builder_finds_its_kernel_modules_in_the_jit_cache(caplog):
