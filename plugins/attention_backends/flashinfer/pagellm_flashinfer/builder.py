@@ -23,6 +23,7 @@ import torch
 
 from pagellm.attention.backend import AttentionMetadataBuilder, CommonAttentionMetadata
 from pagellm.kv_cache.spec import KVCacheSpec
+from pagellm_flashinfer.host_max import shadow_max
 from pagellm_flashinfer.jit_cache import compile_missing, modules_for
 from pagellm_flashinfer.paged_kv import (
     PagedKVIndex,
@@ -152,6 +153,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
         import flashinfer
 
         self._flashinfer = flashinfer
+        shadow_max(flashinfer)  # plan()'s longest row in one op, not a loop over the rows
         capability = None
         if device.type == "cuda":
             major, minor = torch.cuda.get_device_capability(device)
