@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One round on the GPU machine: offline install (wheels carried in .whl), GPU tests, benchmarks.
-# Writes logs and JSON under $OUT. Stages: tests, tests-flashinfer, fi-jit, fi-cache-save, fa-tests,
+# Writes logs and JSON under $OUT. Stages: tests, tests-core, tests-models, tests-flashinfer, fi-jit, fi-cache-save, fa-tests,
 # fa-kernels, tp-tests, allreduce, issue21-w1, issue21-70b, issue21-serve, issue14-fi, issue14-fi-triton, issue17, fp8-tests, fp8-fused, issue15, fp8-gemm, fp8-skinny, decode-tiles, decode-splits, decode-swap, int4-tests, int4-sweep, int4-probe, int4-gemm, int4-w1, gguf-tests,
 # gguf-gemm, gguf-smollm2, gguf-sweep-a, gguf-sweep-b, gguf-sweep-c, prof, step-prof, w1, w1-fp8, w2,
 # overhead, hf (W1/W2 with the HF peer).
@@ -82,6 +82,14 @@ for stage in "$@"; do
     fi-jit) run fi_jit 560 python3 -m pytest -m gpu -q -s -p no:cacheprovider --timeout 540 plugins/attention_backends/flashinfer/tests/test_flashinfer_gpu.py -k test_a_builder_finds_its_kernel_modules_in_the_jit_cache ;;
     tests-flashinfer) run gpu_tests_flashinfer 560 python3 -m pytest -m gpu -q -s -p no:cacheprovider --timeout 540 plugins/attention_backends/flashinfer/tests ;;
     tests-fix) run gpu_tests_fix 200 python3 -m pytest -m gpu plugins/cuda_platform/tests/test_cuda_platform.py tests/e2e/test_gpu_models.py -k "graph or profil or sizing or Worker or worker" -q -s -p no:cacheprovider --timeout 120 ;;
+    # The whole gpu suite no longer fits one call (over 20 minutes with FlashInfer and FA4
+    # installed): these two, tests-flashinfer, fa-tests, fp8-tests, int4-tests and gguf-tests
+    # cover it.
+    tests-core) run gpu_tests_core 560 python3 -m pytest -m gpu -q -s -p no:cacheprovider --timeout 200 \
+        plugins/cuda_platform/tests plugins/attention_backends/triton/tests tests \
+        --deselect tests/e2e/test_gpu_models.py ;;
+    tests-models) run gpu_tests_models 560 python3 -m pytest -m gpu -q -s -p no:cacheprovider --timeout 300 \
+        tests/e2e/test_gpu_models.py ;;
     tests-k) run gpu_tests 330 python3 -m pytest -m gpu -q -s -p no:cacheprovider --timeout 120 ;;
     # FLASH_ATTN's GPU tests and kernel table (FA4's wheels: benchmarks/fa4_wheels.sh).
     fa-tests) run fa_tests 560 python3 -m pytest -m gpu plugins/attention_backends/flash_attn/tests -q -s -p no:cacheprovider --timeout 300 ;;
