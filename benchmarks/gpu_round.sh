@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One round on the GPU machine: offline install (wheels carried in .whl), GPU tests, benchmarks.
 # Writes logs and JSON under $OUT. Stages: tests, tests-core, tests-models, tests-flashinfer, fi-jit, fi-cache-save, fa-tests,
-# fa-kernels, tp-tests, allreduce, issue21-w1, issue21-70b, issue21-serve, issue14-fi, issue14-fi-triton, issue17, fp8-tests, fp8-fused, issue15, fp8-gemm, fp8-skinny, decode-tiles, decode-splits, decode-swap, int4-tests, int4-sweep, int4-probe, int4-gemm, int4-w1, gguf-tests,
+# fa-kernels, tp-tests, allreduce, issue21-w1, issue21-70b, issue21-serve, issue14-fi, issue14-fi-triton, issue14-ab, issue17, fp8-tests, fp8-fused, issue15, fp8-gemm, fp8-skinny, decode-tiles, decode-splits, decode-swap, int4-tests, int4-sweep, int4-probe, int4-gemm, int4-w1, gguf-tests,
 # gguf-gemm, gguf-smollm2, gguf-sweep-a, gguf-sweep-b, gguf-sweep-c, prof, step-prof, w1, w1-fp8, w2,
 # overhead, hf (W1/W2 with the HF peer).
 #   bash benchmarks/gpu_round.sh tests w2 w1 overhead
@@ -108,6 +108,19 @@ for stage in "$@"; do
           --output-json "$OUT/${w,,}_TRITON_ATTN.json"
       done
       python3 benchmarks/w1_summary.py "$OUT"/w[12]_*.json ;;
+    # W2 and W1 per backend, interleaved and repeated (REPS, default 2) so that each backend's
+    # figure comes with the run-to-run spread of the same machine: issue 14's "at least as fast as
+    # TRITON_ATTN" sits within it. JSON and log per run (WORKLOAD_BACKEND_rREP), in one tarball.
+    issue14-ab) for w in ${WORKLOADS:-W2 W1}; do
+        for rep in $(seq 1 "${REPS:-2}"); do
+          for b in ${BACKENDS:-TRITON_ATTN FLASHINFER FLASH_ATTN}; do
+            run "${w,,}_${b}_r$rep" 240 bash benchmarks/workloads.sh $w --attention-backend "$b" \
+              --output-json "$OUT/${w,,}_${b}_r$rep.json"
+          done
+        done
+      done
+      python3 benchmarks/w1_summary.py "$OUT"/w[12]_*_r*.json
+      (cd "$OUT" && tar -czf issue14_ab.tgz --remove-files w[12]_*_r*.json w[12]_*_r*.log) ;;
     # Issue 14's FLASHINFER round: a first engine start with an empty JIT cache (compile time in
     # its log), a second start (nothing compiled), W2 and W1 against TRITON_ATTN on one machine.
     issue14-fi) rm -rf "$FLASHINFER_WORKSPACE_BASE"
