@@ -29,6 +29,7 @@ from pagellm_flashinfer.triton_decode import DECODE_KERNELS, DECODE_VAR
 
 from pagellm.attention.backend import CommonAttentionMetadata
 from pagellm.kv_cache.spec import KVCacheSpec
+from pagellm.testing.greedy import count_identical_with_near_ties
 
 pytestmark = [
     pytest.mark.gpu,
@@ -673,11 +674,9 @@ def release_gpu_memory() -> None:
     torch.cuda.empty_cache()
 
 
-def generate(
-    model: str, backend: str, **kwargs
-) -> list[tuple[list[int], list[float], list[dict[int, float]]]]:
-    """Per prompt: the greedy tokens, their logprobs, and per position the logprobs of the two
-    most likely tokens (the pick among them)."""
+def generate(model: str, backend: str, **kwargs) -> list[tuple[list[int], list[dict[int, float]]]]:
+    """Per prompt: the greedy tokens, and per position the logprobs of the two most likely
+    tokens, the pick among them (a `pagellm.testing.greedy.GreedyRun`)."""
     from pagellm import SamplingParams
 
     engine = llm(model, backend, **kwargs)
@@ -688,7 +687,7 @@ def generate(
     for o in outputs:
         tokens = list(o.outputs[0].token_ids)
         tops = [{tok: lp[tok].logprob for tok in lp} for lp in o.outputs[0].logprobs]
-        result.append((tokens, [top[t] for top, t in zip(tops, tokens, strict=True)], tops))
+        result.append((tokens, tops))
     del engine, outputs
     release_gpu_memory()
     return result
@@ -704,7 +703,7 @@ def teacher_forced(model: str, backend: str, generations) -> list[list[tuple[int
     requests = [{"prompt_token_ids": p + g[0]} for p, g in zip(prompts(), generations, strict=True)]
     outputs = engine.generate(requests, params, use_tqdm=False)
     scores = []
-    for prompt, (tokens, *_), o in zip(prompts(), generations, outputs, strict=True):
+    for prompt, (tokens, _), o in zip(prompts(), generations, outputs, strict=True):
         positions = o.prompt_logprobs[len(prompt) : len(prompt) + len(tokens)]
         scores.append(
             [(pos[t].rank, pos[t].logprob) for pos, t in zip(positions, tokens, strict=True)]
@@ -726,7 +725,8 @@ def test_greedy_tokens_are_triton_attn_argmaxes(models, kind, decode, monkeypatc
     scores = teacher_forced(models[kind], "TRITON_ATTN", generations)
     agree = total = 0
     worst = 0.0
-    for (tokens, lps, _), row in zip(generations, scores, strict=True):
+    for (tokens, tops), row in zip(generations, scores, strict=True):
+        lps = [top[t] for top, t in zip(tops, tokens, strict=True)]
         assert len(tokens) == NUM_NEW_TOKENS
         agree += sum(rank == 1 for rank, _ in row)
         total += len(row)
@@ -741,29 +741,13 @@ def test_greedy_tokens_are_triton_attn_argmaxes(models, kind, decode, monkeypatc
 
 @pytest.mark.parametrize("decode", DECODE_KERNELS)
 def test_cuda_graphs_give_the_tokens_of_eager_steps(models, decode, monkeypatch):
-    """Up to the first token where graphs and eager steps differ their logprobs agree; at it the
-    two picks are a near-tie in both runs (each run's pick the other's runner-up, within 0.1);
-    after it the sequences are on different paths and are not compared (as FLASH_ATTN's suite
-    compares it with TRITON_ATTN: a count of identical sequences says little of a model whose
-    top two tokens are often that close)."""
+    """Graphs and eager steps may part only at a near-tie (`pagellm.testing.greedy`): up to the
+    first differing token the logprobs agree within 0.1; at it each run's pick is the other's
+    runner-up within 0.1."""
     monkeypatch.setenv(DECODE_VAR, decode)
     graphs = generate(models["qwen3"], "FLASHINFER")
     eager = generate(models["qwen3"], "FLASHINFER", enforce_eager=True)
-    identical = 0
-    for (g_tokens, g_lps, g_tops), (e_tokens, e_lps, e_tops) in zip(graphs, eager, strict=True):
-        diverged = next(
-            (i for i, (a, b) in enumerate(zip(g_tokens, e_tokens, strict=True)) if a != b), None
-        )
-        end = len(g_tokens) if diverged is None else diverged
-        for pos in range(end):
-            assert abs(g_lps[pos] - e_lps[pos]) <= 0.1, (decode, pos, g_tops[pos], e_tops[pos])
-        identical += diverged is None
-        if diverged is not None:
-            g_tok, e_tok = g_tokens[diverged], e_tokens[diverged]
-            g_at, e_at = g_tops[diverged], e_tops[diverged]
-            tie = (decode, diverged, g_tok, e_tok, g_at, e_at)
-            assert e_tok in g_at and g_tok in e_at, tie  # each pick the other's runner-up
-            assert g_at[g_tok] - g_at[e_tok] <= 0.1 and e_at[e_tok] - e_at[g_tok] <= 0.1, tie
+    identical = count_identical_with_near_ties(graphs, eager, 0.1, decode)
     print(
         f"qwen3 ({decode} decode): {identical}/{len(graphs)} sequences identical, graphs vs eager"
     )
