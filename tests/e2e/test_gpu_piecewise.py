@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from test_gpu_models import _count_identical, _skip_unless_available
+from pagellm.testing.greedy import count_identical_with_near_ties
+from test_gpu_models import _skip_unless_available
 
 pytestmark = [
     pytest.mark.gpu,
@@ -100,17 +101,19 @@ def _llm(model: str, dtype: str, **kwargs):
     )
 
 
-def _generate(model: str, dtype: str, **kwargs) -> list[tuple[list[int], list[float]]]:
+def _generate(model: str, dtype: str, **kwargs) -> list[tuple[list[int], list[dict[int, float]]]]:
+    """Per prompt the greedy tokens and, per position, the two most likely tokens' logprobs."""
     from pagellm import SamplingParams
 
     llm = _llm(model, dtype, **kwargs)
-    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, logprobs=1, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, logprobs=2, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in _prompts()]
     result = []
     for output in llm.generate(prompts, params, use_tqdm=False):
         tokens = list(output.outputs[0].token_ids)
-        lps = [lp[t].logprob for lp, t in zip(output.outputs[0].logprobs, tokens, strict=True)]
-        result.append((tokens, lps))
+        result.append(
+            (tokens, [{t: lp[t].logprob for t in lp} for lp in output.outputs[0].logprobs])
+        )
     del llm
     gc.collect()
     torch.cuda.empty_cache()
@@ -131,12 +134,12 @@ def test_piecewise_graphs_give_the_eager_tokens(gpu_models, kind, dtype, backend
     piecewise = _generate(model, dtype, cudagraph_mode="decode_and_piecewise", **options)
     eager = _generate(model, dtype, enforce_eager=True, **options)
     # A padded step may make cuBLAS pick other matmul kernels (as a padded decode graph does),
-    # so in bf16 two near-tied tokens may swap. Up to the first difference the logprobs agree;
-    # at it both picks must be near-ties; after it the sequences are on different paths.
+    # so in bf16 two near-tied tokens may swap: the runs may part only at a near-tie
+    # (`pagellm.testing.greedy`). In float32 every sequence is the same.
     tol = 1e-4 if dtype == "float32" else 0.1
-    identical = _count_identical(piecewise, eager, tol, (kind, dtype, backend))
+    identical = count_identical_with_near_ties(piecewise, eager, tol, (kind, dtype, backend))
     prompts = len(piecewise)
-    min_identical = prompts if dtype == "float32" else prompts - 2
+    min_identical = prompts if dtype == "float32" else 1
     print(f"{kind} {dtype} {backend}: {identical}/{prompts} sequences identical")
     assert identical >= min_identical, f"{identical}/{prompts} sequences identical"
 
