@@ -4,9 +4,9 @@ FlashInfer 0.6's wrappers take the longest KV length of a step in ``plan`` with 
 ``max()`` over a host tensor of the rows' lengths (``max(kv_lens_arr_host).item()``), and the
 built-in walks a tensor element by element, making a 0-d tensor per row: 1.0 ms at 256 rows,
 0.27 ms at 64 on the development machine's CPU, host time in every step with a multi-token row
-(its prefill wrapper is planned each such step). An H100 step profile of W2's prefill steps
-(64 prompts of 128 tokens) showed FLASHINFER's GPU less busy than TRITON_ATTN's (0.67 against
-0.73 of the step) with fewer kernel milliseconds, so host time is what FLASHINFER lost there.
+(its prefill wrapper is planned each such step). An H100 step profile of W2-like prefill steps
+(`benchmarks/step_profile.py`, which waits for each step, so host time shows) put FLASHINFER's
+step 0.8 ms longer than TRITON_ATTN's with fewer kernel milliseconds.
 
 `shadow_max` gives the wrappers' modules a module-level ``max`` (found before the built-in)
 that returns a non-empty 1-D tensor's maximum with ``Tensor.max()`` (the same value, a 0-d
