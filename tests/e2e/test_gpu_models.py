@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagellm.testing.greedy import count_identical_with_near_ties
+from pagellm.testing.greedy import chosen_logprobs, count_identical_with_near_ties, greedy_run
 
 pytestmark = [
     pytest.mark.gpu,
@@ -109,12 +109,8 @@ def _pagellm_generate(model: str, dtype: str, prompts: list[list[int]], **kwargs
     )
     params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, logprobs=2, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    result = []
-    for o in outputs:
-        completion = o.outputs[0]
-        tokens = list(completion.token_ids)
-        # Per position the two most likely tokens' logprobs, the pick among them (a GreedyRun).
-        result.append((tokens, [{t: lp[t].logprob for t in lp} for lp in completion.logprobs]))
+    # Per position the two most likely tokens' logprobs, the pick among them (a GreedyRun).
+    result = [greedy_run(o.outputs[0]) for o in outputs]
     backend = llm.llm_engine.config.attention_backend
     del llm, outputs
     gc.collect()
@@ -143,18 +139,13 @@ def _hf_scores(model_dir: str, dtype: str, prompts, generations):
     return argmaxes, logprobs
 
 
-def _chosen(tokens, tops) -> list[float]:
-    """The logprob of each generated token, from a run's per-position candidates."""
-    return [top[t] for top, t in zip(tops, tokens, strict=True)]
-
-
 def _agreement_with_hf(generations, argmaxes, hf_logprobs) -> tuple[int, int, float]:
     """Positions where pagellm's token is HF's argmax, positions in all, and the largest
     |logprob difference| of pagellm's tokens."""
     agree = total = 0
     worst = 0.0
-    for (tokens, tops), hf_top, hf_lps in zip(generations, argmaxes, hf_logprobs, strict=True):
-        our_lps = _chosen(tokens, tops)
+    for run, hf_top, hf_lps in zip(generations, argmaxes, hf_logprobs, strict=True):
+        tokens, our_lps = run[0], chosen_logprobs(run)
         agree += sum(a == b for a, b in zip(tokens, hf_top, strict=True))
         total += len(tokens)
         worst = max(worst, max(abs(a - b) for a, b in zip(our_lps, hf_lps, strict=True)))
@@ -219,8 +210,8 @@ def test_async_scheduling_gives_the_same_tokens_on_gpu(gpu_models, dtype: str) -
     sync, _ = _pagellm_generate(gpu_models["llama3"], dtype, prompts)
     overlapped, _ = _pagellm_generate(gpu_models["llama3"], dtype, prompts, async_scheduling=True)
     assert [tokens for tokens, _ in overlapped] == [tokens for tokens, _ in sync]
-    for (tokens, a), (_, b) in zip(overlapped, sync, strict=True):
-        gaps = zip(_chosen(tokens, a), _chosen(tokens, b), strict=True)
+    for a, b in zip(overlapped, sync, strict=True):
+        gaps = zip(chosen_logprobs(a), chosen_logprobs(b), strict=True)
         assert max(abs(x - y) for x, y in gaps) <= 1e-5
 
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagellm.testing.greedy import count_identical_with_near_ties
+from pagellm.testing.greedy import count_identical_with_near_ties, greedy_run
 from test_gpu_models import _skip_unless_available
 
 pytestmark = [
@@ -108,12 +108,7 @@ def _generate(model: str, dtype: str, **kwargs) -> list[tuple[list[int], list[di
     llm = _llm(model, dtype, **kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, logprobs=2, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in _prompts()]
-    result = []
-    for output in llm.generate(prompts, params, use_tqdm=False):
-        tokens = list(output.outputs[0].token_ids)
-        result.append(
-            (tokens, [{t: lp[t].logprob for t in lp} for lp in output.outputs[0].logprobs])
-        )
+    result = [greedy_run(o.outputs[0]) for o in llm.generate(prompts, params, use_tqdm=False)]
     del llm
     gc.collect()
     torch.cuda.empty_cache()

@@ -45,3 +45,17 @@ def test_logprobs_apart_before_the_runs_part_fail():
     b = run([5, 7, 9], [{5: -0.1, 6: -2.5}, {7: -0.5, 1: -1.9}, {9: -0.2, 3: -3.0}])
     with pytest.raises(AssertionError, match="logprobs apart"):
         count_identical_with_near_ties([SAME], [b], 0.1, "ctx")
+
+
+def test_a_completion_becomes_a_run_and_its_chosen_logprobs():
+    from types import SimpleNamespace as NS
+
+    from pagellm.testing.greedy import chosen_logprobs, greedy_run
+
+    lp = lambda v: NS(logprob=v)  # noqa: E731
+    completion = NS(
+        token_ids=(5, 7), logprobs=[{5: lp(-0.1), 6: lp(-2.5)}, {7: lp(-0.3), 1: lp(-1.9)}]
+    )
+    run = greedy_run(completion)
+    assert run == ([5, 7], [{5: -0.1, 6: -2.5}, {7: -0.3, 1: -1.9}])
+    assert chosen_logprobs(run) == [-0.1, -0.3]

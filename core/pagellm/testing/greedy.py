@@ -12,10 +12,23 @@ of it in both runs; after it nothing is compared.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 GreedyRun = tuple[Sequence[int], Sequence[dict[int, float]]]
 """One prompt's greedy tokens, and per position the logprobs of the two (or more) most likely
 tokens, the pick among them (``SamplingParams(logprobs=2)``)."""
+
+
+def greedy_run(completion: Any) -> tuple[list[int], list[dict[int, float]]]:
+    """A `CompletionOutput` generated with ``logprobs=2`` as a `GreedyRun`."""
+    tops = [{tok: lp[tok].logprob for tok in lp} for lp in completion.logprobs]
+    return list(completion.token_ids), tops
+
+
+def chosen_logprobs(run: GreedyRun) -> list[float]:
+    """The logprob of each generated token of ``run``."""
+    tokens, tops = run
+    return [top[tok] for top, tok in zip(tops, tokens, strict=True)]
 
 
 def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:

@@ -26,7 +26,7 @@ from pagellm_flash_attn.phases import DECODE_VAR, PREFILL_VAR
 
 from pagellm.attention.backend import CommonAttentionMetadata
 from pagellm.kv_cache.spec import KVCacheSpec
-from pagellm.testing.greedy import count_identical_with_near_ties
+from pagellm.testing.greedy import count_identical_with_near_ties, greedy_run
 
 pytestmark = [
     pytest.mark.gpu,
@@ -322,12 +322,8 @@ def generate(model: str, backend: str):
     compiled_serving = (
         FA4Kernel._jit_log.entries() if FA4Kernel._jit_log else 0
     ) - compiled_at_start
-    result = []
-    for o in outputs:
-        tokens = list(o.outputs[0].token_ids)
-        # Per position: the logprobs of the two most likely tokens (the pick among them).
-        lps = [{tok: lp[tok].logprob for tok in lp} for lp in o.outputs[0].logprobs]
-        result.append((tokens, lps))
+    # Per position: the logprobs of the two most likely tokens (the pick among them).
+    result = [greedy_run(o.outputs[0]) for o in outputs]
     del llm, outputs
     gc.collect()
     torch.cuda.empty_cache()

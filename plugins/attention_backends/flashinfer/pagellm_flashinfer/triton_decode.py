@@ -61,11 +61,11 @@ def triton_decode_runner(
     """pagellm-triton-attn's `DecodeRunner` when the one-token rows go to TRITON_ATTN's kernel
     (`decode_kernel_choice`), else None; raises ValueError when ``PAGELLM_FLASHINFER_DECODE=triton``
     asks for that kernel and it cannot run here."""
-    choice = decode_kernel_choice(device, environ)
-    if choice != "triton":
+    if decode_kernel_choice(device, environ) != "triton":
         logger.info("FLASHINFER: one-token rows on FlashInfer's tensor-core decode wrapper")
         return None
-    reason = triton_unavailable_reason()
+    asked = DECODE_VAR in environ  # unset, the choice already checked that the kernel can run
+    reason = triton_unavailable_reason() if asked else None
     if reason:
         raise ValueError(
             f"{DECODE_VAR}=triton, but TRITON_ATTN's decode kernel cannot run: {reason}"
@@ -74,7 +74,7 @@ def triton_decode_runner(
 
     how = (
         f"{DECODE_VAR}=triton"
-        if DECODE_VAR in environ
+        if asked
         else f"the default; {DECODE_VAR}=flashinfer for FlashInfer's"
     )
     logger.info("FLASHINFER: one-token rows on TRITON_ATTN's decode kernel (%s)", how)

@@ -29,7 +29,7 @@ from pagellm_flashinfer.triton_decode import DECODE_KERNELS, DECODE_VAR
 
 from pagellm.attention.backend import CommonAttentionMetadata
 from pagellm.kv_cache.spec import KVCacheSpec
-from pagellm.testing.greedy import count_identical_with_near_ties
+from pagellm.testing.greedy import chosen_logprobs, count_identical_with_near_ties, greedy_run
 
 pytestmark = [
     pytest.mark.gpu,
@@ -683,11 +683,7 @@ def generate(model: str, backend: str, **kwargs) -> list[tuple[list[int], list[d
     assert engine.llm_engine.config.attention_backend == backend
     params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, logprobs=2, ignore_eos=True)
     outputs = engine.generate([{"prompt_token_ids": p} for p in prompts()], params, use_tqdm=False)
-    result = []
-    for o in outputs:
-        tokens = list(o.outputs[0].token_ids)
-        tops = [{tok: lp[tok].logprob for tok in lp} for lp in o.outputs[0].logprobs]
-        result.append((tokens, tops))
+    result = [greedy_run(o.outputs[0]) for o in outputs]
     del engine, outputs
     release_gpu_memory()
     return result
@@ -725,8 +721,8 @@ def test_greedy_tokens_are_triton_attn_argmaxes(models, kind, decode, monkeypatc
     scores = teacher_forced(models[kind], "TRITON_ATTN", generations)
     agree = total = 0
     worst = 0.0
-    for (tokens, tops), row in zip(generations, scores, strict=True):
-        lps = [top[t] for top, t in zip(tops, tokens, strict=True)]
+    for run, row in zip(generations, scores, strict=True):
+        tokens, lps = run[0], chosen_logprobs(run)
         assert len(tokens) == NUM_NEW_TOKENS
         agree += sum(rank == 1 for rank, _ in row)
         total += len(row)
