@@ -168,7 +168,7 @@ def test_engine_with_fused_input_quantization_agrees_with_the_unfused_engine(
 
     path = tiny_llama(tmp_path / "float", smollm2_tokenizer_dir)
     engine = dict(
-        dtype="bfloat16", max_model_len=64, gpu_memory_utilization=0.3, seed=0, quantization=method
+        dtype="bfloat16", max_model_len=64, kv_cache_memory=1 << 30, seed=0, quantization=method
     )
     prompts = [[5, 6, 7, 8, 9], [40, 41, 300, 12], [700, 3, 18, 19, 20, 21]]
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

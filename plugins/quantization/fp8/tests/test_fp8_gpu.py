@@ -109,7 +109,7 @@ def test_engine_on_the_gpu_agrees_with_the_bf16_model(method, tmp_path, smollm2_
     from pagellm.layers.linear import Linear
 
     path = tiny_llama(tmp_path / "float", smollm2_tokenizer_dir)
-    engine = dict(dtype="bfloat16", max_model_len=64, gpu_memory_utilization=0.3, seed=0)
+    engine = dict(dtype="bfloat16", max_model_len=64, kv_cache_memory=1 << 30, seed=0)
     prompts = [[5, 6, 7, 8, 9], [40, 41, 300, 12], [700, 3, 18, 19, 20, 21]]
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     dense = LLM(str(path), enforce_eager=True, **engine)

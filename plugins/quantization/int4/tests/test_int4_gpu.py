@@ -215,7 +215,7 @@ def test_engine_on_the_gpu_agrees_with_the_bf16_model_of_the_same_weights(
     else:
         unpack = lambda t: awq_unpack(t, group)  # noqa: E731
     dense_path = dense_checkpoint(source, quantized, tmp_path / "dense", unpack)
-    engine = dict(dtype="bfloat16", max_model_len=128, gpu_memory_utilization=0.3, seed=0)
+    engine = dict(dtype="bfloat16", max_model_len=128, kv_cache_memory=1 << 30, seed=0)
     prompts = [[5, 6, 7, 8, 9], [40, 41, 300, 12], [700, 3, 18, 19, 20, 21]]
     greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     dense = LLM(str(dense_path), enforce_eager=True, **engine)
