@@ -8,8 +8,10 @@ Each module is built by its own ninja file, in its own build directory, as Flash
 log there does not record, so a module built otherwise (by ``flashinfer.jit.build_jit_specs``,
 one ninja run over several modules, logged in the JIT directory) would be compiled a second
 time at its first load, in the warm-up or a graph capture, unreported (on the H200: 26 s in the
-decode graphs' capture and 100 s in the warm-up of a first start). Such a module counts as
-missing here and is rebuilt once, at start-up, logged.
+decode graphs' capture and 100 s in the warm-up of a first start). So is a module whose sources,
+headers or flags changed since its build (a newer apache-tvm-ffi installed beside it: 84 s in
+the warm-up of an H100's start), which only ninja's own dry run of the module's file sees. Such
+modules count as missing here and are rebuilt once, at start-up, logged with the reason.
 
 The cache is FlashInfer's: ``$FLASHINFER_WORKSPACE_BASE/.cache/flashinfer/<version>/<arch>/``
 (``FLASHINFER_WORKSPACE_BASE`` defaults to the home directory), read when flashinfer is first
@@ -19,6 +21,8 @@ imported; set it to share or move the cache.
 from __future__ import annotations
 
 import logging
+import shutil
+import subprocess
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -105,19 +109,52 @@ BUILD_WORKERS = 2
 """Modules built at once (each ninja run uses every core for its module's sources)."""
 
 
-def loads_without_building(spec: Any) -> bool:
-    """Whether FlashInfer's ``build_and_load`` of ``spec`` will only load it: a prebuilt (AOT)
-    module, or one compiled by its own ninja file, whose log in its build directory records
-    the library."""
+NOT_BUILT = "not built"
+COMBINED_BUILD = "built before by a combined build, which their own build does not see"
+OUT_OF_DATE = "out of date with their sources, headers or flags (ninja would rebuild them)"
+
+
+def ninja_would_rebuild(spec: Any) -> bool | None:
+    """ninja's own dry run of the module's build file, written first as FlashInfer's build
+    writes it (only where it changed): whether a load would rebuild something. None where
+    ninja cannot be run (FlashInfer cannot build then either)."""
+    ninja = shutil.which("ninja")
+    if ninja is None:
+        return None
+    spec.write_ninja()
+    try:
+        dry = subprocess.run(
+            [ninja, "-n", "-C", str(spec.build_dir), "-f", str(spec.ninja_path)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return dry.returncode != 0 or "no work to do" not in dry.stdout
+
+
+def why_it_would_build(spec: Any) -> str | None:
+    """Why FlashInfer's ``build_and_load`` of ``spec`` would compile rather than only load it
+    (`NOT_BUILT`, `COMBINED_BUILD`, `OUT_OF_DATE`), or None: a prebuilt (AOT) module, or one
+    compiled by its own ninja file, whose log in its build directory records the library, with
+    nothing changed since."""
     if getattr(spec, "is_aot", False):
-        return True
+        return None
     if not spec.is_compiled:
-        return False
+        return NOT_BUILT
     try:
         ninja_log = (Path(spec.build_dir) / ".ninja_log").read_text(errors="replace")
     except OSError:
-        return False
-    return f"{spec.name}.so" in ninja_log
+        return COMBINED_BUILD
+    if f"{spec.name}.so" not in ninja_log:
+        return COMBINED_BUILD
+    return OUT_OF_DATE if ninja_would_rebuild(spec) else None
+
+
+def loads_without_building(spec: Any) -> bool:
+    return why_it_would_build(spec) is None
 
 
 def compile_missing(flashinfer: ModuleType, modules: Sequence[KernelModule | DecodeModule]) -> int:
@@ -125,19 +162,20 @@ def compile_missing(flashinfer: ModuleType, modules: Sequence[KernelModule | Dec
     ninja file, `BUILD_WORKERS` at a time; returns how many were built. Logs the time it took,
     or that the cache had them all."""
     specs = [module.spec(flashinfer) for module in modules]
-    missing = [spec for spec in specs if not loads_without_building(spec)]
+    reasons = {spec.name: why_it_would_build(spec) for spec in specs}
+    missing = [spec for spec in specs if reasons[spec.name] is not None]
     where = cache_dir(flashinfer)
     if not missing:
         logger.info("FlashInfer: %d kernel modules found in the JIT cache %s", len(specs), where)
         return 0
-    stale = sum(1 for spec in missing if spec.is_compiled)
+    counts = {
+        r: sum(1 for s in missing if reasons[s.name] == r) for r in (COMBINED_BUILD, OUT_OF_DATE)
+    }
     logger.info(
         "FlashInfer: compiling %d kernel modules (first use; cached in %s for later starts)%s",
         len(missing),
         where,
-        f"; {stale} of them built before by a combined build, which their own build does not see"
-        if stale
-        else "",
+        "".join(f"; {n} of them {reason}" for reason, n in counts.items() if n),
     )
     started = time.perf_counter()
     with ThreadPoolExecutor(max_workers=BUILD_WORKERS) as pool:

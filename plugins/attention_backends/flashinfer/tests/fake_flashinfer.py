@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import shutil
+import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -397,10 +398,14 @@ def fast_decode_plan(
     )
 
 
+NINJA = shutil.which("ninja")
+
+
 @dataclass
 class FakeSpec:
-    """A JIT spec: built by its own ninja file (`build`), whose log in ``build_dir`` then
-    records the library, as FlashInfer's ``JitSpec`` is."""
+    """A JIT spec built as FlashInfer's ``JitSpec`` is: its generated source (``source``) and
+    its own ninja file in ``build_dir``, which `build` runs (with the real ninja where it is on
+    PATH, whose log there then records the library; else the log is written as ninja would)."""
 
     name: str
     build_dir: Path
@@ -409,9 +414,40 @@ class FakeSpec:
     def is_compiled(self) -> bool:
         return (self.build_dir / f"{self.name}.so").exists()
 
+    @property
+    def ninja_path(self) -> Path:
+        return self.build_dir / "build.ninja"
+
+    @property
+    def source(self) -> Path:
+        return self.build_dir / f"{self.name}.cu"
+
+    def generate(self) -> None:
+        """The generator's output, written only where it changed (as FlashInfer's is)."""
+        self.build_dir.mkdir(parents=True, exist_ok=True)
+        if not self.source.exists():
+            self.source.write_text(f"// {self.name}\n")
+
+    def write_ninja(self) -> None:
+        content = (
+            "ninja_required_version = 1.3\n"
+            "rule link\n  command = cp $in $out\n"
+            f"build {self.name}.so: link {self.source.name}\n"
+        )
+        if not self.ninja_path.exists() or self.ninja_path.read_text() != content:
+            self.ninja_path.write_text(content)
+
     def build(self, verbose: bool) -> None:
         log.record("jit.build", self.name)
-        self.build_dir.mkdir(parents=True, exist_ok=True)
+        self.generate()
+        self.write_ninja()
+        if NINJA is not None:
+            subprocess.run(
+                [NINJA, "-C", str(self.build_dir), "-f", str(self.ninja_path)],
+                check=True,
+                capture_output=True,
+            )
+            return
         (self.build_dir / f"{self.name}.so").write_text("")
         with open(self.build_dir / ".ninja_log", "a") as f:
             f.write(f"0\t1\t0\t{self.build_dir / self.name}.so\t0\n")
@@ -440,7 +476,9 @@ class _Jit:
             False,
         ):
             name += "_unexpected"
-        return FakeSpec(name, self.spec_dir(name))
+        spec = FakeSpec(name, self.spec_dir(name))
+        spec.generate()
+        return spec
 
     def build_jit_specs(self, specs: list[FakeSpec]) -> None:
         """One ninja run over several modules, logged in the JIT directory, not in theirs."""

@@ -13,6 +13,7 @@ import importlib.metadata
 import importlib.util
 import logging
 import math
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from types import ModuleType
@@ -25,7 +26,13 @@ from pagellm_flashinfer import plugin
 from pagellm_flashinfer.availability import Environment, unavailable_reason
 from pagellm_flashinfer.backend import FlashInferBackend, FlashInferImpl
 from pagellm_flashinfer.builder import FlashInferMetadataBuilder
-from pagellm_flashinfer.jit_cache import modules_for
+from pagellm_flashinfer.jit_cache import (
+    OUT_OF_DATE,
+    loads_without_building,
+    modules_for,
+    ninja_would_rebuild,
+    why_it_would_build,
+)
 from pagellm_flashinfer.paged_kv import fill_page_counts, gather_page_indices
 from pagellm_flashinfer.planning import prefill_backend, window_left
 from pagellm_flashinfer.triton_decode import (
@@ -580,6 +587,29 @@ def test_a_module_built_by_a_combined_build_is_rebuilt_once_at_start_up(fake, ca
     assert [c.args[0] for c in fake.log.named("jit.build")] == [m.spec(fake).name for m in modules]
     assert "1 of them built before by a combined build" in caplog.text
     assert "1 kernel modules found in the JIT cache" in caplog.text
+
+
+@pytest.mark.skipif(fake_flashinfer.NINJA is None, reason="ninja is not on PATH")
+def test_a_module_out_of_date_with_its_sources_is_rebuilt_once_at_start_up(fake, caplog):
+    """A module built by its own ninja file, whose sources or headers changed since (a newer
+    apache-tvm-ffi beside flashinfer), would be rebuilt by ninja at its first load, in the
+    warm-up: ninja's dry run sees it at start-up, where it is rebuilt and said to be."""
+    spec = KVCacheSpec(16, 8, 128, torch.bfloat16, None)
+    (module,) = modules_for("fa2", torch.bfloat16, 128, False, decode_wrapper=False)
+    FlashInferMetadataBuilder(spec, torch.device("cpu"))  # builds it with the real ninja
+    built = module.spec(fake)
+    assert loads_without_building(built) and ninja_would_rebuild(built) is False
+    library = built.build_dir / f"{built.name}.so"
+    earlier = built.source.stat().st_mtime - 10
+    os.utime(library, (earlier, earlier))  # the library older than a header or source
+    assert why_it_would_build(built) == OUT_OF_DATE
+    with caplog.at_level(logging.INFO, logger="pagellm_flashinfer.jit_cache"):
+        FlashInferMetadataBuilder(spec, torch.device("cpu"))
+        FlashInferMetadataBuilder(spec, torch.device("cpu"))
+    assert [c.args[0] for c in fake.log.named("jit.build")] == [built.name, built.name]
+    assert f"; 1 of them {OUT_OF_DATE}" in caplog.text
+    assert "1 kernel modules found in the JIT cache" in caplog.text  # the third builder
+    assert loads_without_building(module.spec(fake))
 
 
 # ---------------------------------------------------------------------------- selection
