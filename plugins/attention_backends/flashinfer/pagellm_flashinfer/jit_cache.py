@@ -9,8 +9,9 @@ log there does not record, so a module built otherwise (by ``flashinfer.jit.buil
 one ninja run over several modules, logged in the JIT directory) would be compiled a second
 time at its first load, in the warm-up or a graph capture, unreported (on the H200: 26 s in the
 decode graphs' capture and 100 s in the warm-up of a first start). So is a module whose sources,
-headers or flags changed since its build (a newer apache-tvm-ffi installed beside it: 84 s in
-the warm-up of an H100's start), which only ninja's own dry run of the module's file sees. Such
+headers or flags changed since its build (a newer apache-tvm-ffi installed beside it, the likely
+cause of 84 s in the warm-up of an H100's start), which only ninja's own dry run of the module's
+file sees. Such
 modules count as missing here and are rebuilt once, at start-up, logged with the reason.
 
 The cache is FlashInfer's: ``$FLASHINFER_WORKSPACE_BASE/.cache/flashinfer/<version>/<arch>/``
@@ -26,6 +27,7 @@ import subprocess
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -114,6 +116,18 @@ COMBINED_BUILD = "built before by a combined build, which their own build does n
 OUT_OF_DATE = "out of date with their sources, headers or flags (ninja would rebuild them)"
 
 
+def _build_lock(spec: Any) -> AbstractContextManager[Any]:
+    """The file lock FlashInfer's ``JitSpec.build`` takes (``spec.lock_path``), where it has one."""
+    lock_path = getattr(spec, "lock_path", None)
+    if lock_path is None:
+        return nullcontext()
+    try:
+        from filelock import FileLock
+    except ImportError:
+        return nullcontext()
+    return FileLock(str(lock_path), thread_local=False)
+
+
 def ninja_would_rebuild(spec: Any) -> bool | None:
     """ninja's own dry run of the module's build file, written first as FlashInfer's build
     writes it (only where it changed): whether a load would rebuild something. None where
@@ -121,15 +135,16 @@ def ninja_would_rebuild(spec: Any) -> bool | None:
     ninja = shutil.which("ninja")
     if ninja is None:
         return None
-    spec.write_ninja()
     try:
-        dry = subprocess.run(
-            [ninja, "-n", "-C", str(spec.build_dir), "-f", str(spec.ninja_path)],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
+        with _build_lock(spec):  # the lock FlashInfer's build holds around the same two steps
+            spec.write_ninja()
+            dry = subprocess.run(
+                [ninja, "-n", "-C", str(spec.build_dir), "-f", str(spec.ninja_path)],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=False,
+            )
     except (OSError, subprocess.TimeoutExpired):
         return None
     return dry.returncode != 0 or "no work to do" not in dry.stdout

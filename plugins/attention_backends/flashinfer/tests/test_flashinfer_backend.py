@@ -599,6 +599,9 @@ def test_a_module_out_of_date_with_its_sources_is_rebuilt_once_at_start_up(fake,
     FlashInferMetadataBuilder(spec, torch.device("cpu"))  # builds it with the real ninja
     built = module.spec(fake)
     assert loads_without_building(built) and ninja_would_rebuild(built) is False
+    # The dry run holds the build's file lock, where the spec names one (FlashInfer's do).
+    built.lock_path = built.build_dir.parent / f"{built.name}.lock"
+    assert ninja_would_rebuild(built) is False and built.lock_path.exists()
     library = built.build_dir / f"{built.name}.so"
     earlier = built.source.stat().st_mtime - 10
     os.utime(library, (earlier, earlier))  # the library older than a header or source
