@@ -11,8 +11,8 @@ time at its first load, in the warm-up or a graph capture, unreported (on the H2
 decode graphs' capture and 100 s in the warm-up of a first start). So is a module whose sources,
 headers or flags changed since its build (a newer apache-tvm-ffi installed beside it, the likely
 cause of 84 s in the warm-up of an H100's start), which only ninja's own dry run of the module's
-file sees. Such
-modules count as missing here and are rebuilt once, at start-up, logged with the reason.
+file sees. Such modules count as missing here and are rebuilt once, at start-up, logged with the
+reason.
 
 The cache is FlashInfer's: ``$FLASHINFER_WORKSPACE_BASE/.cache/flashinfer/<version>/<arch>/``
 (``FLASHINFER_WORKSPACE_BASE`` defaults to the home directory), read when flashinfer is first
@@ -25,6 +25,7 @@ import logging
 import shutil
 import subprocess
 import time
+from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
@@ -177,28 +178,25 @@ def compile_missing(flashinfer: ModuleType, modules: Sequence[KernelModule | Dec
     ninja file, `BUILD_WORKERS` at a time; returns how many were built. Logs the time it took,
     or that the cache had them all."""
     specs = [module.spec(flashinfer) for module in modules]
-    reasons = {spec.name: why_it_would_build(spec) for spec in specs}
-    missing = [spec for spec in specs if reasons[spec.name] is not None]
+    missing = [(spec, why) for spec in specs if (why := why_it_would_build(spec)) is not None]
     where = cache_dir(flashinfer)
     if not missing:
         logger.info("FlashInfer: %d kernel modules found in the JIT cache %s", len(specs), where)
         return 0
-    counts = {
-        r: sum(1 for s in missing if reasons[s.name] == r) for r in (COMBINED_BUILD, OUT_OF_DATE)
-    }
+    rebuilt = Counter(why for _, why in missing if why != NOT_BUILT)
     logger.info(
         "FlashInfer: compiling %d kernel modules (first use; cached in %s for later starts)%s",
         len(missing),
         where,
-        "".join(f"; {n} of them {reason}" for reason, n in counts.items() if n),
+        "".join(f"; {n} of them {why}" for why, n in rebuilt.items()),
     )
     started = time.perf_counter()
     with ThreadPoolExecutor(max_workers=BUILD_WORKERS) as pool:
-        list(pool.map(lambda spec: spec.build(verbose=False), missing))  # raises a build's error
+        list(pool.map(lambda item: item[0].build(verbose=False), missing))  # raises a build's error
     logger.info(
         "FlashInfer: compiled %d kernel modules in %.1f s: %s",
         len(missing),
         time.perf_counter() - started,
-        ", ".join(spec.name for spec in missing),
+        ", ".join(spec.name for spec, _ in missing),
     )
     return len(missing)
