@@ -100,8 +100,8 @@ class FlashInferMetadata:
 
 
 class _HostArrays:
-    """Staging for one step's ``qo_indptr``, ``kv_indptr`` and ``kv_last_page_len``, grown to
-    the largest batch seen."""
+    """Staging for one step's ``qo_indptr``, ``kv_indptr``, ``kv_last_page_len`` and
+    ``seq_lens``, grown to the largest batch seen."""
 
     def __init__(self, pin: bool) -> None:
         self.pin = pin
@@ -114,12 +114,17 @@ class _HostArrays:
 
         self.rows = rows
         self.qo_indptr, self.kv_indptr = empty(rows + 1), empty(rows + 1)
-        self.kv_last_page_len = empty(rows)
+        self.kv_last_page_len, self.seq_lens = empty(rows), empty(rows)
 
-    def views(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def views(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         if rows > self.rows:
             self._allocate(max(rows, 2 * self.rows))
-        return self.qo_indptr[: rows + 1], self.kv_indptr[: rows + 1], self.kv_last_page_len[:rows]
+        return (
+            self.qo_indptr[: rows + 1],
+            self.kv_indptr[: rows + 1],
+            self.kv_last_page_len[:rows],
+            self.seq_lens[:rows],
+        )
 
 
 @dataclass
@@ -238,8 +243,9 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
         """The step's arrays; ``kv_indptr`` is the device buffer the page gather reads."""
         if self._copies_done is not None:
             self._copies_done.synchronize()
-        qo_indptr, kv_indptr_host, last_page_len = self._host.views(common.num_reqs)
+        qo_indptr, kv_indptr_host, last_page_len, seq_lens = self._host.views(common.num_reqs)
         qo_indptr.copy_(common.query_start_loc_cpu)
+        seq_lens.copy_(common.seq_lens_cpu)
         num_pages = fill_page_counts(
             common.seq_lens_cpu.numpy(),
             self.kv_cache_spec.block_size,
@@ -250,7 +256,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
         kv_indices = gather_page_indices(common.block_table, kv_indptr, num_pages)
         self._issued_copies()
         return PagedKVIndex(
-            qo_indptr, kv_indptr_host, last_page_len, kv_indices, common.max_query_len
+            qo_indptr, kv_indptr_host, last_page_len, kv_indices, common.max_query_len, seq_lens
         )
 
     def _split(self, index: PagedKVIndex, num_decodes: int) -> tuple[PagedKVIndex, PagedKVIndex]:
@@ -265,18 +271,21 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
             index.kv_last_page_len[:d],
             index.kv_indices[:pages_before],
             1,
+            index.seq_lens[:d],
         )
         rows = index.num_rows - d
-        qo_indptr, kv_indptr, last_page_len = self._tail_host.views(rows)
+        qo_indptr, kv_indptr, last_page_len, seq_lens = self._tail_host.views(rows)
         torch.sub(index.qo_indptr[d:], d, out=qo_indptr)
         torch.sub(index.kv_indptr[d:], pages_before, out=kv_indptr)
         last_page_len.copy_(index.kv_last_page_len[d:])
+        seq_lens.copy_(index.seq_lens[d:])
         prompts = PagedKVIndex(
             qo_indptr,
             kv_indptr,
             last_page_len,
             index.kv_indices[pages_before:],
             index.max_query_len,
+            seq_lens,
         )
         return decodes, prompts
 

@@ -32,6 +32,10 @@ class PagedKVIndex:
     kv_indices: torch.Tensor
     """int32 [kv_indptr[-1]], device."""
     max_query_len: int
+    seq_lens: torch.Tensor
+    """int32 [rows], host: each row's length, which the prefill plan copies to the device. Given
+    in pinned memory, that copy is asynchronous; left to FlashInfer, it is recomputed from the
+    page counts into a new pageable tensor, whose copy may wait for the device."""
 
     @property
     def num_rows(self) -> int:

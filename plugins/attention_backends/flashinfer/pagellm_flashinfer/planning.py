@@ -75,6 +75,8 @@ def plan_prefill(wrapper: Any, index: PagedKVIndex, params: LayerParams, spec: K
         non_blocking=True,
         # Known here: spares plan a Python loop over the rows.
         max_token_per_sequence=index.max_query_len,
+        # Pinned: plan's copy of the rows' lengths to the device does not wait for it.
+        seq_lens=index.seq_lens,
     )
 
 

@@ -89,6 +89,23 @@ def check_starts_at_zero(*indptrs: torch.Tensor) -> None:
             raise ValueError(f"an indptr array starts at {int(indptr[0])}, not 0")
 
 
+def check_seq_lens(
+    seq_lens: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_last_page_len: torch.Tensor,
+    page_size: int,
+) -> None:
+    """FlashInfer's prefill plan copies ``seq_lens`` (when given) to the device as the rows'
+    KV lengths in place of the ones it would derive from the pages: they must agree (a row of
+    no page has length 0), and be on the host."""
+    if seq_lens.device.type != "cpu":
+        raise ValueError("seq_lens must be a host tensor")
+    pages = kv_indptr[1:] - kv_indptr[:-1]
+    derived = torch.where(pages > 0, (pages - 1) * page_size + kv_last_page_len, 0)
+    if not torch.equal(seq_lens.to(torch.int64), derived.to(torch.int64)):
+        raise ValueError(f"seq_lens {seq_lens.tolist()} != the pages' {derived.tolist()}")
+
+
 def attend(plan: Plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out):
     num_rows = plan.kv_last_page_len.shape[0]
     group = plan.num_qo_heads // plan.num_kv_heads
@@ -192,6 +209,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
         kv_data_type=None,
         non_blocking=True,
         max_token_per_sequence=None,
+        seq_lens=None,
     ) -> None:
         log.record(
             "prefill.plan",
@@ -210,8 +228,11 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
             kv_data_type=kv_data_type,
             non_blocking=non_blocking,
             max_token_per_sequence=max_token_per_sequence,
+            seq_lens=seq_lens,
         )
         check_starts_at_zero(qo_indptr, paged_kv_indptr)
+        if seq_lens is not None:
+            check_seq_lens(seq_lens, paged_kv_indptr, paged_kv_last_page_len, page_size)
         if int(qo_indptr[-1]) == 0:
             raise ValueError("a prefill plan of no query token")
         self.plan_args = Plan(

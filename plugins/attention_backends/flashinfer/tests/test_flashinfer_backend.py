@@ -272,7 +272,9 @@ def test_mixed_step_is_planned_once_on_the_prefill_wrapper_with_hand_checked_arr
         kv_data_type=torch.bfloat16,
         non_blocking=True,
         max_token_per_sequence=6,
+        seq_lens=plan.kwargs["seq_lens"],
     )
+    assert plan.kwargs["seq_lens"].tolist() == [6, 9, 8]  # host, pinned on a GPU
     assert len(fake.log.named("prefill.run")) == 3
     assert_new_kv_written(step)
     torch.testing.assert_close(out.double(), reference(step, impl.scale, None))
@@ -307,6 +309,7 @@ def test_leading_decode_rows_of_a_mixed_step_go_to_the_decode_wrapper(fake):
     assert decode_plan.args[0].tolist() == [0, 3, 4]
     assert prefill_plan.args[0].tolist() == [0, 6, 7, 11]
     assert prefill_plan.kwargs["max_token_per_sequence"] == 6
+    assert prefill_plan.kwargs["seq_lens"].tolist() == [6, 5, 8]  # the prompt rows' own
     runs = fake.log.named("decode.run")
     assert len(runs) == 3 and runs[0].args[0] == torch.Size([2, 4, 8])
     runs = fake.log.named("prefill.run")
