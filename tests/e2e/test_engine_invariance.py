@@ -6,6 +6,7 @@ test also checks that the mechanism it is about really ran (cache hits, chunks, 
 
 from __future__ import annotations
 
+import logging
 import random
 
 import pytest
@@ -224,11 +225,11 @@ def test_frequency_and_presence_penalties_are_counted_incrementally(llama_dir, a
     assert core_of(tight).scheduler.num_preemptions > 0
 
 
-def test_start_up_warm_up_leaves_no_trace(llama_dir, reference, async_scheduling):
+def test_start_up_warm_up_leaves_no_trace(llama_dir, reference, async_scheduling, caplog):
     """The warm-up a GPU engine runs at start (`pagellm.engine.warm_up`, for platforms that
-    `needs_warm_up`; not the CPU), run here by hand: the workers forget its requests, the
-    engine's scheduler and KV cache never saw them, and the outputs that follow still equal
-    transformers'."""
+    `needs_warm_up`; not the CPU), run here by hand: the logits at every row count, then warm-up
+    requests, which the workers forget; the engine's scheduler and KV cache never saw them, and
+    the outputs that follow still equal transformers'."""
     llm = LLM(
         llama_dir,
         async_scheduling=async_scheduling,
@@ -237,7 +238,10 @@ def test_start_up_warm_up_leaves_no_trace(llama_dir, reference, async_scheduling
         enable_prefix_caching=True,
     )
     core = core_of(llm)
-    warm_up(core.config, core.executor, core.kv_cache_manager.block_pool.num_blocks)
+    with caplog.at_level(logging.INFO, logger="pagellm.engine.warm_up"):
+        warm_up(core.config, core.executor, core.kv_cache_manager.block_pool.num_blocks)
+    rows = core.config.scheduler.max_num_seqs
+    assert f"the logits at 1 to {rows} rows in" in caplog.text
     runner = core.executor.collective_rpc(lambda worker: worker.model_runner)[0]
     assert runner.input_batch.req_id_to_index == {} and not runner.requests
     assert not core.scheduler.requests and core.kv_cache_manager.prefix_cache_stats.queries == 0

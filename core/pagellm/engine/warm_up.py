@@ -22,7 +22,9 @@ def warm_up(config: EngineConfig, executor: Executor, num_blocks: int) -> None:
     any. Kernels specialize on batch shapes (Triton picks tile sizes from the longest query), so
     this covers prefills of every power-of-two length up to 1024 (capped by the model length and
     the token budget), alone and mixed with a batch of decodes, and decode batches (CUDA graph
-    replay). The workers forget every warm-up request at the end."""
+    replay). The workers forget every warm-up request at the end. First, every row count the
+    logits matmul can see (`Worker.warm_up_logits`)."""
+    logits_seconds = max(executor.collective_rpc("warm_up_logits"))
     block_size = config.cache.block_size
     scheduler = Scheduler(config.scheduler, KVCacheManager(block_size, num_blocks, False))
     vocab = config.model.vocab_size
@@ -59,4 +61,10 @@ def warm_up(config: EngineConfig, executor: Executor, num_blocks: int) -> None:
         step()
     out = scheduler.schedule()  # nothing left to run: tells the workers to drop the requests
     executor.execute_model(out)
-    logger.info("Warmed up in %.2f s (%d requests)", time.perf_counter() - started, index)
+    logger.info(
+        "Warmed up in %.2f s (%d requests; before them, the logits at 1 to %d rows in %.2f s)",
+        time.perf_counter() - started,
+        index,
+        config.scheduler.max_num_seqs,
+        logits_seconds,
+    )

@@ -89,6 +89,25 @@ class Worker:
         logits = model.compute_logits(hidden[: min(sched.max_num_seqs, n)])
         logits.float().log_softmax(dim=-1).argmax(dim=-1)
 
+    @torch.inference_mode()
+    def warm_up_logits(self) -> float:
+        """The logits matmul and the greedy argmax once at every row count a step can sample (1
+        to ``max_num_seqs``); returns the seconds taken. A GPU BLAS library chooses its kernel by
+        shape and, on first use of a shape, decides and loads it on the host: milliseconds inside
+        each step whose row count is new (prompt steps, which sample a different number of rows
+        each time, a decode batch shrinking as its requests finish) while the device waits."""
+        model = self.model_runner.model
+        embed = getattr(model, "embed_input_ids", None)
+        if self.model_runner.pooling or embed is None:
+            return 0.0
+        start = time.perf_counter()
+        rows = self.config.scheduler.max_num_seqs
+        hidden = embed(torch.zeros(rows, dtype=torch.long, device=self.device))
+        for n in range(1, rows + 1):
+            model.compute_logits(hidden[:n]).argmax(dim=-1)
+        current_platform.synchronize()
+        return time.perf_counter() - start
+
     def initialize_cache(self, num_blocks: int) -> dict[str, float]:
         """Give every attention layer its KV cache, then capture the graphs the config turns on;
         returns the seconds each kind of graph took to capture (`ModelRunner.capture_model`)."""
