@@ -2,7 +2,7 @@
 # One round on the GPU machine: offline install (wheels carried in .whl), GPU tests, benchmarks.
 # Writes logs and JSON under $OUT. Stages: tests, tests-core, tests-models, tests-flashinfer, fi-jit, fi-cache-save, fa-tests,
 # fa-kernels, tp-tests, allreduce, issue21-w1, issue21-70b, issue21-serve, issue14-fi, issue14-fi-triton, issue14-ab, issue17, fp8-tests, fp8-fused, issue15, fp8-gemm, fp8-skinny, decode-tiles, decode-splits, decode-swap, int4-tests, int4-sweep, int4-probe, int4-gemm, int4-w1, gguf-tests,
-# gguf-gemm, gguf-smollm2, gguf-sweep-a, gguf-sweep-b, gguf-sweep-c, prof, step-prof, timeline-w2, w1, w1-fp8, w2,
+# gguf-gemm, gguf-smollm2, gguf-sweep-a, gguf-sweep-b, gguf-sweep-c, prof, step-prof, timeline-w2, timeline-ph, w1, w1-fp8, w2,
 # overhead, hf (W1/W2 with the HF peer).
 #   bash benchmarks/gpu_round.sh tests w2 w1 overhead
 set -uo pipefail
@@ -337,13 +337,17 @@ PY
     # W2's first steps (its prompts in mixed prefill + decode steps) under asynchronous
     # scheduling, per backend of PROF_BACKENDS: device idle time, the host ranges it waited on,
     # blocking runtime calls (benchmarks/step_timeline.py).
-    timeline-w2) for b in ${PROF_BACKENDS:-TRITON_ATTN FLASHINFER}; do
-        run "timeline_w2_$b" 200 python3 benchmarks/step_timeline.py \
+    # timeline-ph: the same for the prefill-heavy run's prompt steps (256 x 2,048 in / 16 out).
+    timeline-w2|timeline-ph) w=${stage#timeline-}
+      lengths="--input-len-range 100 1024 --output-len-range 100 1024"
+      [ "$w" = ph ] && lengths="--input-len-range 2048 2048 --output-len-range 16 16"
+      for b in ${PROF_BACKENDS:-TRITON_ATTN FLASHINFER}; do
+        run "timeline_${w}_$b" 200 python3 benchmarks/step_timeline.py \
           --model benchmarks/configs/qwen3-0.6b --load-format dummy --dtype bfloat16 \
-          --skip-tokenizer-init --temperature 0 --seed 0 --num-prompts 256 \
-          --input-len-range 100 1024 --output-len-range 100 1024 --random-token-range 0 10000 \
+          --skip-tokenizer-init --temperature 0 --seed 0 --num-prompts 256 $lengths \
+          --random-token-range 0 10000 \
           --attention-backend "$b" ${TIMELINE_FLAGS:---skip-steps 0 --timeline-steps 24} \
-          --output-json "$OUT/timeline_w2_$b.json"
+          --output-json "$OUT/timeline_${w}_$b.json"
       done ;;
     overhead) run overhead 100 python3 benchmarks/step_overhead.py ${PAGELLM_TEST_TOKENIZER:+--tokenizer $PAGELLM_TEST_TOKENIZER} --output-json "$OUT/overhead.json" ;;
     overhead-delta) run overhead_delta 100 python3 benchmarks/step_overhead.py --output-kind delta ${PAGELLM_TEST_TOKENIZER:+--tokenizer $PAGELLM_TEST_TOKENIZER} --output-json "$OUT/overhead_delta.json" ;;
