@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One round on the GPU machine: offline install (wheels carried in .whl), GPU tests, benchmarks.
 # Writes logs and JSON under $OUT. Stages: tests, tests-core, tests-models, tests-flashinfer, fi-jit, fi-cache-save, fa-tests,
-# fa-kernels, tp-tests, allreduce, issue21-w1, issue21-70b, issue21-serve, issue14-fi, issue14-fi-triton, issue14-ab, issue17, fp8-tests, fp8-fused, issue15, fp8-gemm, fp8-skinny, decode-tiles, decode-splits, decode-swap, int4-tests, int4-sweep, int4-probe, int4-gemm, int4-w1, gguf-tests,
+# fa-kernels, tp-tests, allreduce, issue21-w1, issue21-70b, issue21-serve, issue14-fi, issue14-fi-triton, issue14-ab, issue17, fp8-tests, fp8-fused, issue15, fp8-gemm, fp8-skinny, decode-tiles, decode-splits, decode-swap, int4-tests, int4-sweep, int4-probe, int4-ncu, int4-gemm, int4-w1, gguf-tests,
 # gguf-gemm, gguf-smollm2, gguf-sweep-a, gguf-sweep-b, gguf-sweep-c, prof, step-prof, timeline-w2, timeline-ph, w1, w1-fp8, w2,
 # overhead, hf (W1/W2 with the HF peer).
 #   bash benchmarks/gpu_round.sh tests w2 w1 overhead
@@ -193,6 +193,15 @@ for stage in "$@"; do
     # PROBE_FLAGS e.g. "--probe-kinds dot dot_t --probe-stages 2 3 5 8 --probe-chains 1".
     int4-probe) run int4_probe ${SWEEP_S:-400} python3 benchmarks/int4_gemm.py --probe ${PROBE_FLAGS:-} \
         --sweep-ms ${SWEEP_MS:-1 16} --output-json "$OUT/int4_probe.json" ;;
+    # Nsight Compute on the fused kernel at NCU_SHAPES ("layer:M ..."): warp stall reasons, pipe
+    # and memory use (benchmarks/int4_ncu.py); text reports under $OUT, in one tarball.
+    int4-ncu) if ! command -v ncu >/dev/null; then echo "int4-ncu: no ncu on this machine"; else
+        for shape in ${NCU_SHAPES:-o:1 gate_up:1 o:16}; do
+          run "ncu_${shape/:/_m}" 200 ncu --kernel-name regex:w4a16 --launch-skip 3 --launch-count 1 \
+            --set full python3 benchmarks/int4_ncu.py --layer "${shape%:*}" --m "${shape#*:}"
+        done
+        (cd "$OUT" && tar -czf int4_ncu.tgz --remove-files ncu_*.log)
+      fi ;;
     int4-gemm) run int4_gemm 400 python3 benchmarks/int4_gemm.py --output-json "$OUT/int4_gemm.json" ;;
     # W1's model as a GPTQ int4 checkpoint of random weights (our RTN writer, on the GPU, kept
     # under build/), then low-batch decode (1 and 16 requests at once, 512 in / 512 out) against
