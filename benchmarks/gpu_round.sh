@@ -190,7 +190,7 @@ for stage in "$@"; do
     int4-sweep) run int4_sweep ${SWEEP_S:-330} python3 benchmarks/int4_gemm.py --sweep --ms 1 16 \
         --sweep-ms ${SWEEP_MS:-1 16} --sweep-json "$OUT/int4_tiles.json" ;;
     # Every tile of a grid (kind, columns, split, pipeline depth, MMA chains), timed and printed;
-    # PROBE_FLAGS e.g. "--probe-kinds dot dot_t --probe-stages 2 3 5 8 --probe-chains 1".
+    # PROBE_FLAGS e.g. "--probe-kinds dot dot_t fma --probe-stages 2 3 5 8 --probe-chains 1".
     int4-probe) run int4_probe ${SWEEP_S:-400} python3 benchmarks/int4_gemm.py --probe ${PROBE_FLAGS:-} \
         --sweep-ms ${SWEEP_MS:-1 16} --output-json "$OUT/int4_probe.json" ;;
     # Nsight Compute on the fused kernel at NCU_SHAPES ("layer:M ..."): warp stall reasons, pipe

@@ -180,9 +180,11 @@ def candidates(m: int, n: int, k: int) -> list[int4_tiles.TileConfig]:
     """First pass: kinds and row tiles that fit M (``dot_t`` up to 16 rows), column tiles and
     splits (any count: a split that does not divide K's tiles gives some programs one tile
     more, and can fill the SMs' last wave better), 3 stages, the serial split-K sum."""
-    # The fma kind (CUDA cores) lost to the dot kind at every M of the first H200 sweep; it
-    # stays reachable through the table, not swept.
+    # The fma kind (CUDA cores) lost to the dot kind at every M of the first H200 sweep, with
+    # its codes unpacked by Triton ops; with the inline PTX unpack it is swept again up to 4 rows.
     blocks_m = [("dot", 16), ("dot_t", 16)] if m <= 16 else [("dot", 32), ("dot", 64)]
+    if m <= 4:
+        blocks_m.append(("fma", triton.next_power_of_2(m)))
     widths = ((64, 4), (128, 4), (256, 8)) if m <= 16 else ((64, 4), (128, 4), (256, 4), (256, 8))
     out = []
     k_tiles = triton.cdiv(k, 128)
@@ -254,13 +256,14 @@ def probe(group: int, ms: list[int], grid: dict[str, list[Any]], out_json: Path 
         layouts = layout_copies(random_layout(n, k, group))
         for m in ms:
             x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
-            bm = 16 if m <= 16 else 64
             kinds = [kd for kd in grid["kinds"] if kd == "dot" or m <= 16]
             for kind, bn, split, st, ch in itertools.product(
                 kinds, (64, 128), (1, 4, 8, 16), grid["stages"], grid["chains"]
             ):
                 if split > triton.cdiv(k, 128) or (ch > 1 and kind != "dot"):
                     continue
+                # the fma kind (CUDA cores) takes the rows themselves, up to 4 a program
+                bm = min(4, triton.next_power_of_2(m)) if kind == "fma" else 16 if m <= 16 else 64
                 cfg = int4_tiles.TileConfig(kind, bm, bn, 128, split, 4, st, chains=ch)
                 us = time_tiles(x, layouts, cfg)
                 rows.append({"layer": name, "M": m, **dataclasses.asdict(cfg), "us": us})
@@ -308,7 +311,9 @@ def main() -> None:
     parser.add_argument(
         "--probe", action="store_true", help="time a fixed grid of tiles, print all"
     )
-    parser.add_argument("--probe-kinds", nargs="+", default=["dot"], choices=["dot", "dot_t"])
+    parser.add_argument(
+        "--probe-kinds", nargs="+", default=["dot"], choices=["dot", "dot_t", "fma"]
+    )
     parser.add_argument("--probe-stages", type=int, nargs="+", default=[3])
     parser.add_argument("--probe-chains", type=int, nargs="+", default=[1, 2], choices=[1, 2])
     args = parser.parse_args()

@@ -151,13 +151,14 @@ def test_split_k_sums_are_the_same_bits_by_the_last_program_or_a_second_kernel(s
     assert not bool(tile_counters(x.device, 1).any())
 
 
-@pytest.mark.parametrize("variant", ["dot_t", "chains2"])
+@pytest.mark.parametrize("variant", ["dot_t", "chains2", "fma", "fma_shift"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("block_n", "warps", "split_k"), [(64, 4, 1), (128, 4, 4), (256, 8, 3)])
-def test_tensor_core_variants_match_the_dot_kind(block_n, warps, split_k, dtype, variant):
-    """``dot_t`` (out^T = W^T x^T, the unpacked weights as the MMA's A operand) and ``dot`` with
-    two MMA chains a tile, against ``dot`` on the same tiles, at M = 1 and 16 and N not a
-    multiple of every tile."""
+def test_kernel_variants_match_the_dot_kind(block_n, warps, split_k, dtype, variant):
+    """``dot_t`` (out^T = W^T x^T, the unpacked weights as the MMA's A operand), ``dot`` with
+    two MMA chains a tile and ``fma`` (CUDA cores, 4 rows a program; the inline PTX unpack, or
+    Triton ops), against ``dot`` on the same tiles, at M = 1 and 16 and N not a multiple of
+    every tile."""
     from pagellm_int4.gemm import reference_gemm
     from pagellm_int4.kernels import tiles as int4_tiles
     from pagellm_int4.kernels.w4a16 import w4a16_gemm
@@ -166,6 +167,9 @@ def test_tensor_core_variants_match_the_dot_kind(block_n, warps, split_k, dtype,
     dot = int4_tiles.TileConfig("dot", 16, block_n, 128, split_k, warps, 3)
     if variant == "dot_t":
         other = int4_tiles.TileConfig("dot_t", 16, block_n, 128, split_k, warps, 3)
+    elif variant.startswith("fma"):
+        unpack = "shift" if variant == "fma_shift" else "asm"
+        other = int4_tiles.TileConfig("fma", 4, block_n, 128, split_k, warps, 3, unpack=unpack)
     else:
         other = int4_tiles.TileConfig("dot", 16, block_n, 128, split_k, warps, 3, chains=2)
     for m in (1, 16):

@@ -33,11 +33,12 @@ class TileConfig:
     num_warps: int
     num_stages: int
     unpack: str = "asm"
-    """How a dot program turns a word tile into eight slabs of codes: ``asm`` (inline PTX: two
-    byte permutes, then one shift and one LOP3 per two codes) or ``shift`` (Triton ops, one
-    code at a time); both build the float bits of ``offset + code`` directly, with no int-to-
-    float conversion (a quarter-rate instruction that bounded the first kernel). The fma kind
-    and the interpreter always use ``shift``."""
+    """How a program turns a word tile into eight slabs of codes: ``asm`` (inline PTX: two byte
+    permutes, then one shift, one LOP3 and one packed FMA per two codes, leaving ``q - z``) or
+    ``shift`` (Triton ops, one code at a time); both build the float bits of ``offset + code``
+    directly, with no int-to-float conversion (a quarter-rate instruction that bounded the
+    first kernel). The interpreter, groups shorter than a tile and float32 activations always
+    use ``shift``."""
     reduce: str = "serial"
     """How split-K partial sums meet: ``serial`` (the last program of an output tile to finish
     adds them, counted by an atomic per tile: one launch) or ``kernel`` (a second launch)."""

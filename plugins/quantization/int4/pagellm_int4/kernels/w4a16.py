@@ -8,8 +8,8 @@ uint8 zeros [G, N], contiguous groups.
   of the activations. Three kinds of program: ``dot`` (tensor cores, one ``tl.dot`` per slab,
   K = 16), ``dot_t`` (the same product transposed, out^T = W^T x^T: with the inline PTX the
   unpacked weights are the MMA's A operand straight from registers, and on sm_90 128 columns
-  make it a warpgroup MMA; elsewhere it runs as ``dot``) and ``fma`` (CUDA cores, one row a
-  program). The dot kind unpacks with inline PTX (two
+  make it a warpgroup MMA; elsewhere it runs as ``dot``) and ``fma`` (CUDA cores, a few rows a
+  program, float32 products and sums). Both unpack with inline PTX (two
   words at a time: byte permutes, a shift and a LOP3 per pair of codes, and one packed FMA that
   leaves ``q - z``, exact); the codes are built as float bits (``offset + q``), never through an
   int-to-float conversion, a quarter-rate instruction that bounded the first version of this
@@ -160,30 +160,42 @@ def _w4a16_gemm_kernel(
                 z = tl.load(z_ptr + g * N + offs_n, mask=tile_in, other=0).to(tl.float32)
             if USE_ASM:
                 # q - z per weight inside the unpack: no activation sums (whose cross-thread
-                # reductions cost more barriers than the products), a's only use is the dot.
+                # reductions cost more barriers than the products), a's only use is the product.
                 neg_zero = (-(z + OFFSET)).to(x_ptr.dtype.element_ty)
                 slabs = unpack_slabs(words, tl.broadcast_to(neg_zero[None, :], words.shape), CODE)
-                if SWAP:  # out^T = W^T x^T: the weights are the A operand, from registers
-                    part_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+                if USE_DOT:
+                    if SWAP:  # out^T = W^T x^T: the weights are the A operand, from registers
+                        part_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+                        for i in tl.static_range(8):
+                            rows = k0 + (BLOCK_K // 8) * i + offs_w
+                            a = _activation_slab(
+                                x_ptr, offs_m, rows, M, K, stride_xm, mask_m, EVEN_K
+                            )
+                            part_t = tl.dot(tl.trans(slabs[i]), tl.trans(a), part_t)
+                        acc_t += part_t * s[:, None]
+                    else:
+                        part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                        if CHAINS == 2:  # odd slabs into a second sum: two MMA chains of four
+                            part2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                        for i in tl.static_range(8):
+                            rows = k0 + (BLOCK_K // 8) * i + offs_w
+                            a = _activation_slab(
+                                x_ptr, offs_m, rows, M, K, stride_xm, mask_m, EVEN_K
+                            )
+                            if CHAINS == 2 and i % 2 == 1:
+                                part2 = tl.dot(a, slabs[i], part2)
+                            else:
+                                part = tl.dot(a, slabs[i], part)
+                        if CHAINS == 2:
+                            part += part2
+                        acc += part * s[None, :]
+                else:  # fma: products on the CUDA cores, one sum per word row
+                    part = tl.zeros((BLOCK_M, BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
                     for i in tl.static_range(8):
                         rows = k0 + (BLOCK_K // 8) * i + offs_w
                         a = _activation_slab(x_ptr, offs_m, rows, M, K, stride_xm, mask_m, EVEN_K)
-                        part_t = tl.dot(tl.trans(slabs[i]), tl.trans(a), part_t)
-                    acc_t += part_t * s[:, None]
-                else:
-                    part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                    if CHAINS == 2:  # odd slabs into a second sum: two MMA chains of four
-                        part2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                    for i in tl.static_range(8):
-                        rows = k0 + (BLOCK_K // 8) * i + offs_w
-                        a = _activation_slab(x_ptr, offs_m, rows, M, K, stride_xm, mask_m, EVEN_K)
-                        if CHAINS == 2 and i % 2 == 1:
-                            part2 = tl.dot(a, slabs[i], part2)
-                        else:
-                            part = tl.dot(a, slabs[i], part)
-                    if CHAINS == 2:
-                        part += part2
-                    acc += part * s[None, :]
+                        part += a.to(tl.float32)[:, :, None] * slabs[i].to(tl.float32)[None, :, :]
+                    acc += part * s[None, None, :]
             elif USE_DOT:
                 # offset + q in the product, offset + z times the activations' sum taken off
                 # once per tile (the sum reduced across threads once, not per slab).
@@ -345,13 +357,7 @@ def w4a16_gemm(
     code = CODE_OF[x.dtype]
     per_tile = scales_per_tile(k, group_size, tiles.block_k)
     # Inline PTX compiles only for the GPU, and packs 16-bit codes.
-    use_asm = (
-        tiles.kind in TENSOR_CORE_KINDS
-        and tiles.unpack == "asm"
-        and x.is_cuda
-        and per_tile
-        and code > 0
-    )
+    use_asm = tiles.unpack == "asm" and x.is_cuda and per_tile and code > 0
     # No more splits than K tiles: every split has at least one.
     splits = max(1, min(split_k or tiles.split_k, triton.cdiv(k, tiles.block_k)))
     ws = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
