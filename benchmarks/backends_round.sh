@@ -4,7 +4,7 @@
 #   bash benchmarks/backends_round.sh peer-ph ph w2 w1
 # Stages:
 #   peer-w1-fp8  vLLM on W1 with its online fp8 (--quantization fp8)
-#   peer-w    vLLM on W2 and W1 in bf16
+#   peer-w    vLLM on W2 and W1 in bf16 (peer-w2, peer-w1: one of them)
 #   w1-fp8   W1 on TRITON_ATTN: bf16, fp8 weights, fp8 weights + fp8 KV cache
 #   async    W2 and W1 with --no-async-scheduling and --async-scheduling (ASYNC_BACKEND, TRITON_ATTN)
 #   ph-fp8   the prefill-heavy workload, bf16 and fp8 weights (PH_FP8_BACKEND, default FLASH_ATTN)
@@ -33,20 +33,25 @@ pagellm_run() {  # pagellm_run NAME WORKLOAD SECONDS BACKEND [flags...]
   grep -aE "FlashInfer: |FLASH_ATTN|Traceback|Error" "$OUT/${name}_$backend.log" | cut -c1-240 | head -8
 }
 
+peer() {  # peer NAME WORKLOAD SECONDS [PEER_EXTRA]: one vLLM stage of the peer harness
+  # Its JSON is copied to $OUT/NAME_vllm.json at once and the harness's other files go into one
+  # tarball: a call to the GPU machine brings back few files, and may be cut off by its limit.
+  local name=$1 workload=$2 secs=$3 extra=${4:-}
+  rm -rf "$OUT/peer"
+  OUT=$OUT/peer STAGES="vllm:$workload" BUDGET_S=$secs PEER_EXTRA=$extra bash .vllm-peer/run.sh 2>&1 | tail -4
+  cp "$OUT/peer/vllm_${workload}_equal.json" "$OUT/${name}_vllm.json" 2>/dev/null
+  tar -czf "$OUT/peer_$name.tgz" -C "$OUT" peer && rm -rf "$OUT/peer"
+}
+
 for stage in "$@"; do
   case $stage in
-    peer-ph)
-      OUT=$OUT/peer STAGES="vllm:W2" BUDGET_S=300 PEER_EXTRA=$PREFILL_HEAVY bash .vllm-peer/run.sh 2>&1 | tail -8
-      cp "$OUT/peer/vllm_W2_equal.json" "$OUT/ph_vllm.json" 2>/dev/null ;;
+    peer-ph) peer ph W2 300 "$PREFILL_HEAVY" ;;
     # vLLM's online fp8 (weights; activations per token) on W1, for issue 15's comparison.
-    peer-w1-fp8)
-      OUT=$OUT/peer STAGES="vllm:W1" BUDGET_S=300 PEER_EXTRA="--quantization fp8" bash .vllm-peer/run.sh 2>&1 | tail -8
-      cp "$OUT/peer/vllm_W1_equal.json" "$OUT/w1fp8_vllm.json" 2>/dev/null ;;
+    peer-w1-fp8) peer w1fp8 W1 300 "--quantization fp8" ;;
     # vLLM in bf16 on W2 and W1 (its settings as pagellm's: the harness's "equal").
-    peer-w)
-      OUT=$OUT/peer STAGES="vllm:W2 vllm:W1" BUDGET_S=420 bash .vllm-peer/run.sh 2>&1 | tail -8
-      cp "$OUT/peer/vllm_W2_equal.json" "$OUT/w2_vllm.json" 2>/dev/null
-      cp "$OUT/peer/vllm_W1_equal.json" "$OUT/w1_vllm.json" 2>/dev/null ;;
+    peer-w) peer w2 W2 240; peer w1 W1 300 ;;
+    peer-w2) peer w2 W2 240 ;;
+    peer-w1) peer w1 W1 300 ;;
     ph) for b in $BACKENDS; do pagellm_run ph W2 200 "$b" $PREFILL_HEAVY; done ;;
     # W1 on TRITON_ATTN in bf16, with fp8 weights, and with fp8 weights and an fp8 KV cache
     # (TRITON_ATTN reads an fp8 cache; FLASHINFER and FLASH_ATTN do not).

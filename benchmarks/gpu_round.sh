@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One round on the GPU machine: offline install (wheels carried in .whl), GPU tests, benchmarks.
 # Writes logs and JSON under $OUT. Stages: tests, tests-core, tests-models, tests-flashinfer, fi-jit, fi-cache-save, fa-tests,
-# fa-kernels, tp-tests, allreduce, issue21-w1, issue21-70b, issue21-serve, issue14-fi, issue14-fi-triton, issue14-ab, issue17, fp8-tests, fp8-fused, issue15, fp8-gemm, fp8-skinny, decode-tiles, decode-splits, decode-swap, int4-tests, int4-sweep, int4-probe, int4-ncu, int4-gemm, int4-w1, gguf-tests,
+# fa-kernels, tp-tests, allreduce, issue21-w1, issue21-70b, issue21-serve, issue14-fi, issue14-fi-triton, issue14-ab, issue17, issue17-peer, fp8-tests, fp8-fused, issue15, fp8-gemm, fp8-skinny, decode-tiles, decode-splits, decode-swap, int4-tests, int4-sweep, int4-probe, int4-ncu, int4-gemm, int4-w1, gguf-tests,
 # gguf-gemm, gguf-smollm2, gguf-sweep-a, gguf-sweep-b, gguf-sweep-c, prof, step-prof, timeline-w2, timeline-ph, w1, w1-fp8, w2,
 # overhead, hf (W1/W2 with the HF peer).
 #   bash benchmarks/gpu_round.sh tests w2 w1 overhead
@@ -101,9 +101,12 @@ for stage in "$@"; do
     fa-tests) run fa_tests 560 python3 -m pytest -m gpu plugins/attention_backends/flash_attn/tests -q -s -p no:cacheprovider --timeout 300 ;;
     fa-kernels) run fa_kernels 300 python3 benchmarks/flash_attn_kernels.py --output-json "$OUT/fa_kernels.json" ;;
     # pagellm-fp8 (kernels, _scaled_mm paths, engine parity) and the FP8 KV cache of TRITON_ATTN.
-    # Issue 17's round in one call: pagellm (TRITON_ATTN, its defaults) on the prefill-heavy run,
-    # W2 and W1, then vLLM 0.25.1 on the same requests (carry .vllm-peer too); about 500 s.
-    issue17) BACKENDS=TRITON_ATTN bash benchmarks/backends_round.sh ph w2 w1 peer-ph peer-w ;;
+    # Issue 17's round: pagellm (TRITON_ATTN, its defaults) on the prefill-heavy run, W2 and W1,
+    # then vLLM 0.25.1 on the same requests (carry .vllm-peer too). More than one call's 600 s
+    # on an H100 (2026-12-07): issue17 (pagellm's three and vLLM's prefill-heavy run), then
+    # issue17-peer (vLLM's W2 and W1) in the next call on the same warm machine.
+    issue17) BACKENDS=TRITON_ATTN bash benchmarks/backends_round.sh ph w2 w1 peer-ph ;;
+    issue17-peer) BACKENDS=TRITON_ATTN bash benchmarks/backends_round.sh peer-w ;;
     # FLASHINFER with its one-token rows on TRITON_ATTN's kernel (PAGELLM_FLASHINFER_DECODE=triton):
     # W2 and W1 against TRITON_ATTN on one machine (carry .ficache: its GPU tests, in
     # tests-flashinfer, first compile every module they use). WORKLOADS="W2" for one of them.
