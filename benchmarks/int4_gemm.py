@@ -198,8 +198,16 @@ def candidates(m: int, n: int, k: int) -> list[int4_tiles.TileConfig]:
     return out
 
 
-def time_tiles(x: torch.Tensor, layouts: list[KernelLayout], cfg: int4_tiles.TileConfig) -> float:
-    """The tiles' time, or infinity (and why) when they do not compile or run."""
+MAX_REL_ERR = 5e-3
+"""A candidate whose output is further than this from the float32 reference (relative norm, as
+the GPU tests check) is not timed: a sweep must not pick a fast wrong kernel."""
+
+
+def time_tiles(
+    x: torch.Tensor, layouts: list[KernelLayout], cfg: int4_tiles.TileConfig, ref: torch.Tensor
+) -> float:
+    """The tiles' time, or infinity (and why) when they do not compile or run, or compute
+    something else than ``ref`` (`reference_gemm` of ``x`` and the first layout)."""
     calls = [
         functools.partial(
             w4a16.w4a16_gemm, x, lay.qweight, lay.scales, lay.zeros, lay.group_size, tiles=cfg
@@ -207,6 +215,10 @@ def time_tiles(x: torch.Tensor, layouts: list[KernelLayout], cfg: int4_tiles.Til
         for lay in layouts
     ]
     try:
+        err = ((calls[0]().float() - ref).norm() / ref.norm()).item()
+        if not err < MAX_REL_ERR:
+            print(f"  {cfg}: relative error {err:.2e} against the reference, not timed", flush=True)
+            return float("inf")
         return graph_us(calls, replays=3)
     except Exception as exc:  # noqa: BLE001 - a candidate that fails is reported and skipped
         print(f"  {cfg}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
@@ -219,9 +231,10 @@ def sweep_layer(n: int, k: int, group: int, ms: list[int]) -> dict[str, dict[str
     best: dict[str, dict[str, Any]] = {}
     for m in ms:
         x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
+        ref = int4_gemm.reference_gemm(x.float(), layouts[0])
 
         timed = sorted(
-            ((time_tiles(x, layouts, cfg), cfg) for cfg in candidates(m, n, k)),
+            ((time_tiles(x, layouts, cfg, ref), cfg) for cfg in candidates(m, n, k)),
             key=lambda pair: pair[0],
         )
         us, top = timed[0]
@@ -234,7 +247,7 @@ def sweep_layer(n: int, k: int, group: int, ms: list[int]) -> dict[str, dict[str
             variants.append({"chains": 2})  # two MMA chains a tile
         for change in variants:
             cfg = dataclasses.replace(top, **change)
-            t = time_tiles(x, layouts, cfg)
+            t = time_tiles(x, layouts, cfg, ref)
             if t < us:
                 us, top = t, cfg
         best[str(m)] = {**int4_tiles.table_entry(top), "us": round(us, 2)}
@@ -256,6 +269,7 @@ def probe(group: int, ms: list[int], grid: dict[str, list[Any]], out_json: Path 
         layouts = layout_copies(random_layout(n, k, group))
         for m in ms:
             x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
+            ref = int4_gemm.reference_gemm(x.float(), layouts[0])
             kinds = [kd for kd in grid["kinds"] if kd == "dot" or m <= 16]
             for kind, bn, split, st, ch in itertools.product(
                 kinds, (64, 128), (1, 4, 8, 16), grid["stages"], grid["chains"]
@@ -265,7 +279,7 @@ def probe(group: int, ms: list[int], grid: dict[str, list[Any]], out_json: Path 
                 # the fma kind (CUDA cores) takes the rows themselves, up to 4 a program
                 bm = min(4, triton.next_power_of_2(m)) if kind == "fma" else 16 if m <= 16 else 64
                 cfg = int4_tiles.TileConfig(kind, bm, bn, 128, split, 4, st, chains=ch)
-                us = time_tiles(x, layouts, cfg)
+                us = time_tiles(x, layouts, cfg, ref)
                 rows.append({"layer": name, "M": m, **dataclasses.asdict(cfg), "us": us})
                 print(
                     f"probe {name} M={m} {kind} bn={bn} split={split} stages={st} chains={ch}: "
