@@ -4,7 +4,7 @@ nvdisasm disassembles it, and the loop (the longest backward branch's span) is c
 opcode. Instructions per thread per K tile (a 128-row tile of a program's BLOCK_N columns): a
 static proxy for the work the GPU issues, next to the timings of ``int4_gemm.py``.
 
-    python benchmarks/int4_sass.py [--variants "dot asm m16 bn64" ...] [--dump DIR]
+    python benchmarks/int4_sass.py [--variants "dot asm" "fma asm" ...] [--dump DIR]
 """
 
 from __future__ import annotations
@@ -19,55 +19,19 @@ import sys
 from pathlib import Path
 
 import triton
-from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins/quantization/int4/tests"))
-from pagellm_int4.kernels.unpack import CODE_OFFSET  # noqa: E402
-from pagellm_int4.kernels.w4a16 import _w4a16_gemm_kernel  # noqa: E402
-from sm90_compile import SIGNATURE, TARGET  # noqa: E402
+from sm90_compile import VARIANTS as SM90_VARIANTS  # noqa: E402
+from sm90_compile import compile_variant  # noqa: E402
 
-DOT = dict(USE_DOT=True, USE_ASM=True, SWAP=False, CHAINS=1)
-VARIANTS = {  # name: (kind constexprs, BLOCK_M, BLOCK_N, num_warps)
-    "dot asm m16 bn64": (DOT, 16, 64, 4),
-    "dot asm m16 bn128": (DOT, 16, 128, 4),
-    "dot asm chains=2 m16 bn64": ({**DOT, "CHAINS": 2}, 16, 64, 4),
-    "dot_t asm m16 bn128": ({**DOT, "SWAP": True}, 16, 128, 4),
-    "dot shift m16 bn64": ({**DOT, "USE_ASM": False}, 16, 64, 4),
-    "fma asm m1 bn64": ({**DOT, "USE_DOT": False}, 1, 64, 4),
-    "fma shift m1 bn64": ({**DOT, "USE_DOT": False, "USE_ASM": False}, 1, 64, 4),
-}
+# name: (kind constexprs, BLOCK_M, BLOCK_N, num_warps), the variants the CI compile check builds
+VARIANTS = {name: rest for name, *rest in SM90_VARIANTS}
 ADDRESS = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s*(.*)$")
 LABEL = re.compile(r"^\s*(\.L_x_\d+):")
 
 
 def compile_sass(kind: dict, block_m: int, block_n: int, warps: int) -> str:
-    code = 1  # bfloat16 activations
-    constexprs = {
-        "TILES": 8,
-        "SPLIT": True,
-        "SERIAL": True,
-        "GROUP_SIZE": 128,
-        "BLOCK_M": block_m,
-        "BLOCK_N": block_n,
-        "BLOCK_K": 128,
-        "SCALES_PER_TILE": True,
-        **kind,
-        "CODE": code,
-        "OFFSET": CODE_OFFSET[code],
-        "EVEN_K": True,
-        "EVEN_N": True,
-    }
-    signature = {**SIGNATURE, **dict.fromkeys(constexprs, "constexpr")}
-    # What Triton's launcher marks at a Llama-8B shape (every pointer, and each integer that is
-    # a multiple of 16 there: N, K and the strides).
-    aligned = [n for n in SIGNATURE if n.endswith("_ptr") and n != "cnt_ptr"]
-    aligned += ["N", "K", "stride_xm", "stride_qk", "stride_om", "stride_os"]
-    attrs = {(list(signature).index(n),): [["tt.divisibility", 16]] for n in aligned}
-    compiled = triton.compile(
-        ASTSource(_w4a16_gemm_kernel, signature, constexprs, attrs),
-        target=TARGET,
-        options={"num_warps": warps, "num_stages": 3},
-    )
+    compiled = compile_variant(kind, block_m, block_n, warps)
     nvdisasm = Path(triton.__file__).parent / "backends/nvidia/bin/nvdisasm"
     cubin = Path(os.environ.get("TMPDIR", "/tmp")) / f"int4_sass_{os.getpid()}.cubin"
     cubin.write_bytes(compiled.asm["cubin"])

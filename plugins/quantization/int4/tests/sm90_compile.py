@@ -43,32 +43,44 @@ VARIANTS = [
 ]
 
 
-def main() -> None:
+# What Triton's launcher marks at a Llama-8B shape: every pointer (the tile counters aside) and
+# each integer that is a multiple of 16 there (N, K and the strides).
+ALIGNED = [n for n in SIGNATURE if n.endswith("_ptr") and n != "cnt_ptr"]
+ALIGNED += ["N", "K", "stride_xm", "stride_qk", "stride_om", "stride_os"]
+
+
+def compile_variant(kind: dict, block_m: int, block_n: int, warps: int):
+    """The fused kernel for sm_90 with bf16 activations, group 128 and the split-K serial sum,
+    as one kind of program (``kind``: USE_DOT, USE_ASM, SWAP, CHAINS): Triton's compiled kernel
+    (``.asm["cubin"]``, ``.asm["ptx"]``)."""
     code = 1  # bfloat16 activations
+    constexprs = {
+        "TILES": 8,
+        "SPLIT": True,
+        "SERIAL": True,
+        "GROUP_SIZE": 128,
+        "BLOCK_M": block_m,
+        "BLOCK_N": block_n,
+        "BLOCK_K": 128,
+        "SCALES_PER_TILE": True,
+        **kind,
+        "CODE": code,
+        "OFFSET": CODE_OFFSET[code],
+        "EVEN_K": True,
+        "EVEN_N": True,
+    }
+    signature = {**SIGNATURE, **dict.fromkeys(constexprs, "constexpr")}
+    attrs = {(list(signature).index(n),): [["tt.divisibility", 16]] for n in ALIGNED}
+    return triton.compile(
+        ASTSource(_w4a16_gemm_kernel, signature, constexprs, attrs),
+        target=TARGET,
+        options={"num_warps": warps, "num_stages": 3},
+    )
+
+
+def main() -> None:
     for name, kind, block_m, block_n, warps in VARIANTS:
-        constexprs = {
-            "TILES": 8,
-            "SPLIT": True,
-            "SERIAL": True,
-            "GROUP_SIZE": 128,
-            "BLOCK_M": block_m,
-            "BLOCK_N": block_n,
-            "BLOCK_K": 128,
-            "SCALES_PER_TILE": True,
-            **kind,
-            "CODE": code,
-            "OFFSET": CODE_OFFSET[code],
-            "EVEN_K": True,
-            "EVEN_N": True,
-        }
-        signature = {**SIGNATURE, **dict.fromkeys(constexprs, "constexpr")}
-        aligned = ("x_ptr", "qw_ptr", "s_ptr", "z_ptr", "out_ptr", "ws_ptr", "N", "K", "stride_qk")
-        attrs = {(list(signature).index(n),): [["tt.divisibility", 16]] for n in aligned}
-        compiled = triton.compile(
-            ASTSource(_w4a16_gemm_kernel, signature, constexprs, attrs),
-            target=TARGET,
-            options={"num_warps": warps, "num_stages": 3},
-        )
+        compiled = compile_variant(kind, block_m, block_n, warps)
         print(f"compiled {name}: {len(compiled.asm['cubin'])} bytes of cubin", flush=True)
 
 
