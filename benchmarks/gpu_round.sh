@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One round on the GPU machine: offline install (wheels carried in .whl), GPU tests, benchmarks.
 # Writes logs and JSON under $OUT. Stages: tests, tests-core, tests-models, tests-flashinfer, fi-jit, fi-cache-save, fa-tests,
-# fa-kernels, tp-tests, allreduce, issue21-w1, issue21-70b, issue21-serve, issue14-fi, issue14-fi-triton, issue14-ab, issue17, issue17-peer, fp8-tests, fp8-fused, issue15, fp8-gemm, fp8-skinny, decode-tiles, decode-splits, decode-swap, int4-tests, int4-sweep, int4-probe, int4-ncu, int4-gemm, int4-w1, gguf-tests,
+# fa-kernels, tp-tests, allreduce, issue21-w1, issue21-70b, issue21-serve, issue14-fi, issue14-fi-triton, issue14-ab, issue17, issue17-peer, fp8-tests, fp8-fused, issue15, fp8-gemm, fp8-skinny, decode-tiles, decode-splits, decode-swap, int4-tests, int4-cuda, int4-cuda-sweep, int4-sweep, int4-probe, int4-ncu, int4-gemm, int4-w1, gguf-tests,
 # gguf-gemm, gguf-smollm2, gguf-sweep-a, gguf-sweep-b, gguf-sweep-c, prof, step-prof, timeline-w2, timeline-ph, w1, w1-fp8, w2,
 # overhead, hf (W1/W2 with the HF peer).
 #   bash benchmarks/gpu_round.sh tests w2 w1 overhead
@@ -205,7 +205,13 @@ for stage in "$@"; do
         done
         (cd "$OUT" && tar -czf int4_ncu.tgz --remove-files ncu_*.log)
       fi ;;
-    int4-gemm) run int4_gemm 400 python3 benchmarks/int4_gemm.py --output-json "$OUT/int4_gemm.json" ;;
+    int4-gemm) run int4_gemm 400 python3 benchmarks/int4_gemm.py --ms ${INT4_MS:-1 16 64 256 1024 8192} \
+        --output-json "$OUT/int4_gemm.json" ;;
+    # The CUDA kernels' GPU tests alone (no engine runs), then their launch shapes per matmul.
+    int4-cuda) run int4_cuda_tests 300 python3 -m pytest -m gpu -q -x -p no:cacheprovider --timeout 250 \
+        plugins/quantization/int4/tests/test_int4_gpu.py -k "cuda and not engine" ;;
+    int4-cuda-sweep) run int4_cuda_sweep ${SWEEP_S:-300} python3 benchmarks/int4_gemm.py --cuda-sweep \
+        --sweep-ms ${SWEEP_MS:-1 16} --output-json "$OUT/int4_cuda_sweep.json" ;;
     # W1's model as a GPTQ int4 checkpoint of random weights (our RTN writer, on the GPU, kept
     # under build/), then low-batch decode (1 and 16 requests at once, 512 in / 512 out) against
     # the bf16 model with dummy weights.

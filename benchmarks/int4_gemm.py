@@ -4,9 +4,12 @@ The layer's four matmuls (qkv 4096->6144, o 4096->4096, gate_up 4096->28672, dow
 at M = 1, 16, 64, 256, 1,024, 8,192 tokens, group size 128, each with:
 
 - ``bf16``: ``F.linear`` on bf16 weights;
-- ``int4``: pagellm-int4's path for that M (``pagellm_int4.gemm``: the fused Triton W4A16 GEMM up
-  to ``FUSED_MAX_M`` rows, else dequantize + cuBLAS);
-- ``fused`` and ``dequant_mm``: both paths at every M, so the crossover can be read off.
+- ``int4``: pagellm-int4's path for that M (``pagellm_int4.gemm.choose_gemm``: ``cuda_mma``
+  where its CUDA kernels build, the CUDA W4A16 GEMM up to ``CUDA_FUSED_MAX_M`` rows, else their
+  dequantization + cuBLAS; else ``triton_w4a16``);
+- ``cuda`` and ``cuda_dequant_mm``: the CUDA kernels' two ways at every M;
+- ``fused`` and ``dequant_mm``: the Triton kernels' two ways at every M (``triton``: the Triton
+  path as it chooses), so the crossovers can be read off.
 
 Times are GPU times per call, as a decode step runs them: the calls are captured in one CUDA
 graph (no launch gaps), each call on its own copy of the weights, with enough copies (at least
@@ -19,6 +22,10 @@ weights|| / ||bf16 out||.
 M = 1, 16, 64 (`SWEEP_MS`, or ``--sweep-ms``) and writes the fastest to the kernel's table
 (``pagellm_int4/configs/<GPU name>.json``, which `int4_tiles.tile_config` reads; also
 ``--sweep-json``), then times the table as above with the new entries.
+
+``--cuda-sweep`` times the CUDA GEMM's launch shapes (warps a block, splits a strip, prefetch
+depth) at ``--sweep-ms`` for each matmul against its default shape, printing each and writing them
+all to ``--output-json``.
 
 ``--probe`` times every tile of a grid instead (kinds ``--probe-kinds``, 64 or 128 columns, splits
 1/4/8/16, ``--probe-stages``, ``--probe-chains``), prints each and writes them all to
@@ -52,6 +59,8 @@ try:
 except ImportError:  # pagellm-int4 not pip-installed: import it from the source tree
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins/quantization/int4"))
     from pagellm_int4 import gemm as int4_gemm
+from pagellm_int4.cuda.kernels import DEPTHS, MmaConfig, default_config
+from pagellm_int4.fragment_layout import FragmentLayout, to_fragment_layout
 from pagellm_int4.int4_values import Int4Values
 from pagellm_int4.kernel_layout import KernelLayout, dequantize, to_kernel_layout
 from pagellm_int4.kernels import tiles as int4_tiles
@@ -94,19 +103,23 @@ def graph_us(calls: list[Callable[[], object]], replays: int = 5) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def random_layout(n: int, k: int, group: int) -> KernelLayout:
+def random_values(n: int, k: int, group: int) -> Int4Values:
     groups = k // group
-    values = Int4Values(
+    return Int4Values(
         q=torch.randint(0, 16, (k, n), dtype=torch.uint8, device=DEVICE),
         zeros=torch.full((groups, n), 8, dtype=torch.uint8, device=DEVICE),
         scales=torch.rand(groups, n, device=DEVICE) * 0.002 + 0.001,
         g_idx=torch.arange(k, device=DEVICE) // group,
     )
-    return to_kernel_layout(values, group, "bench")
 
 
-def packed_bytes(layout: KernelLayout) -> int:
-    return sum(t.numel() * t.element_size() for t in (layout.qweight, layout.scales, layout.zeros))
+def random_layout(n: int, k: int, group: int) -> KernelLayout:
+    return to_kernel_layout(random_values(n, k, group), group, "bench")
+
+
+def packed_bytes(layout: KernelLayout | FragmentLayout) -> int:
+    words = layout.words if isinstance(layout, FragmentLayout) else layout.qweight
+    return sum(t.numel() * t.element_size() for t in (words, layout.scales, layout.zeros))
 
 
 def layout_copies(layout: KernelLayout) -> list[KernelLayout]:
@@ -121,11 +134,30 @@ def layout_copies(layout: KernelLayout) -> list[KernelLayout]:
     return [layout] + [copy() for _ in range(copies_for(packed_bytes(layout)) - 1)]
 
 
+def fragment_copies(layout: FragmentLayout) -> list[FragmentLayout]:
+    copy = lambda: dataclasses.replace(  # noqa: E731
+        layout,
+        words=layout.words.clone(),
+        scales=layout.scales.clone(),
+        zeros=layout.zeros.clone(),
+    )
+    return [layout] + [copy() for _ in range(copies_for(packed_bytes(layout)) - 1)]
+
+
+def cuda_kernels() -> Any:
+    """The CUDA kernels, or None (and why, printed once) where they do not build."""
+    kernels = int4_gemm.cuda_kernels_or_reason(torch.device(DEVICE))
+    if isinstance(kernels, str):
+        print(f"the CUDA int4 kernels do not run here: {kernels}", flush=True)
+        return None
+    return kernels
+
+
 def time_paths(
     x: torch.Tensor,
     weights: list[torch.Tensor],
     layouts: list[KernelLayout],
-    path: Callable[[torch.Tensor, KernelLayout], torch.Tensor],
+    fragments: list[FragmentLayout] | None,
 ) -> dict[str, float]:
     group, k = layouts[0].group_size, layouts[0].in_features
 
@@ -136,44 +168,131 @@ def time_paths(
         w = w4a16.dequantize_int4(lay.qweight, lay.scales, lay.zeros, group, k, torch.bfloat16)
         return torch.mm(x, w)
 
-    return {
+    triton_path = int4_gemm._triton_gemm(w4a16)
+    out = {
         "bf16": graph_us([functools.partial(F.linear, x, w) for w in weights]),
-        "int4": graph_us([functools.partial(path, x, lay) for lay in layouts]),
+        "triton": graph_us([functools.partial(triton_path, x, lay) for lay in layouts]),
         "fused": graph_us([functools.partial(fused, lay) for lay in layouts]),
         "dequant_mm": graph_us([functools.partial(dequant_mm, lay) for lay in layouts]),
     }
+    kernels = cuda_kernels()
+    if fragments is not None and kernels is not None:
+
+        def cuda_dequant_mm(lay: FragmentLayout) -> torch.Tensor:
+            return F.linear(x, kernels.dequantize_t(lay, torch.bfloat16))
+
+        out["cuda"] = graph_us([functools.partial(kernels.gemm, x, lay) for lay in fragments])
+        out["cuda_dequant_mm"] = graph_us(
+            [functools.partial(cuda_dequant_mm, lay) for lay in fragments]
+        )
+        cuda_path = int4_gemm._cuda_gemm(kernels)
+        out["int4"] = graph_us([functools.partial(cuda_path, x, lay) for lay in fragments])
+    else:
+        out["int4"] = out["triton"]
+    return out
 
 
 def time_layer(name: str, n: int, k: int, ms: list[int], group: int) -> list[dict[str, Any]]:
-    layout = random_layout(n, k, group)
+    values = random_values(n, k, group)
+    layout = to_kernel_layout(values, group, "bench")
     weight = dequantize(layout, torch.bfloat16).t().contiguous()  # [N, K], the same weights
-    _, path = int4_gemm.choose_gemm(torch.device(DEVICE))
+    chosen = int4_gemm.choose_gemm(torch.device(DEVICE), k, group)
     int4_bytes, bf16_bytes = packed_bytes(layout), weight.numel() * 2
     layouts = layout_copies(layout)
+    fragments = None
+    if chosen.name == "cuda_mma":
+        fragments = fragment_copies(chosen.make_layout(values, group, "bench"))
+        int4_bytes = packed_bytes(fragments[0])
     weights = [weight] + [weight.clone() for _ in range(copies_for(bf16_bytes) - 1)]
     rows = []
     for m in ms:
         x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
         ref = F.linear(x, weight)
-        out = path(x, layout)
+        out = chosen.run(x, fragments[0] if fragments else layout)
         err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-        timings = time_paths(x, weights, layouts, path)
-        row: dict[str, Any] = {"layer": name, "N": n, "K": k, "M": m, "rel_err": round(err, 5)}
+        timings = time_paths(x, weights, layouts, fragments)
+        row: dict[str, Any] = {
+            "layer": name,
+            "N": n,
+            "K": k,
+            "M": m,
+            "path": chosen.name,
+            "rel_err": round(err, 5),
+        }
         for key, us in timings.items():
             moved = bf16_bytes if key == "bf16" else int4_bytes
             row[key] = {"us": round(us, 2), "GB/s": round(moved / us / 1e3, 1)}
         row["int4_speedup"] = round(timings["bf16"] / timings["int4"], 2)
         rows.append(row)
+        cuda = (
+            f", cuda {timings['cuda']:8.1f} us, cuda dequant+mm {timings['cuda_dequant_mm']:8.1f}"
+            if "cuda" in timings
+            else ""
+        )
         print(
             f"{name:8s} M={m:5d}: bf16 {timings['bf16']:8.1f} us, int4 {timings['int4']:8.1f} us "
-            f"({row['int4']['GB/s']:7.1f} GB/s packed, x{row['int4_speedup']}), fused "
-            f"{timings['fused']:8.1f} us, dequant+mm {timings['dequant_mm']:8.1f} us, "
+            f"({row['int4']['GB/s']:7.1f} GB/s packed, x{row['int4_speedup']}), triton fused "
+            f"{timings['fused']:8.1f} us, dequant+mm {timings['dequant_mm']:8.1f} us{cuda}, "
             f"rel_err {err:.1e}",
             flush=True,
         )
-    del layouts, weights
+    del layouts, weights, fragments
     torch.cuda.empty_cache()
     return rows
+
+
+def cuda_sweep(group: int, ms: list[int], out_json: Path | None) -> None:
+    """The CUDA GEMM's launch shapes for each matmul at each of ``ms`` (graph-timed, L2
+    flushed), each checked against the reference first; the default shape marked."""
+    kernels = cuda_kernels()
+    if kernels is None:
+        raise SystemExit("--cuda-sweep needs the CUDA kernels")
+    rows = []
+    for name, (n, k) in LAYERS.items():
+        values = random_values(n, k, group)
+        layout = to_kernel_layout(values, group, "bench")
+        fragments = fragment_copies(to_fragment_layout(values, group, "bench"))
+        default = default_config(fragments[0].n64, fragments[0].k16, kernels.num_sms)
+        for m in ms:
+            x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
+            ref = int4_gemm.reference_gemm(x.float(), layout)
+            timed = []
+            for warps, splits, depth in itertools.product((4, 8), (1, 2, 3, 4, 6, 8), DEPTHS):
+                cfg = MmaConfig(warps, splits, depth)
+                if cfg.steps(fragments[0].k16) < 2:
+                    continue
+                out = kernels.gemm(x, fragments[0], cfg)
+                err = ((out.float() - ref).norm() / ref.norm()).item()
+                if not err < MAX_REL_ERR:
+                    print(f"  {cfg}: relative error {err:.2e}, not timed", flush=True)
+                    continue
+                us = graph_us([functools.partial(kernels.gemm, x, f, cfg) for f in fragments], 3)
+                timed.append((us, cfg))
+                rows.append(
+                    {
+                        "layer": name,
+                        "M": m,
+                        **dataclasses.asdict(cfg),
+                        "us": round(us, 2),
+                        "default": cfg == default,
+                    }
+                )
+            timed.sort(key=lambda pair: pair[0])
+            default_us = (
+                next(us for us, cfg in timed if cfg == default)
+                if any(cfg == default for _, cfg in timed)
+                else float("nan")
+            )
+            print(
+                f"cuda sweep {name} M={m}: best {timed[0][1]} {timed[0][0]:.2f} us; default "
+                f"{default} {default_us:.2f} us; packed GB/s at best "
+                f"{packed_bytes(fragments[0]) / timed[0][0] / 1e3:.0f}",
+                flush=True,
+            )
+        del fragments
+        torch.cuda.empty_cache()
+    if out_json:
+        out_json.write_text(json.dumps(rows) + "\n")
 
 
 def candidates(m: int, n: int, k: int) -> list[int4_tiles.TileConfig]:
@@ -330,9 +449,15 @@ def main() -> None:
     )
     parser.add_argument("--probe-stages", type=int, nargs="+", default=[3])
     parser.add_argument("--probe-chains", type=int, nargs="+", default=[1, 2], choices=[1, 2])
+    parser.add_argument(
+        "--cuda-sweep", action="store_true", help="time the CUDA GEMM's launch shapes"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
+    if args.cuda_sweep:
+        cuda_sweep(args.group_size, args.sweep_ms, args.output_json)
+        return
     if args.probe:
         grid = {"kinds": args.probe_kinds, "stages": args.probe_stages, "chains": args.probe_chains}
         probe(args.group_size, args.sweep_ms, grid, args.output_json)
@@ -349,6 +474,7 @@ def main() -> None:
             f"int4 weights in groups of {args.group_size}"
         ),
         "fused_max_m": int4_gemm.FUSED_MAX_M,
+        "cuda_fused_max_m": int4_gemm.CUDA_FUSED_MAX_M,
         "machine": {
             "gpu": torch.cuda.get_device_name(),
             "capability": list(torch.cuda.get_device_capability()),

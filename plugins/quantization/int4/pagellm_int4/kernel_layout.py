@@ -61,25 +61,31 @@ class KernelLayout:
     in_features: int
 
 
-def to_kernel_layout(values: Int4Values, group_size: int, name: str) -> KernelLayout:
-    """Repack ``values`` (``group_size`` columns a group; K for one group)."""
+def act_order_permutation(values: Int4Values, group_size: int, name: str) -> torch.Tensor | None:
+    """The rows' order that makes every group contiguous (None: they already are)."""
     k = values.in_features
     g_idx = values.g_idx
     sequential = torch.arange(k, device=g_idx.device) // group_size
-    q, perm = values.q, None
-    if not torch.equal(g_idx, sequential):
-        counts = torch.bincount(g_idx, minlength=values.scales.shape[0])
-        if (
-            g_idx.min() < 0
-            or counts.numel() != values.scales.shape[0]
-            or bool((counts != group_size).any())
-        ):
-            raise ValueError(
-                f"{name}: g_idx does not give each of the {values.scales.shape[0]} groups "
-                f"{group_size} input columns (counts {counts.tolist()[:8]}...); pagellm-int4 "
-                "reorders act-order weights into contiguous groups and needs equal groups."
-            )
-        perm = torch.argsort(g_idx, stable=True)
+    if torch.equal(g_idx, sequential):
+        return None
+    counts = torch.bincount(g_idx, minlength=values.scales.shape[0])
+    if (
+        g_idx.min() < 0
+        or counts.numel() != values.scales.shape[0]
+        or bool((counts != group_size).any())
+    ):
+        raise ValueError(
+            f"{name}: g_idx does not give each of the {values.scales.shape[0]} groups "
+            f"{group_size} input columns (counts {counts.tolist()[:8]}...); pagellm-int4 "
+            "reorders act-order weights into contiguous groups and needs equal groups."
+        )
+    return torch.argsort(g_idx, stable=True)
+
+
+def to_kernel_layout(values: Int4Values, group_size: int, name: str) -> KernelLayout:
+    """Repack ``values`` (``group_size`` columns a group; K for one group)."""
+    q, perm = values.q, act_order_permutation(values, group_size, name)
+    if perm is not None:
         q = q[perm]
     return KernelLayout(
         qweight=pack_tiles(q),
@@ -87,7 +93,7 @@ def to_kernel_layout(values: Int4Values, group_size: int, name: str) -> KernelLa
         zeros=values.zeros.contiguous(),
         perm=perm,
         group_size=group_size,
-        in_features=k,
+        in_features=values.in_features,
     )
 
 

@@ -1,10 +1,11 @@
 """`Int4LinearMethod`: a linear layer's 4-bit weight under the checkpoint's own tensor names
-(`create_weights`, loaded part by part into fused layers), repacked once loaded into the kernel
-layout (`kernel_layout`), and its forward through the GEMM `gemm.choose_gemm` picks.
+(`create_weights`, loaded part by part into fused layers), repacked once loaded into the layout
+of the GEMM `gemm.choose_gemm` picks for the device (`kernel_layout` for the reference and
+Triton paths, `fragment_layout` for the CUDA kernels), and its forward through that GEMM.
 
-After `process_weights_after_loading` a layer holds, whatever the format: ``qweight`` int32
-[ceil(K/8), N], ``scales`` float32 [G, N], ``zeros`` uint8 [G, N], ``perm`` int64 [K] (act-order
-checkpoints) or None, and ``bias``."""
+After `process_weights_after_loading` a layer holds, whatever the format: ``qweight`` (int32
+words of 8 codes), ``scales`` float32, ``zeros`` uint8, ``perm`` int64 [K] (act-order
+checkpoints) or None, and ``bias``; the shapes are the layout's."""
 
 from __future__ import annotations
 
@@ -19,8 +20,7 @@ from pagellm.layers.parallel_linear import TensorParallelError
 from pagellm.quantization import LayerSplit, LinearMethodBase, TensorSplit
 from pagellm.quantization.layers import frozen_parameter
 from pagellm_int4.checkpoint_tensors import read_layer
-from pagellm_int4.gemm import GemmFn, choose_gemm
-from pagellm_int4.kernel_layout import KernelLayout, to_kernel_layout
+from pagellm_int4.gemm import GemmFn, Layout, choose_gemm
 from pagellm_int4.rank_groups import rank_groups
 from pagellm_int4.scheme import PACK, Int4Scheme
 
@@ -120,7 +120,7 @@ class Int4LinearMethod(LinearMethodBase):
         self.prefix = prefix
         self.gemm_path = "unset"  # the chosen path's name, once the weights are processed
         self._gemm: GemmFn | None = None
-        self._layout: KernelLayout | None = None
+        self._layout: Layout | None = None
         self._specs: dict[str, _TensorSpec] = {}
         self._in_features = 0
         self._split: LayerSplit | None = None
@@ -219,17 +219,20 @@ class Int4LinearMethod(LinearMethodBase):
         ):
             # The rank's g_idx names the checkpoint's groups: renumber them to those it holds.
             values = rank_groups(values, self.scheme.group_of(k), split, self.prefix)
-        layout = to_kernel_layout(values, self.scheme.group_of(k), self.prefix)
+        group_size = self.scheme.group_of(k)
+        gemm = choose_gemm(values.q.device, k, group_size)
+        layout = gemm.make_layout(values, group_size, self.prefix)
         for name in self._specs:
             delattr(layer, name)
-        layer.register_parameter("qweight", frozen_parameter(layout.qweight))
+        words = layout.words if gemm.name == "cuda_mma" else layout.qweight
+        layer.register_parameter("qweight", frozen_parameter(words))
         layer.register_parameter("scales", frozen_parameter(layout.scales))
         layer.register_parameter("zeros", frozen_parameter(layout.zeros))
         layer.register_parameter(
             "perm", frozen_parameter(layout.perm) if layout.perm is not None else None
         )
         self._layout = layout
-        self.gemm_path, self._gemm = choose_gemm(layout.qweight.device)
+        self.gemm_path, self._gemm = gemm.name, gemm.run
 
     def checkpoint_split(
         self, param_name: str, tensor: CheckpointTensor, split: LayerSplit

@@ -1,6 +1,7 @@
-"""pagellm-int4 compiled on a CUDA GPU: the Triton W4A16 GEMM and the dequantize + cuBLAS path
-against the reference path at Llama-3.1-8B layer shapes, the dequantization kernel bit for bit,
-CUDA graph replay identical to eager, and the engine (GPTQ, AWQ, compressed-tensors checkpoints
+"""pagellm-int4 compiled on a CUDA GPU: both CUDA paths (the CUDA kernels over the fragment
+layout; the Triton kernels over the tile layout), each a fused W4A16 GEMM and dequantize + cuBLAS,
+against the reference path at Llama-3.1-8B layer shapes, the dequantization kernels bit for bit,
+CUDA graph replay identical to eager, and the engine on each path (GPTQ, AWQ, compressed-tensors checkpoints
 of our RTN writer) against the bf16 model of the same dequantized weights.
 Run with ``pytest -m gpu -s plugins/quantization/int4/tests/test_int4_gpu.py``; timings belong
 to benchmarks/int4_gemm.py."""
@@ -12,6 +13,7 @@ import os
 
 import pytest
 import torch
+from pagellm_int4.fragment_layout import FragmentLayout, to_fragment_layout
 from pagellm_int4.int4_values import Int4Values
 from pagellm_int4.kernel_layout import KernelLayout, dequantize, to_kernel_layout
 
@@ -25,8 +27,8 @@ pytestmark = [
 
 
 @functools.cache
-def _layout(k: int, n: int, group: int, act_order: bool) -> KernelLayout:
-    """Random 4-bit weights, repacked once per shape (on the GPU)."""
+def _values(k: int, n: int, group: int, act_order: bool) -> Int4Values:
+    """Random 4-bit weights on the GPU, one set per shape."""
     g = torch.Generator().manual_seed(0)
     groups = k // group
     values = Int4Values(
@@ -35,49 +37,118 @@ def _layout(k: int, n: int, group: int, act_order: bool) -> KernelLayout:
         scales=torch.rand(groups, n, generator=g) * 0.01 + 0.001,
         g_idx=(torch.randperm(k, generator=g) % groups) if act_order else torch.arange(k) // group,
     )
-    on_gpu = Int4Values(
+    return Int4Values(
         q=values.q.cuda(),
         zeros=values.zeros.cuda(),
         scales=values.scales.cuda(),
         g_idx=values.g_idx.cuda(),
     )
-    return to_kernel_layout(on_gpu, group, "test")
 
 
-@pytest.mark.parametrize("m", [1, 7, 16, 64, 65, 300, 1024])
-@pytest.mark.parametrize(
-    ("n", "k", "group", "act_order"),
-    [
-        (6144, 4096, 128, False),
-        (4096, 14336, 128, True),
-        (1000, 4096, 4096, False),  # one group (-1), N not a multiple of the N tile
-        (4096, 4096, 32, False),
-    ],
-)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_cuda_paths_match_the_reference_path(m, n, k, group, act_order, dtype):
-    from pagellm_int4.gemm import FUSED_MAX_M, choose_gemm, reference_gemm
+@functools.cache
+def _layout(k: int, n: int, group: int, act_order: bool) -> KernelLayout:
+    return to_kernel_layout(_values(k, n, group, act_order), group, "test")
 
-    layout = _layout(k, n, group, act_order)
-    x = torch.randn(m, k, device="cuda", dtype=dtype)
-    path, gemm = choose_gemm(x.device)
-    assert path == "triton_w4a16"
-    out = gemm(x, layout)
-    assert out.shape == (m, n) and out.dtype == dtype
-    expected = reference_gemm(x.float(), layout)
-    # The fused kernel multiplies the exact codes and scales once per group; dequantize + mm
+
+@functools.cache
+def _fragments(k: int, n: int, group: int, act_order: bool) -> FragmentLayout:
+    return to_fragment_layout(_values(k, n, group, act_order), group, "test")
+
+
+def _cuda_kernels():
+    from pagellm_int4.gemm import cuda_kernels_or_reason
+
+    kernels = cuda_kernels_or_reason(torch.device("cuda"))
+    assert not isinstance(kernels, str), f"the CUDA int4 kernels do not run here: {kernels}"
+    return kernels
+
+
+def _close_to_reference(out: torch.Tensor, expected: torch.Tensor, what: object) -> None:
+    # The fused kernels multiply the exact codes and scales once per group; dequantize + mm
     # rounds every weight to dtype first (a relative 2^-9 each for bf16, summed over K): an
     # output near zero can then miss by a few hundredths of the typical output.
     scale = expected.abs().mean().item()
     rel = ((out.float() - expected).norm() / expected.norm()).item()
-    assert rel < 5e-3, (m, n, k, group, rel)
+    assert rel < 5e-3, (what, rel)
     torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=4e-2 * scale)
+
+
+SHAPES = [
+    (6144, 4096, 128, False),
+    (4096, 14336, 128, True),
+    (1000, 4096, 4096, False),  # one group (-1), N not a multiple of the N tile
+    (4096, 4096, 32, False),
+]
+
+
+@pytest.mark.parametrize("m", [1, 7, 16, 64, 65, 300, 1024])
+@pytest.mark.parametrize(("n", "k", "group", "act_order"), SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_triton_paths_match_the_reference_path(m, n, k, group, act_order, dtype):
+    from pagellm_int4.gemm import FUSED_MAX_M, _triton_gemm, reference_gemm, triton_kernels
+
+    layout = _layout(k, n, group, act_order)
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    out = _triton_gemm(triton_kernels())(x, layout)
+    assert out.shape == (m, n) and out.dtype == dtype
+    _close_to_reference(out, reference_gemm(x.float(), layout), (m, n, k, group))
     if m <= FUSED_MAX_M:
         from pagellm_int4.kernels.w4a16 import w4a16_gemm
 
         a = x if layout.perm is None else x[:, layout.perm]
         fused = w4a16_gemm(a, layout.qweight, layout.scales, layout.zeros, group)
         assert torch.equal(fused, out)
+
+
+@pytest.mark.parametrize("m", [1, 7, 8, 9, 16, 17, 40, 64, 65, 300])
+@pytest.mark.parametrize(("n", "k", "group", "act_order"), [*SHAPES, (4160, 2048, 64, False)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_paths_match_the_reference_path(m, n, k, group, act_order, dtype):
+    """The CUDA kernels (``cuda_mma``): the tensor-core GEMM in launches of 16 rows up to
+    CUDA_FUSED_MAX_M, the transposed dequantization + cuBLAS above."""
+    from pagellm_int4.gemm import choose_gemm, reference_gemm
+
+    gemm = choose_gemm(torch.device("cuda"), k, group)
+    assert gemm.name == "cuda_mma"
+    fragments = _fragments(k, n, group, act_order)
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    out = gemm.run(x, fragments)
+    assert out.shape == (m, n) and out.dtype == dtype
+    _close_to_reference(out, reference_gemm(x.float(), _layout(k, n, group, act_order)), (m, n))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_dequantization_is_the_reference_bit_for_bit(dtype):
+    kernels = _cuda_kernels()
+    for k, n, group in [(4096, 6144, 128), (208, 1000, 16), (4096, 1000, 4096)]:
+        out = kernels.dequantize_t(_fragments(k, n, group, False), dtype)
+        assert torch.equal(out, dequantize(_layout(k, n, group, False), dtype).t())
+
+
+@pytest.mark.parametrize(
+    ("warps", "splits", "depth"), [(4, 1, 4), (8, 4, 8), (2, 7, 4), (8, 64, 8)]
+)
+def test_cuda_gemm_launch_shapes_agree_and_replay_in_graphs(warps, splits, depth):
+    """Warps a block and splits a strip (uneven ones; more than there are steps), each run
+    against the reference, identical over graph replays, the split counters back at zero."""
+    from pagellm_int4.cuda.kernels import MmaConfig
+    from pagellm_int4.gemm import reference_gemm
+
+    kernels = _cuda_kernels()
+    fragments = _fragments(4096, 6144, 128, False)
+    cfg = MmaConfig(warps, splits, depth)
+    x = torch.randn(12, 4096, device="cuda", dtype=torch.bfloat16)
+    eager = kernels.gemm(x, fragments, cfg)
+    _close_to_reference(eager, reference_gemm(x.float(), _layout(4096, 6144, 128, False)), cfg)
+    assert torch.equal(kernels.gemm(x, fragments, cfg), eager)  # deterministic sums
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [kernels.gemm(x, fragments, cfg) for _ in range(4)]
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(out, eager) for out in outs)
+    assert not bool(kernels._counters.any())
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -182,6 +253,7 @@ def test_kernel_variants_match_the_dot_kind(block_n, warps, split_k, dtype, vari
         torch.testing.assert_close(b.float(), a.float(), rtol=1e-2, atol=1e-2 * ref.abs().mean())
 
 
+@pytest.mark.parametrize("kernels", ["cuda", "triton"])
 @pytest.mark.parametrize(
     "scheme_args",
     [
@@ -193,7 +265,7 @@ def test_kernel_variants_match_the_dot_kind(block_n, warps, split_k, dtype, vari
     ids=["gptq_sym", "gptq_asym_desc_act", "awq", "compressed_tensors"],
 )
 def test_engine_on_the_gpu_agrees_with_the_bf16_model_of_the_same_weights(
-    scheme_args, tmp_path, smollm2_tokenizer_dir
+    scheme_args, kernels, tmp_path, smollm2_tokenizer_dir, monkeypatch
 ):
     from int4_checkpoints import (
         awq_unpack,
@@ -228,10 +300,14 @@ def test_engine_on_the_gpu_agrees_with_the_bf16_model_of_the_same_weights(
         for p, o in zip(prompts, dense.generate(prompts, greedy, use_tqdm=False), strict=True)
     ]
     del dense
+    from pagellm_int4.gemm import cuda_kernels_or_reason
+
+    monkeypatch.setenv("PAGELLM_INT4_KERNELS", kernels)
+    cuda_kernels_or_reason.cache_clear()
     llm = LLM(str(quantized), **engine)  # CUDA graphs on: decode replays the fused kernel
     model = llm.llm_engine.engine_core.executor.worker.model_runner.model
     paths = {m.linear_method.gemm_path for m in model.modules() if isinstance(m, Linear)}
-    assert paths == {"triton_w4a16"}, paths
+    assert paths == {f"{kernels}_mma" if kernels == "cuda" else "triton_w4a16"}, paths
     generated = llm.generate(prompts, greedy, use_tqdm=False)
     forced = llm.generate(
         seqs, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1), use_tqdm=False

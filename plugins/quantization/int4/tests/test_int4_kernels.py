@@ -197,8 +197,8 @@ def test_tiles_other_than_the_interleaved_tile_are_refused():
 
 
 @pytest.mark.parametrize("m", [3, gemm.FUSED_MAX_M + 1])
-def test_the_cuda_path_takes_the_fused_kernel_or_dequantize_then_matmul_by_m(m, monkeypatch):
-    """The CUDA path's function, run here on CPU tensors through the interpreter: act-order
+def test_the_triton_path_takes_the_fused_kernel_or_dequantize_then_matmul_by_m(m, monkeypatch):
+    """The Triton path's function, run here on CPU tensors through the interpreter: act-order
     inputs permuted, the fused kernel up to FUSED_MAX_M rows, dequantize + mm above."""
     calls: list[str] = []
     for name in ("w4a16_gemm", "dequantize_int4"):
@@ -208,7 +208,7 @@ def test_the_cuda_path_takes_the_fused_kernel_or_dequantize_then_matmul_by_m(m, 
         )
     layout = _layout(64, 24, 16, act_order=True, seed=6)
     x = torch.randn(m, 64, generator=torch.Generator().manual_seed(7))
-    out = gemm._cuda_gemm(w4a16)(x, layout)
+    out = gemm._triton_gemm(w4a16)(x, layout)
     assert calls == (["w4a16_gemm"] if m <= gemm.FUSED_MAX_M else ["dequantize_int4"])
     torch.testing.assert_close(out, gemm.reference_gemm(x, layout), rtol=1e-5, atol=1e-5)
 

@@ -205,6 +205,7 @@ def test_platforms_without_int4_gemms_are_refused_with_the_reason(monkeypatch):
     tpu = gemm_refusal("tpu", torch.bfloat16)
     assert tpu is not None and "device type 'tpu'" in tpu
     monkeypatch.setitem(sys.modules, "pagellm_int4.kernels.w4a16", None)
+    monkeypatch.setenv("PAGELLM_INT4_KERNELS", "triton")  # nor the CUDA kernels
     no_triton = gemm_refusal("cuda", torch.bfloat16)
     assert no_triton is not None and "install pagellm-int4[triton]" in no_triton
     assert FUSED_MAX_M >= 16  # decode batches take the fused kernel

@@ -1,0 +1,137 @@
+"""The few CUDA driver API calls that load a cubin into the current device's primary context and
+launch its kernels on a torch stream (capturable into CUDA graphs like any launch), through
+ctypes on ``libcuda``: no compiled extension, no dependency beyond the driver itself."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+_c_ptr = ctypes.c_void_p
+
+
+class DriverError(RuntimeError):
+    pass
+
+
+@functools.cache
+def _lib() -> ctypes.CDLL:
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError as exc:
+        raise DriverError(f"the CUDA driver library (libcuda.so.1) does not load: {exc}") from exc
+    lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+    lib.cuLaunchKernel.argtypes = [
+        _c_ptr,
+        ctypes.c_uint,
+        ctypes.c_uint,
+        ctypes.c_uint,
+        ctypes.c_uint,
+        ctypes.c_uint,
+        ctypes.c_uint,
+        ctypes.c_uint,
+        _c_ptr,
+        ctypes.POINTER(_c_ptr),
+        ctypes.POINTER(_c_ptr),
+    ]
+    lib.cuModuleLoadData.argtypes = [ctypes.POINTER(_c_ptr), ctypes.c_char_p]
+    lib.cuModuleGetFunction.argtypes = [ctypes.POINTER(_c_ptr), _c_ptr, ctypes.c_char_p]
+    lib.cuCtxGetCurrent.argtypes = [ctypes.POINTER(_c_ptr)]
+    lib.cuCtxSetCurrent.argtypes = [_c_ptr]
+    lib.cuDeviceGet.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int]
+    lib.cuDevicePrimaryCtxRetain.argtypes = [ctypes.POINTER(_c_ptr), ctypes.c_int]
+    lib.cuCtxGetDevice.argtypes = [ctypes.POINTER(ctypes.c_int)]
+    _check(lib, lib.cuInit(0), "cuInit")
+    return lib
+
+
+def _check(lib: ctypes.CDLL, result: int, what: str) -> None:
+    if result != 0:
+        text = ctypes.c_char_p()
+        lib.cuGetErrorString(result, ctypes.byref(text))
+        message = text.value.decode() if text.value else f"error {result}"
+        raise DriverError(f"{what} failed: {message}")
+
+
+_current = threading.local()
+
+
+def make_current(device: torch.device) -> None:
+    """Make ``device``'s primary context (torch's) current on this thread, once a thread."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if getattr(_current, "index", None) == index:
+        return
+    lib = _lib()
+    ctx = _c_ptr()
+    _check(lib, lib.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
+    on = ctypes.c_int(-1)
+    if ctx.value is not None:
+        _check(lib, lib.cuCtxGetDevice(ctypes.byref(on)), "cuCtxGetDevice")
+    if ctx.value is None or on.value != index:
+        dev = ctypes.c_int()
+        _check(lib, lib.cuDeviceGet(ctypes.byref(dev), index), "cuDeviceGet")
+        primary = _c_ptr()
+        _check(lib, lib.cuDevicePrimaryCtxRetain(ctypes.byref(primary), dev), "retain context")
+        _check(lib, lib.cuCtxSetCurrent(primary), "cuCtxSetCurrent")
+    _current.index = index
+
+
+class Module:
+    """A cubin loaded on one device, its kernels by name."""
+
+    def __init__(self, cubin: Path, device: torch.device) -> None:
+        self.device = device
+        lib = _lib()
+        torch.cuda.init()
+        make_current(device)
+        self._image = cubin.read_bytes()  # kept alive with the module
+        handle = _c_ptr()
+        _check(lib, lib.cuModuleLoadData(ctypes.byref(handle), self._image), "cuModuleLoadData")
+        self._handle = handle
+        self._functions: dict[str, _c_ptr] = {}
+
+    def function(self, name: str) -> _c_ptr:
+        fn = self._functions.get(name)
+        if fn is None:
+            lib = _lib()
+            fn = _c_ptr()
+            _check(
+                lib,
+                lib.cuModuleGetFunction(ctypes.byref(fn), self._handle, name.encode()),
+                f"cuModuleGetFunction({name})",
+            )
+            self._functions[name] = fn
+        return fn
+
+    def launch(
+        self,
+        name: str,
+        grid: tuple[int, int, int],
+        block: int,
+        shared_bytes: int,
+        args: Sequence[ctypes._SimpleCData],
+    ) -> None:
+        """Launch kernel ``name`` on the current torch stream of the module's device."""
+        lib = _lib()
+        make_current(self.device)
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        params = (_c_ptr * len(args))(*[ctypes.addressof(a) for a in args])
+        result = lib.cuLaunchKernel(
+            self.function(name),
+            grid[0],
+            grid[1],
+            grid[2],
+            block,
+            1,
+            1,
+            shared_bytes,
+            _c_ptr(stream),
+            params,
+            None,
+        )
+        _check(lib, result, f"launching {name}")

@@ -1,0 +1,140 @@
+"""The CUDA W4A16 kernels over the fragment layout: `CudaKernels.gemm` (M <= 16 a launch, on the
+tensor cores, weights streamed once) and `CudaKernels.dequantize_t` (W^T in the activations'
+dtype for a cuBLAS GEMM), and the launch shape of the GEMM (`MmaConfig`)."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from pagellm_int4.cuda.build import build_cubin
+from pagellm_int4.cuda.driver import Module
+from pagellm_int4.fragment_layout import FragmentLayout
+
+logger = logging.getLogger(__name__)
+
+ROWS_PER_LAUNCH = 16
+"""Rows of x one GEMM launch takes (two MMAs of 8): larger M runs in launches of 16 rows."""
+DEPTHS = (4, 8)
+_DTYPE_NAME = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+@dataclass(frozen=True)
+class MmaConfig:
+    warps: int
+    """Warps a block: one 64-column strip, consecutive runs of K, summed in shared memory."""
+    splits: int
+    """Blocks a strip: their float32 partial sums are added, in split order, by the last."""
+    depth: int = 4
+    """16-row steps a warp loads ahead (registers)."""
+
+    def steps(self, k16: int) -> int:
+        chunks = self.warps * self.splits
+        return -(-k16 // chunks)
+
+
+def default_config(n64: int, k16: int, num_sms: int) -> MmaConfig:
+    """About 16 warps an SM, each with at least 4 steps: enough 16-byte loads in flight per SM
+    to stream the weights, few partial sums."""
+    warps = 8 if k16 >= 128 else 4
+    target = 16 * num_sms
+    splits = 1
+    while n64 * warps * splits * 2 <= target and k16 >= warps * splits * 2 * 4:
+        splits *= 2
+    return MmaConfig(warps, splits)
+
+
+class CudaKernels:
+    """The compiled kernels on one device (`for_device`)."""
+
+    def __init__(self, device: torch.device) -> None:
+        major, minor = torch.cuda.get_device_capability(device)
+        self.arch = f"sm_{major}{minor}"
+        cubin, self.compile_seconds = build_cubin(self.arch)
+        self.module = Module(cubin, device)
+        self.device = device
+        self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        self._counters = torch.zeros(0, dtype=torch.int32, device=device)
+
+    def reserve_counters(self, strips: int) -> None:
+        """Split-K's arrival counters, one a strip, zero between launches; made before any graph
+        is captured (a layer's processing calls this)."""
+        if self._counters.numel() < strips:
+            self._counters = torch.zeros(strips, dtype=torch.int32, device=self.device)
+
+    def gemm(
+        self, x: torch.Tensor, layout: FragmentLayout, config: MmaConfig | None = None
+    ) -> torch.Tensor:
+        """x [M, K] (bf16 or fp16, rows contiguous) times the layer's int4 weight: [M, N]."""
+        m, k = x.shape
+        n = layout.out_features
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        if m == 0:
+            return out
+        if x.stride(1) != 1 or x.stride(0) % 2 or x.data_ptr() % 4:
+            x = x.contiguous()
+        cfg = config or default_config(layout.n64, layout.k16, self.num_sms)
+        steps = cfg.steps(layout.k16)
+        splits = -(-layout.k16 // (steps * cfg.warps))  # no block without steps
+        dtype = _DTYPE_NAME[x.dtype]
+        self.reserve_counters(layout.n64)
+        for m0 in range(0, m, ROWS_PER_LAUNCH):
+            rows = min(ROWS_PER_LAUNCH, m - m0)
+            name = f"w4a16_mma_{dtype}_m{8 if rows <= 8 else 16}_d{cfg.depth}"
+            xs, outs = x[m0 : m0 + rows], out[m0 : m0 + rows]
+            ws = (
+                torch.empty(splits, rows, n, dtype=torch.float32, device=x.device)
+                if splits > 1
+                else outs
+            )
+            reduce_rows = 8 if rows <= 8 else 16
+            args = [
+                ctypes.c_void_p(xs.data_ptr()),
+                ctypes.c_void_p(layout.words.data_ptr()),
+                ctypes.c_void_p(layout.scales.data_ptr()),
+                ctypes.c_void_p(layout.zeros.data_ptr()),
+                ctypes.c_void_p(outs.data_ptr()),
+                ctypes.c_void_p(ws.data_ptr()),
+                ctypes.c_void_p(self._counters.data_ptr()),
+                ctypes.c_int(rows),
+                ctypes.c_int(n),
+                ctypes.c_int(k),
+                ctypes.c_int(x.stride(0)),
+                ctypes.c_int(layout.k16),
+                ctypes.c_int(layout.steps_per_group),
+                ctypes.c_int(steps),
+                ctypes.c_int(splits),
+            ]
+            shared = cfg.warps * reduce_rows * 64 * 4
+            self.module.launch(name, (layout.n64, splits, 1), 32 * cfg.warps, shared, args)
+        return out
+
+    def dequantize_t(self, layout: FragmentLayout, dtype: torch.dtype) -> torch.Tensor:
+        """The weight transposed, [N, K] in ``dtype``: (q - z) * s in float32, one rounding."""
+        n, k = layout.out_features, layout.in_features
+        out = torch.empty(n, k, dtype=dtype, device=layout.words.device)
+        warps = 8
+        args = [
+            ctypes.c_void_p(layout.words.data_ptr()),
+            ctypes.c_void_p(layout.scales.data_ptr()),
+            ctypes.c_void_p(layout.zeros.data_ptr()),
+            ctypes.c_void_p(out.data_ptr()),
+            ctypes.c_int(n),
+            ctypes.c_int(k),
+            ctypes.c_int(layout.k16),
+            ctypes.c_int(layout.steps_per_group),
+        ]
+        grid = (layout.n64, -(-layout.k16 // warps), 1)
+        self.module.launch(f"dequantize_t_{_DTYPE_NAME[dtype]}", grid, 32 * warps, 0, args)
+        return out
+
+
+@functools.cache
+def for_device(device: torch.device) -> CudaKernels:
+    """The kernels on ``device``, compiled (or found in the cache) and loaded once a process.
+    Raises `pagellm_int4.cuda.build.BuildError` or `pagellm_int4.cuda.driver.DriverError`."""
+    return CudaKernels(device)

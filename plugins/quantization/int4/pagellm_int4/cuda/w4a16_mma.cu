@@ -1,0 +1,374 @@
+// pagellm-int4's CUDA kernels over the fragment layout (pagellm_int4/fragment_layout.py).
+//
+// w4a16_mma_*: out[M, N] = x[M, K] @ W[K, N] for small M (decode), on the tensor cores with
+// the product transposed, out^T = W^T x^T: the weights are the A operand of
+// mma.sync.m16n8k16 (16 output columns x 16 inputs), the activations the B operand (16 inputs
+// x 8 rows of x), so M <= 8 fills a whole MMA and 9..16 takes two. One warp streams one
+// 64-column strip of W over a run of K in 16-row steps: each step is one 16-byte load a lane
+// (the 1,024 codes of a 16 x 64 tile, laid out so that a lane's four words are its A
+// fragments for the strip's four 16-column MMAs), eight packed integer ops, four packed adds
+// and one MMA per word. A code becomes the float bits of offset + q by one LOP3 (offset 128
+// for bfloat16, 1024 for float16, whose mantissas then hold q exactly), and one packed add of
+// -(offset + z) leaves q - z exactly; each quantization group's products are summed in float32
+// and scaled once per group and column. Warps of a block take consecutive runs of K and add
+// their sums through shared memory in a fixed order; blocks of a split write float32 partial
+// sums that the last block of a strip to finish adds in split order (a counter per strip,
+// put back to zero), so results do not depend on timing.
+//
+// dequantize_t_*: W^T [N, K] in the activations' dtype ((q - z) * scale in float32, one
+// rounding: bit for bit the reference path's dequantization), for a cuBLAS GEMM at large M.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+namespace {
+
+struct Bf16 {
+  using T = __nv_bfloat16;
+  static constexpr bool BF16 = true;
+  static constexpr uint32_t MAGIC = 0x43004300u;  // 128.0 in both halves: 128 + q for q < 128
+  static constexpr uint32_t NEG = 0xC300C300u;    // -128.0: -(128 + z) once z is or-ed in
+  static constexpr uint32_t ONE = 0x3F803F80u;
+};
+
+struct Fp16 {
+  using T = __half;
+  static constexpr bool BF16 = false;
+  static constexpr uint32_t MAGIC = 0x64006400u;  // 1024.0: 1024 + q
+  static constexpr uint32_t NEG = 0xE400E400u;
+  static constexpr uint32_t ONE = 0x3C003C00u;
+};
+
+template <uint32_t MAGIC>
+__device__ __forceinline__ uint32_t code_pair(uint32_t w) {
+  // (w & 0x000f000f) | MAGIC: the low nibble of each half as offset + q.
+  uint32_t r;
+  asm("lop3.b32 %0, %1, 0x000f000f, %2, 0xea;" : "=r"(r) : "r"(w), "n"(MAGIC));
+  return r;
+}
+
+template <typename D>
+__device__ __forceinline__ uint32_t add_pair(uint32_t a, uint32_t b) {
+  uint32_t r;
+  if constexpr (D::BF16) {
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(D::ONE), "r"(b));
+  } else {
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(D::ONE), "r"(b));
+  }
+  return r;
+}
+
+template <typename D>
+__device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                    uint32_t b1) {
+  if constexpr (D::BF16) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+__device__ __forceinline__ uint4 load_weights(const uint4* p) {
+  // Read once: not kept in L1.
+  uint4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(p));
+  return r;
+}
+
+template <typename D>
+__device__ __forceinline__ uint32_t neg_zero(uint32_t zero_bytes, int b) {
+  // -(offset + z) in both halves, z being byte b of zero_bytes.
+  const uint32_t z = (zero_bytes >> (8 * b)) & 0xffu;
+  return D::NEG | z | (z << 16);
+}
+
+template <typename T>
+__device__ __forceinline__ T to_out(float v);
+template <>
+__device__ __forceinline__ __nv_bfloat16 to_out<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+template <>
+__device__ __forceinline__ __half to_out<__half>(float v) {
+  return __float2half_rn(v);
+}
+
+// One group's eight scales and zero points of a lane (columns 16 j + g + 8 h at 2 j + h).
+struct GroupMeta {
+  float4 s0, s1;
+  uint2 z;
+};
+
+__device__ __forceinline__ GroupMeta load_group(const float* scales, const uint8_t* zeros,
+                                                long row, int col) {
+  GroupMeta m;
+  const float4* s = reinterpret_cast<const float4*>(scales + row + col);
+  m.s0 = __ldg(s);
+  m.s1 = __ldg(s + 1);
+  m.z = __ldg(reinterpret_cast<const uint2*>(zeros + row + col));
+  return m;
+}
+
+template <typename D, int MB, int DEPTH>
+__device__ __forceinline__ void w4a16_mma(const typename D::T* __restrict__ x,
+                                          const uint4* __restrict__ w,
+                                          const float* __restrict__ scales,
+                                          const uint8_t* __restrict__ zeros,
+                                          typename D::T* __restrict__ out,
+                                          float* __restrict__ ws, int* __restrict__ counters,
+                                          int M, int N, int K, int ldx, int k16, int spg,
+                                          int steps, int splits) {
+  using T = typename D::T;
+  extern __shared__ float red[];  // [warps][MB * 8][64]
+  __shared__ int last_block;
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int warps = blockDim.x >> 5;
+  const int g = lane >> 2;
+  const int c = lane & 3;
+  const int nt = blockIdx.x;
+  const int split = blockIdx.y;
+  const long n_pad = (long)gridDim.x * 64;
+  const int first = (split * warps + warp) * steps;
+  const int n_steps = min(steps, k16 - first);
+
+  float acc[MB][4][4];
+  float part[MB][4][4];
+#pragma unroll
+  for (int b = 0; b < MB; ++b)
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[b][j][e] = part[b][j][e] = 0.f;
+
+  if (n_steps > 0) {
+    // Weights: the next step's tile to load. The layout has DEPTH tiles of padding past its
+    // end, so loads ahead of a warp's last step need no guard (their values go unused).
+    const uint4* wq = w + ((long)nt * k16 + first) * 32 + lane;
+    // The B fragments: x[8 b + g, k + 2 c .. +1] and [.., k + 8 + 2 c .. +1] of each step
+    // (K is a multiple of 16), zero for rows past M.
+    const uint32_t* xq[MB];
+    uint32_t row_mask[MB];
+#pragma unroll
+    for (int b = 0; b < MB; ++b) {
+      const bool in = 8 * b + g < M;
+      row_mask[b] = in ? 0xffffffffu : 0u;
+      xq[b] = reinterpret_cast<const uint32_t*>(x + (long)(in ? 8 * b + g : 0) * ldx +
+                                                16 * first + 2 * c);
+    }
+
+    uint4 wbuf[DEPTH];
+    uint32_t xbuf[DEPTH][MB][2];
+#pragma unroll
+    for (int d = 0; d < DEPTH; ++d) {
+      wbuf[d] = load_weights(wq);
+      wq += 32;
+#pragma unroll
+      for (int b = 0; b < MB; ++b) {
+        const bool live = d < n_steps;
+        xbuf[d][b][0] = live ? (__ldg(xq[b]) & row_mask[b]) : 0u;
+        xbuf[d][b][1] = live ? (__ldg(xq[b] + 4) & row_mask[b]) : 0u;
+        xq[b] += 8;
+      }
+    }
+
+    const int col = nt * 64 + g * 8;
+    int group = first / spg;
+    int left = spg - first % spg;  // steps left in the current group
+    GroupMeta cur = load_group(scales, zeros, (long)group * n_pad, col);
+    GroupMeta next = cur;
+    if (left < n_steps) next = load_group(scales, zeros, (long)(group + 1) * n_pad, col);
+    // -(offset + z) of rows 16 j + g (h = 0: a0, a2) and 16 j + g + 8 (h = 1: a1, a3).
+    uint32_t nz[4][2];
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) nz[j][h] = neg_zero<D>(j < 2 ? cur.z.x : cur.z.y, (2 * j + h) & 3);
+
+    for (int s0 = 0; s0 < n_steps; s0 += DEPTH) {
+#pragma unroll
+      for (int d = 0; d < DEPTH; ++d) {
+        const int s = s0 + d;
+        if (s < n_steps) {
+          const uint4 wv = wbuf[d];
+          uint32_t xb[MB][2];
+#pragma unroll
+          for (int b = 0; b < MB; ++b) xb[b][0] = xbuf[d][b][0], xb[b][1] = xbuf[d][b][1];
+          wbuf[d] = load_weights(wq);
+          wq += 32;
+          const bool live = s + DEPTH < n_steps;
+#pragma unroll
+          for (int b = 0; b < MB; ++b) {
+            xbuf[d][b][0] = live ? (__ldg(xq[b]) & row_mask[b]) : 0u;
+            xbuf[d][b][1] = live ? (__ldg(xq[b] + 4) & row_mask[b]) : 0u;
+            xq[b] += 8;
+          }
+          const uint32_t words[4] = {wv.x, wv.y, wv.z, wv.w};
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            uint32_t a[4];
+            a[0] = add_pair<D>(code_pair<D::MAGIC>(words[j]), nz[j][0]);
+            a[1] = add_pair<D>(code_pair<D::MAGIC>(words[j] >> 4), nz[j][1]);
+            a[2] = add_pair<D>(code_pair<D::MAGIC>(words[j] >> 8), nz[j][0]);
+            a[3] = add_pair<D>(code_pair<D::MAGIC>(words[j] >> 12), nz[j][1]);
+#pragma unroll
+            for (int b = 0; b < MB; ++b) mma<D>(part[b][j], a, xb[b][0], xb[b][1]);
+          }
+          if (--left == 0 || s == n_steps - 1) {
+            // The group's sums times its scales (c0, c1: row 16 j + g; c2, c3: + 8).
+            const float sc[8] = {cur.s0.x, cur.s0.y, cur.s0.z, cur.s0.w,
+                                 cur.s1.x, cur.s1.y, cur.s1.z, cur.s1.w};
+#pragma unroll
+            for (int b = 0; b < MB; ++b)
+#pragma unroll
+              for (int j = 0; j < 4; ++j) {
+                acc[b][j][0] += part[b][j][0] * sc[2 * j];
+                acc[b][j][1] += part[b][j][1] * sc[2 * j];
+                acc[b][j][2] += part[b][j][2] * sc[2 * j + 1];
+                acc[b][j][3] += part[b][j][3] * sc[2 * j + 1];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) part[b][j][e] = 0.f;
+              }
+            if (left == 0) {
+              ++group;
+              left = spg;
+              cur = next;
+#pragma unroll
+              for (int j = 0; j < 4; ++j)
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+                  nz[j][h] = neg_zero<D>(j < 2 ? cur.z.x : cur.z.y, (2 * j + h) & 3);
+              // The group after this one, if this warp reaches it.
+              if ((group + 1) * spg < first + n_steps)
+                next = load_group(scales, zeros, (long)(group + 1) * n_pad, col);
+            }
+          }
+        }
+      }
+    }
+  }
+
+  // The block's warps add their sums in warp order through shared memory.
+  constexpr int ROWS = MB * 8;
+  float* mine = red + warp * ROWS * 64;
+#pragma unroll
+  for (int b = 0; b < MB; ++b)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int m = 8 * b + 2 * c;
+      const int n = 16 * j + g;
+      mine[m * 64 + n] = acc[b][j][0];
+      mine[(m + 1) * 64 + n] = acc[b][j][1];
+      mine[m * 64 + n + 8] = acc[b][j][2];
+      mine[(m + 1) * 64 + n + 8] = acc[b][j][3];
+    }
+  __syncthreads();
+  const int rows = min(M, ROWS);
+  for (int i = threadIdx.x; i < rows * 64; i += blockDim.x) {
+    float v = 0.f;
+    for (int q = 0; q < warps; ++q) v += red[q * ROWS * 64 + i];
+    const int m = i >> 6;
+    const int n = nt * 64 + (i & 63);
+    if (n < N) {
+      if (splits == 1)
+        out[(long)m * N + n] = to_out<T>(v);
+      else
+        ws[((long)split * M + m) * N + n] = v;
+    }
+  }
+  if (splits == 1) return;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last_block = atomicAdd(counters + nt, 1) == splits - 1;
+  __syncthreads();
+  if (!last_block) return;
+  __threadfence();
+  for (int i = threadIdx.x; i < rows * 64; i += blockDim.x) {
+    const int m = i >> 6;
+    const int n = nt * 64 + (i & 63);
+    if (n < N) {
+      float v = 0.f;
+      for (int q = 0; q < splits; ++q) v += __ldcg(ws + ((long)q * M + m) * N + n);
+      out[(long)m * N + n] = to_out<T>(v);
+    }
+  }
+  if (threadIdx.x == 0) counters[nt] = 0;
+}
+
+template <typename D>
+__device__ __forceinline__ void dequantize_t(const uint4* __restrict__ w,
+                                             const float* __restrict__ scales,
+                                             const uint8_t* __restrict__ zeros,
+                                             typename D::T* __restrict__ out, int N, int K,
+                                             int k16, int spg) {
+  using T = typename D::T;
+  const int lane = threadIdx.x & 31;
+  const int kt = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  const int nt = blockIdx.x;
+  if (kt >= k16) return;
+  const int g = lane >> 2;
+  const int c = lane & 3;
+  const long n_pad = (long)gridDim.x * 64;
+  const uint4 wv = load_weights(w + ((long)nt * k16 + kt) * 32 + lane);
+  const GroupMeta meta = load_group(scales, zeros, (long)(kt / spg) * n_pad, nt * 64 + g * 8);
+  const float sc[8] = {meta.s0.x, meta.s0.y, meta.s0.z, meta.s0.w,
+                       meta.s1.x, meta.s1.y, meta.s1.z, meta.s1.w};
+  const uint32_t words[4] = {wv.x, wv.y, wv.z, wv.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const uint32_t zb = j < 2 ? meta.z.x : meta.z.y;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int h = i & 1;
+      const int n = nt * 64 + 16 * j + g + 8 * h;
+      const int k = 16 * kt + 2 * c + 8 * (i >> 1);
+      const float z = (float)((zb >> (8 * ((2 * j + h) & 3))) & 0xffu);
+      const float s = sc[2 * j + h];
+      const uint32_t q = words[j] >> (4 * i);
+      const float lo = ((float)(q & 0xfu) - z) * s;
+      const float hi = ((float)((q >> 16) & 0xfu) - z) * s;
+      if (n < N && k < K) {
+        T pair[2] = {to_out<T>(lo), to_out<T>(hi)};
+        *reinterpret_cast<uint32_t*>(out + (long)n * K + k) = *reinterpret_cast<uint32_t*>(pair);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+#define PAGELLM_W4A16_MMA(NAME, D, MB, DEPTH)                                                  \
+  extern "C" __global__ void __launch_bounds__(256) NAME(                                      \
+      const D::T* x, const uint4* w, const float* scales, const uint8_t* zeros, D::T* out,     \
+      float* ws, int* counters, int M, int N, int K, int ldx, int k16, int spg, int steps,     \
+      int splits) {                                                                            \
+    w4a16_mma<D, MB, DEPTH>(x, w, scales, zeros, out, ws, counters, M, N, K, ldx, k16, spg,    \
+                            steps, splits);                                                    \
+  }
+
+PAGELLM_W4A16_MMA(w4a16_mma_bf16_m8_d4, Bf16, 1, 4)
+PAGELLM_W4A16_MMA(w4a16_mma_bf16_m16_d4, Bf16, 2, 4)
+PAGELLM_W4A16_MMA(w4a16_mma_bf16_m8_d8, Bf16, 1, 8)
+PAGELLM_W4A16_MMA(w4a16_mma_bf16_m16_d8, Bf16, 2, 8)
+PAGELLM_W4A16_MMA(w4a16_mma_fp16_m8_d4, Fp16, 1, 4)
+PAGELLM_W4A16_MMA(w4a16_mma_fp16_m16_d4, Fp16, 2, 4)
+PAGELLM_W4A16_MMA(w4a16_mma_fp16_m8_d8, Fp16, 1, 8)
+PAGELLM_W4A16_MMA(w4a16_mma_fp16_m16_d8, Fp16, 2, 8)
+
+#define PAGELLM_DEQUANTIZE_T(NAME, D)                                                          \
+  extern "C" __global__ void NAME(const uint4* w, const float* scales, const uint8_t* zeros,   \
+                                  D::T* out, int N, int K, int k16, int spg) {                 \
+    dequantize_t<D>(w, scales, zeros, out, N, K, k16, spg);                                    \
+  }
+
+PAGELLM_DEQUANTIZE_T(dequantize_t_bf16, Bf16)
+PAGELLM_DEQUANTIZE_T(dequantize_t_fp16, Fp16)

@@ -1,0 +1,147 @@
+"""The fragment layout of the CUDA kernels, on the CPU: each lane's words decoded the way the
+kernel decodes them (``lop3(word >> 4 i, 0x000f000f)``) and placed by the PTX ISA's table of the
+m16n8k16 A fragment give back the weight; the scales' strip order; the path choice without a
+GPU; and the CUDA source compiled for sm_90 where nvcc is installed."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+import torch
+from pagellm_int4 import gemm
+from pagellm_int4.cuda.build import NVCC_FLAGS, SOURCE, find_nvcc
+from pagellm_int4.fragment_layout import (
+    PAD_TILES,
+    dequantize_fragments,
+    fragment_layout_problem,
+    pack_fragments,
+    permute_strips,
+    to_fragment_layout,
+    unpack_fragments,
+)
+from pagellm_int4.int4_values import Int4Values
+from pagellm_int4.kernel_layout import dequantize, to_kernel_layout
+
+
+def _a_fragment_element(lane: int, element: int) -> tuple[int, int]:
+    """(row, column) of element ``element`` (0..7: a0 holds 0 and 1, ... a3 6 and 7) of a lane's
+    A fragment for mma.m16n8k16 with 16-bit types, as the PTX ISA tabulates it."""
+    group_id, thread_in_group = lane // 4, lane % 4
+    row = group_id if element in (0, 1, 4, 5) else group_id + 8
+    col = thread_in_group * 2 + (element & 1) + (8 if element >= 4 else 0)
+    return row, col
+
+
+def _decode_like_the_kernel(words: torch.Tensor, k: int, n: int) -> torch.Tensor:
+    """[K, N] codes from the flat words, lane by lane and register by register."""
+    k16, n64 = -(-k // 16), -(-n // 64)
+    tiles = words[: n64 * k16 * 128].view(n64, k16, 32, 4).tolist()
+    out = torch.full((k16 * 16, n64 * 64), -1, dtype=torch.int64)
+    for nt in range(n64):
+        for kt in range(k16):
+            for lane in range(32):
+                for j, word in enumerate(tiles[nt][kt][lane]):
+                    word &= 0xFFFFFFFF
+                    for i in range(4):
+                        pair = (word >> (4 * i)) & 0x000F000F  # the LOP3's operand
+                        for half, code in enumerate((pair & 0xF, pair >> 16)):
+                            row, col = _a_fragment_element(lane, 2 * i + half)
+                            # A = W^T of the strip's 16-column block j: row = output column.
+                            out[16 * kt + col, 64 * nt + 16 * j + row] = code
+    return out[:k, :n]
+
+
+@pytest.mark.parametrize(("k", "n"), [(16, 64), (48, 100), (32, 200), (7, 5)])
+def test_each_lane_decodes_its_mma_fragments_to_the_weight(k, n):
+    q = torch.randint(0, 16, (k, n), generator=torch.Generator().manual_seed(k * n))
+    q = q.to(torch.uint8)
+    words = pack_fragments(q)
+    k16, n64 = -(-k // 16), -(-n // 64)
+    assert words.dtype == torch.int32 and words.numel() == (n64 * k16 + PAD_TILES) * 128
+    assert not bool(words[n64 * k16 * 128 :].any())
+    decoded = _decode_like_the_kernel(words, k, n)
+    assert torch.equal(decoded, q.long())
+    assert torch.equal(unpack_fragments(words, k, n), q)
+
+
+def test_a_lanes_scales_are_contiguous_in_strip_order():
+    """Position 8 g + 2 j + h of a strip holds column 16 j + g + 8 h: lane g's eight columns
+    (the rows of its A fragments, h for a1/a3) in one 32-byte load."""
+    n = 130
+    cols = torch.arange(n, dtype=torch.float32).view(1, n)
+    strips = permute_strips(cols)
+    assert strips.shape == (1, 192)
+    for strip in range(3):
+        for g in range(8):
+            for j in range(4):
+                for h in range(2):
+                    col = 64 * strip + 16 * j + g + 8 * h
+                    want = float(col) if col < n else 0.0
+                    assert strips[0, 64 * strip + 8 * g + 2 * j + h].item() == want
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_the_fragment_layout_dequantizes_to_the_tile_layouts_weight(act_order):
+    gen = torch.Generator().manual_seed(3)
+    k, n, group = 96, 72, 32
+    values = Int4Values(
+        q=torch.randint(0, 16, (k, n), generator=gen).to(torch.uint8),
+        zeros=torch.randint(0, 17, (k // group, n), generator=gen).to(torch.uint8),
+        scales=torch.rand(k // group, n, generator=gen) + 0.01,
+        g_idx=(torch.randperm(k, generator=gen) % (k // group))
+        if act_order
+        else torch.arange(k) // group,
+    )
+    fragments = to_fragment_layout(values, group, "layer")
+    tiles = to_kernel_layout(values, group, "layer")
+    assert (fragments.perm is None) == (not act_order)
+    if act_order:
+        assert torch.equal(fragments.perm, tiles.perm)
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(dequantize_fragments(fragments, dtype), dequantize(tiles, dtype))
+    assert fragments.steps_per_group == 2 and fragments.k16 == 6 and fragments.n64 == 2
+
+
+def test_layers_the_cuda_kernels_cannot_take_are_named():
+    assert fragment_layout_problem(4096, 128) is None
+    assert fragment_layout_problem(4096, 4096) is None  # one group
+    assert "not a multiple of 16" in fragment_layout_problem(4104, 4104)
+    assert "group size 8" in fragment_layout_problem(4096, 8)
+
+
+def test_without_a_gpu_the_reference_path_and_no_cuda_kernels(monkeypatch):
+    chosen = gemm.choose_gemm(torch.device("cpu"), 64, 32)
+    assert chosen.name == "reference" and chosen.make_layout is to_kernel_layout
+    gemm.cuda_kernels_or_reason.cache_clear()
+    monkeypatch.setenv(gemm.KERNELS_ENV, "triton")
+    assert gemm.cuda_kernels_or_reason(torch.device("cuda")) == "PAGELLM_INT4_KERNELS=triton"
+    gemm.cuda_kernels_or_reason.cache_clear()
+    monkeypatch.setenv(gemm.KERNELS_ENV, "fast")
+    with pytest.raises(ValueError, match="expected auto, cuda or triton"):
+        gemm.cuda_kernels_or_reason(torch.device("cuda"))
+    gemm.cuda_kernels_or_reason.cache_clear()
+
+
+@pytest.mark.skipif(find_nvcc() is None, reason="needs nvcc")
+def test_the_cuda_source_compiles_for_sm90_without_spills(tmp_path):
+    """Every kernel of w4a16_mma.cu compiles for the H100/H200 with no local-memory spills
+    (the register arrays of the prefetch ring must stay in registers)."""
+    nvcc = find_nvcc()
+    cubin = tmp_path / "w4a16.cubin"
+    run = subprocess.run(
+        [nvcc, *NVCC_FLAGS, "-arch=sm_90", "-Xptxas", "-v", "-o", str(cubin), str(SOURCE)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = run.stderr
+    kernels = [line for line in report.splitlines() if "Compiling entry function" in line]
+    assert len(kernels) == 10, report[-3000:]
+    assert "bytes spill stores" in report
+    assert all(
+        line.strip().startswith("0 bytes stack frame, 0 bytes spill stores")
+        for line in report.splitlines()
+        if "spill stores" in line
+    ), report[-3000:]
