@@ -219,9 +219,12 @@ for stage in "$@"; do
       [ -f "$ckpt/model.safetensors" ] || run int4_write 500 python3 -m pagellm_int4.rtn \
         benchmarks/configs/llama-3.1-8b "$ckpt" --format gptq --random-weights --device cuda
       for c in 1 16; do
-        run "int4_w1_gptq_c$c" 500 pagellm bench throughput --model "$ckpt" --dtype bfloat16 \
-          --skip-tokenizer-init --temperature 0 --seed 0 --num-prompts $((c * 2)) --input-len 512 \
-          --output-len 512 --max-num-seqs "$c" --output-json "$OUT/int4_w1_gptq_c$c.json"
+        for kern in ${INT4_W1_KERNELS:-cuda}; do  # PAGELLM_INT4_KERNELS: cuda, triton
+          PAGELLM_INT4_KERNELS=$kern run "int4_w1_gptq_${kern}_c$c" 500 pagellm bench throughput \
+            --model "$ckpt" --dtype bfloat16 --skip-tokenizer-init --temperature 0 --seed 0 \
+            --num-prompts $((c * 2)) --input-len 512 --output-len 512 --max-num-seqs "$c" \
+            --output-json "$OUT/int4_w1_gptq_${kern}_c$c.json"
+        done
         run "int4_w1_bf16_c$c" 500 pagellm bench throughput --model benchmarks/configs/llama-3.1-8b \
           --load-format dummy --dtype bfloat16 --skip-tokenizer-init --temperature 0 --seed 0 \
           --num-prompts $((c * 2)) --input-len 512 --output-len 512 --max-num-seqs "$c" \

@@ -157,12 +157,11 @@ __device__ __forceinline__ void w4a16_mma(const typename D::T* __restrict__ x,
     // The B fragments: x[8 b + g, k + 2 c .. +1] and [.., k + 8 + 2 c .. +1] of each step
     // (K is a multiple of 16), zero for rows past M.
     const uint32_t* xq[MB];
-    uint32_t row_mask[MB];
+    bool row_in[MB];
 #pragma unroll
     for (int b = 0; b < MB; ++b) {
-      const bool in = 8 * b + g < M;
-      row_mask[b] = in ? 0xffffffffu : 0u;
-      xq[b] = reinterpret_cast<const uint32_t*>(x + (long)(in ? 8 * b + g : 0) * ldx +
+      row_in[b] = 8 * b + g < M;
+      xq[b] = reinterpret_cast<const uint32_t*>(x + (long)(row_in[b] ? 8 * b + g : 0) * ldx +
                                                 16 * first + 2 * c);
     }
 
@@ -174,9 +173,9 @@ __device__ __forceinline__ void w4a16_mma(const typename D::T* __restrict__ x,
       wq += 32;
 #pragma unroll
       for (int b = 0; b < MB; ++b) {
-        const bool live = d < n_steps;
-        xbuf[d][b][0] = live ? (__ldg(xq[b]) & row_mask[b]) : 0u;
-        xbuf[d][b][1] = live ? (__ldg(xq[b] + 4) & row_mask[b]) : 0u;
+        const bool live = d < n_steps && row_in[b];
+        xbuf[d][b][0] = live ? __ldg(xq[b]) : 0u;
+        xbuf[d][b][1] = live ? __ldg(xq[b] + 4) : 0u;
         xq[b] += 8;
       }
     }
@@ -205,11 +204,12 @@ __device__ __forceinline__ void w4a16_mma(const typename D::T* __restrict__ x,
           for (int b = 0; b < MB; ++b) xb[b][0] = xbuf[d][b][0], xb[b][1] = xbuf[d][b][1];
           wbuf[d] = load_weights(wq);
           wq += 32;
-          const bool live = s + DEPTH < n_steps;
+          const bool ahead = s + DEPTH < n_steps;
 #pragma unroll
           for (int b = 0; b < MB; ++b) {
-            xbuf[d][b][0] = live ? (__ldg(xq[b]) & row_mask[b]) : 0u;
-            xbuf[d][b][1] = live ? (__ldg(xq[b] + 4) & row_mask[b]) : 0u;
+            const bool live = ahead && row_in[b];
+            xbuf[d][b][0] = live ? __ldg(xq[b]) : 0u;
+            xbuf[d][b][1] = live ? __ldg(xq[b] + 4) : 0u;
             xq[b] += 8;
           }
           const uint32_t words[4] = {wv.x, wv.y, wv.z, wv.w};
