@@ -35,8 +35,9 @@ from pagellm_int4.kernel_layout import act_order_permutation
 
 FRAG_K = 16
 FRAG_N = 64
-PAD_TILES = 8
-"""Tiles of zeros after the last one: the deepest prefetch of the kernels (DEPTH)."""
+PAD_TILES = 16
+"""Tiles of zeros after the last one: how far past a run's last step the GEMM may load (its
+prefetch depth plus a pass of its loop, at most 8 + 8)."""
 _WORDS_PER_TILE = 32 * 4
 
 

@@ -9,6 +9,7 @@ import functools
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -114,7 +115,7 @@ class Module:
         grid: tuple[int, int, int],
         block: int,
         shared_bytes: int,
-        args: Sequence[ctypes._SimpleCData],
+        args: Sequence[Any],
     ) -> None:
         """Launch kernel ``name`` on the current torch stream of the module's device."""
         lib = _lib()

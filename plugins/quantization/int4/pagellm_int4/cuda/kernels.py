@@ -32,9 +32,20 @@ class MmaConfig:
     depth: int = 4
     """16-row steps a warp loads ahead (registers)."""
 
-    def steps(self, k16: int) -> int:
+    def steps(self, k16: int, unroll: int = 1) -> int:
+        """16-row steps a warp: K shared by warps x splits, rounded up to ``unroll``."""
         chunks = self.warps * self.splits
-        return -(-k16 // chunks)
+        per = -(-k16 // chunks)
+        return -(-per // unroll) * unroll
+
+
+def scaling_steps(steps_per_group: int) -> int:
+    """Steps between two scalings of the kernel's sums (its SPG): the largest of 8, 4, 2, 1
+    dividing the group's steps."""
+    for spg in (8, 4, 2):
+        if steps_per_group % spg == 0:
+            return spg
+    return 1
 
 
 def default_config(n64: int, k16: int, num_sms: int) -> MmaConfig:
@@ -78,13 +89,14 @@ class CudaKernels:
         if x.stride(1) != 1 or x.stride(0) % 2 or x.data_ptr() % 4:
             x = x.contiguous()
         cfg = config or default_config(layout.n64, layout.k16, self.num_sms)
-        steps = cfg.steps(layout.k16)
+        spg = scaling_steps(layout.steps_per_group)
+        steps = cfg.steps(layout.k16, max(cfg.depth, spg))
         splits = -(-layout.k16 // (steps * cfg.warps))  # no block without steps
         dtype = _DTYPE_NAME[x.dtype]
         self.reserve_counters(layout.n64)
         for m0 in range(0, m, ROWS_PER_LAUNCH):
             rows = min(ROWS_PER_LAUNCH, m - m0)
-            name = f"w4a16_mma_{dtype}_m{8 if rows <= 8 else 16}_d{cfg.depth}"
+            name = f"w4a16_mma_{dtype}_m{8 if rows <= 8 else 16}_d{cfg.depth}_s{spg}"
             xs, outs = x[m0 : m0 + rows], out[m0 : m0 + rows]
             ws = (
                 torch.empty(splits, rows, n, dtype=torch.float32, device=x.device)
@@ -106,6 +118,7 @@ class CudaKernels:
                 ctypes.c_int(x.stride(0)),
                 ctypes.c_int(layout.k16),
                 ctypes.c_int(layout.steps_per_group),
+                ctypes.c_int(layout.scales.shape[0]),
                 ctypes.c_int(steps),
                 ctypes.c_int(splits),
             ]

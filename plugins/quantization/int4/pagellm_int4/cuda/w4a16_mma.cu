@@ -30,6 +30,7 @@ struct Bf16 {
   static constexpr uint32_t MAGIC = 0x43004300u;  // 128.0 in both halves: 128 + q for q < 128
   static constexpr uint32_t NEG = 0xC300C300u;    // -128.0: -(128 + z) once z is or-ed in
   static constexpr uint32_t ONE = 0x3F803F80u;
+  static constexpr float OFFSET = 128.0f;
 };
 
 struct Fp16 {
@@ -38,6 +39,7 @@ struct Fp16 {
   static constexpr uint32_t MAGIC = 0x64006400u;  // 1024.0: 1024 + q
   static constexpr uint32_t NEG = 0xE400E400u;
   static constexpr uint32_t ONE = 0x3C003C00u;
+  static constexpr float OFFSET = 1024.0f;
 };
 
 template <uint32_t MAGIC>
@@ -45,17 +47,6 @@ __device__ __forceinline__ uint32_t code_pair(uint32_t w) {
   // (w & 0x000f000f) | MAGIC: the low nibble of each half as offset + q.
   uint32_t r;
   asm("lop3.b32 %0, %1, 0x000f000f, %2, 0xea;" : "=r"(r) : "r"(w), "n"(MAGIC));
-  return r;
-}
-
-template <typename D>
-__device__ __forceinline__ uint32_t add_pair(uint32_t a, uint32_t b) {
-  uint32_t r;
-  if constexpr (D::BF16) {
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(D::ONE), "r"(b));
-  } else {
-    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(D::ONE), "r"(b));
-  }
   return r;
 }
 
@@ -82,13 +73,6 @@ __device__ __forceinline__ uint4 load_weights(const uint4* p) {
                : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
                : "l"(p));
   return r;
-}
-
-template <typename D>
-__device__ __forceinline__ uint32_t neg_zero(uint32_t zero_bytes, int b) {
-  // -(offset + z) in both halves, z being byte b of zero_bytes.
-  const uint32_t z = (zero_bytes >> (8 * b)) & 0xffu;
-  return D::NEG | z | (z << 16);
 }
 
 template <typename T>
@@ -118,7 +102,7 @@ __device__ __forceinline__ GroupMeta load_group(const float* scales, const uint8
   return m;
 }
 
-template <typename D, int MB, int DEPTH>
+template <typename D, int MB, int DEPTH, int SPG>
 __device__ __forceinline__ void w4a16_mma(const typename D::T* __restrict__ x,
                                           const uint4* __restrict__ w,
                                           const float* __restrict__ scales,
@@ -126,8 +110,13 @@ __device__ __forceinline__ void w4a16_mma(const typename D::T* __restrict__ x,
                                           typename D::T* __restrict__ out,
                                           float* __restrict__ ws, int* __restrict__ counters,
                                           int M, int N, int K, int ldx, int k16, int spg,
-                                          int steps, int splits) {
+                                          int groups, int steps, int splits) {
+  // SPG: steps (16 rows each) between two scalings of the sums, dividing the quantization
+  // group's spg; UNROLL: steps of one pass of the loop, whose body is straight-line code (no
+  // condition around the loads, so the compiler keeps each load in flight in its register of
+  // the ring until its step: a copy of a register still being loaded would wait for it).
   using T = typename D::T;
+  constexpr int UNROLL = DEPTH > SPG ? DEPTH : SPG;
   extern __shared__ float red[];  // [warps][MB * 8][64]
   __shared__ int last_block;
   const int lane = threadIdx.x & 31;
@@ -138,24 +127,23 @@ __device__ __forceinline__ void w4a16_mma(const typename D::T* __restrict__ x,
   const int nt = blockIdx.x;
   const int split = blockIdx.y;
   const long n_pad = (long)gridDim.x * 64;
-  const int first = (split * warps + warp) * steps;
+  const int first = (split * warps + warp) * steps;  // steps: a multiple of UNROLL
   const int n_steps = min(steps, k16 - first);
 
   float acc[MB][4][4];
-  float part[MB][4][4];
 #pragma unroll
   for (int b = 0; b < MB; ++b)
 #pragma unroll
     for (int j = 0; j < 4; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) acc[b][j][e] = part[b][j][e] = 0.f;
+      for (int e = 0; e < 4; ++e) acc[b][j][e] = 0.f;
 
   if (n_steps > 0) {
-    // Weights: the next step's tile to load. The layout has DEPTH tiles of padding past its
-    // end, so loads ahead of a warp's last step need no guard (their values go unused).
+    // Weights: the next step's tile to load. The layout has PAD_TILES tiles of padding past
+    // its end, so loads past a warp's last step need no guard (their values meet zero x).
     const uint4* wq = w + ((long)nt * k16 + first) * 32 + lane;
     // The B fragments: x[8 b + g, k + 2 c .. +1] and [.., k + 8 + 2 c .. +1] of each step
-    // (K is a multiple of 16), zero for rows past M.
+    // (K is a multiple of 16); zero for rows past M and for steps past the warp's last.
     const uint32_t* xq[MB];
     bool row_in[MB];
 #pragma unroll
@@ -164,7 +152,6 @@ __device__ __forceinline__ void w4a16_mma(const typename D::T* __restrict__ x,
       xq[b] = reinterpret_cast<const uint32_t*>(x + (long)(row_in[b] ? 8 * b + g : 0) * ldx +
                                                 16 * first + 2 * c);
     }
-
     uint4 wbuf[DEPTH];
     uint32_t xbuf[DEPTH][MB][2];
 #pragma unroll
@@ -179,79 +166,73 @@ __device__ __forceinline__ void w4a16_mma(const typename D::T* __restrict__ x,
         xq[b] += 8;
       }
     }
-
+    // A fragment of ones: its product with x is x's sum over the step's 16 rows, in every row.
+    const uint32_t ones[4] = {D::ONE, D::ONE, D::ONE, D::ONE};
     const int col = nt * 64 + g * 8;
-    int group = first / spg;
-    int left = spg - first % spg;  // steps left in the current group
-    GroupMeta cur = load_group(scales, zeros, (long)group * n_pad, col);
-    GroupMeta next = cur;
-    if (left < n_steps) next = load_group(scales, zeros, (long)(group + 1) * n_pad, col);
-    // -(offset + z) of rows 16 j + g (h = 0: a0, a2) and 16 j + g + 8 (h = 1: a1, a3).
-    uint32_t nz[4][2];
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) nz[j][h] = neg_zero<D>(j < 2 ? cur.z.x : cur.z.y, (2 * j + h) & 3);
 
-    for (int s0 = 0; s0 < n_steps; s0 += DEPTH) {
+    const int passes = (n_steps + UNROLL - 1) / UNROLL;
+    for (int pass = 0; pass < passes; ++pass) {
+      float part[MB][4][4];  // sum over the group's rows of (offset + q) x
+      float xsum[MB][4];     // sum of x over them (c0, c1: rows 2 c, 2 c + 1; c2, c3 the same)
+      GroupMeta meta;
 #pragma unroll
-      for (int d = 0; d < DEPTH; ++d) {
-        const int s = s0 + d;
-        if (s < n_steps) {
-          const uint4 wv = wbuf[d];
-          uint32_t xb[MB][2];
-#pragma unroll
-          for (int b = 0; b < MB; ++b) xb[b][0] = xbuf[d][b][0], xb[b][1] = xbuf[d][b][1];
-          wbuf[d] = load_weights(wq);
-          wq += 32;
-          const bool ahead = s + DEPTH < n_steps;
+      for (int t = 0; t < UNROLL; ++t) {
+        const int s = pass * UNROLL + t;
+        if (t % SPG == 0) {
+          // A group starts: its scales and zero points (used at its end), sums from zero.
+          const int row = min((first + s) / spg, groups - 1);
+          meta = load_group(scales, zeros, (long)row * n_pad, col);
 #pragma unroll
           for (int b = 0; b < MB; ++b) {
-            const bool live = ahead && row_in[b];
-            xbuf[d][b][0] = live ? __ldg(xq[b]) : 0u;
-            xbuf[d][b][1] = live ? __ldg(xq[b] + 4) : 0u;
-            xq[b] += 8;
+#pragma unroll
+            for (int e = 0; e < 4; ++e) xsum[b][e] = 0.f;
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+#pragma unroll
+              for (int e = 0; e < 4; ++e) part[b][j][e] = 0.f;
           }
-          const uint32_t words[4] = {wv.x, wv.y, wv.z, wv.w};
+        }
+        const int d = t % DEPTH;
+        const uint32_t words[4] = {wbuf[d].x, wbuf[d].y, wbuf[d].z, wbuf[d].w};
 #pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            uint32_t a[4];
-            a[0] = add_pair<D>(code_pair<D::MAGIC>(words[j]), nz[j][0]);
-            a[1] = add_pair<D>(code_pair<D::MAGIC>(words[j] >> 4), nz[j][1]);
-            a[2] = add_pair<D>(code_pair<D::MAGIC>(words[j] >> 8), nz[j][0]);
-            a[3] = add_pair<D>(code_pair<D::MAGIC>(words[j] >> 12), nz[j][1]);
+        for (int j = 0; j < 4; ++j) {
+          uint32_t a[4];
 #pragma unroll
-            for (int b = 0; b < MB; ++b) mma<D>(part[b][j], a, xb[b][0], xb[b][1]);
-          }
-          if (--left == 0 || s == n_steps - 1) {
-            // The group's sums times its scales (c0, c1: row 16 j + g; c2, c3: + 8).
-            const float sc[8] = {cur.s0.x, cur.s0.y, cur.s0.z, cur.s0.w,
-                                 cur.s1.x, cur.s1.y, cur.s1.z, cur.s1.w};
+          for (int i = 0; i < 4; ++i) a[i] = code_pair<D::MAGIC>(words[j] >> (4 * i));
 #pragma unroll
-            for (int b = 0; b < MB; ++b)
+          for (int b = 0; b < MB; ++b) mma<D>(part[b][j], a, xbuf[d][b][0], xbuf[d][b][1]);
+        }
 #pragma unroll
-              for (int j = 0; j < 4; ++j) {
-                acc[b][j][0] += part[b][j][0] * sc[2 * j];
-                acc[b][j][1] += part[b][j][1] * sc[2 * j];
-                acc[b][j][2] += part[b][j][2] * sc[2 * j + 1];
-                acc[b][j][3] += part[b][j][3] * sc[2 * j + 1];
+        for (int b = 0; b < MB; ++b) mma<D>(xsum[b], ones, xbuf[d][b][0], xbuf[d][b][1]);
+        // The slot's registers are free: the step DEPTH ahead goes into them.
+        wbuf[d] = load_weights(wq);
+        wq += 32;
+        const bool ahead = s + DEPTH < n_steps;
 #pragma unroll
-                for (int e = 0; e < 4; ++e) part[b][j][e] = 0.f;
+        for (int b = 0; b < MB; ++b) {
+          const bool live = ahead && row_in[b];
+          xbuf[d][b][0] = live ? __ldg(xq[b]) : 0u;
+          xbuf[d][b][1] = live ? __ldg(xq[b] + 4) : 0u;
+          xq[b] += 8;
+        }
+        if (t % SPG == SPG - 1) {
+          // The group ends: sum (q - z) x = part - (offset + z) xsum, times the scale
+          // (c0, c1: column 16 j + g, h = 0; c2, c3: + 8, h = 1).
+          const float sc[8] = {meta.s0.x, meta.s0.y, meta.s0.z, meta.s0.w,
+                               meta.s1.x, meta.s1.y, meta.s1.z, meta.s1.w};
+          float zo[8];
+#pragma unroll
+          for (int q = 0; q < 8; ++q)
+            zo[q] = D::OFFSET + (float)(((q < 4 ? meta.z.x : meta.z.y) >> (8 * (q & 3))) & 0xffu);
+#pragma unroll
+          for (int b = 0; b < MB; ++b)
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+#pragma unroll
+              for (int e = 0; e < 4; ++e) {
+                const int q = 2 * j + (e >> 1);
+                acc[b][j][e] = fmaf(sc[q], part[b][j][e] - zo[q] * xsum[b][e], acc[b][j][e]);
               }
-            if (left == 0) {
-              ++group;
-              left = spg;
-              cur = next;
-#pragma unroll
-              for (int j = 0; j < 4; ++j)
-#pragma unroll
-                for (int h = 0; h < 2; ++h)
-                  nz[j][h] = neg_zero<D>(j < 2 ? cur.z.x : cur.z.y, (2 * j + h) & 3);
-              // The group after this one, if this warp reaches it.
-              if ((group + 1) * spg < first + n_steps)
-                next = load_group(scales, zeros, (long)(group + 1) * n_pad, col);
-            }
-          }
         }
       }
     }
@@ -346,23 +327,30 @@ __device__ __forceinline__ void dequantize_t(const uint4* __restrict__ w,
 
 }  // namespace
 
-#define PAGELLM_W4A16_MMA(NAME, D, MB, DEPTH)                                                  \
+#define PAGELLM_W4A16_MMA(NAME, D, MB, DEPTH, SPG)                                             \
   extern "C" __global__ void __launch_bounds__(256) NAME(                                      \
       const D::T* x, const uint4* w, const float* scales, const uint8_t* zeros, D::T* out,     \
-      float* ws, int* counters, int M, int N, int K, int ldx, int k16, int spg, int steps,     \
-      int splits) {                                                                            \
-    w4a16_mma<D, MB, DEPTH>(x, w, scales, zeros, out, ws, counters, M, N, K, ldx, k16, spg,    \
-                            steps, splits);                                                    \
+      float* ws, int* counters, int M, int N, int K, int ldx, int k16, int spg, int groups,    \
+      int steps, int splits) {                                                                 \
+    w4a16_mma<D, MB, DEPTH, SPG>(x, w, scales, zeros, out, ws, counters, M, N, K, ldx, k16,    \
+                                 spg, groups, steps, splits);                                  \
   }
 
-PAGELLM_W4A16_MMA(w4a16_mma_bf16_m8_d4, Bf16, 1, 4)
-PAGELLM_W4A16_MMA(w4a16_mma_bf16_m16_d4, Bf16, 2, 4)
-PAGELLM_W4A16_MMA(w4a16_mma_bf16_m8_d8, Bf16, 1, 8)
-PAGELLM_W4A16_MMA(w4a16_mma_bf16_m16_d8, Bf16, 2, 8)
-PAGELLM_W4A16_MMA(w4a16_mma_fp16_m8_d4, Fp16, 1, 4)
-PAGELLM_W4A16_MMA(w4a16_mma_fp16_m16_d4, Fp16, 2, 4)
-PAGELLM_W4A16_MMA(w4a16_mma_fp16_m8_d8, Fp16, 1, 8)
-PAGELLM_W4A16_MMA(w4a16_mma_fp16_m16_d8, Fp16, 2, 8)
+// w4a16_mma_<dtype>_m<rows>_d<depth>_s<steps a scaling>
+#define PAGELLM_W4A16_MMA_SPG(D, NAME, MB, ROWS, DEPTH)                                        \
+  PAGELLM_W4A16_MMA(w4a16_mma_##NAME##_m##ROWS##_d##DEPTH##_s1, D, MB, DEPTH, 1)               \
+  PAGELLM_W4A16_MMA(w4a16_mma_##NAME##_m##ROWS##_d##DEPTH##_s2, D, MB, DEPTH, 2)               \
+  PAGELLM_W4A16_MMA(w4a16_mma_##NAME##_m##ROWS##_d##DEPTH##_s4, D, MB, DEPTH, 4)               \
+  PAGELLM_W4A16_MMA(w4a16_mma_##NAME##_m##ROWS##_d##DEPTH##_s8, D, MB, DEPTH, 8)
+
+PAGELLM_W4A16_MMA_SPG(Bf16, bf16, 1, 8, 4)
+PAGELLM_W4A16_MMA_SPG(Bf16, bf16, 2, 16, 4)
+PAGELLM_W4A16_MMA_SPG(Bf16, bf16, 1, 8, 8)
+PAGELLM_W4A16_MMA_SPG(Bf16, bf16, 2, 16, 8)
+PAGELLM_W4A16_MMA_SPG(Fp16, fp16, 1, 8, 4)
+PAGELLM_W4A16_MMA_SPG(Fp16, fp16, 2, 16, 4)
+PAGELLM_W4A16_MMA_SPG(Fp16, fp16, 1, 8, 8)
+PAGELLM_W4A16_MMA_SPG(Fp16, fp16, 2, 16, 8)
 
 #define PAGELLM_DEQUANTIZE_T(NAME, D)                                                          \
   extern "C" __global__ void NAME(const uint4* w, const float* scales, const uint8_t* zeros,   \
