@@ -26,7 +26,8 @@ in input order: a warp streams a run of K contiguously.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -123,6 +124,8 @@ class FragmentLayout:
     group_size: int
     in_features: int
     out_features: int
+    launches: dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
+    """The CUDA GEMM's prepared launch arguments by launch shape (`cuda.kernels`)."""
 
     @property
     def k16(self) -> int:

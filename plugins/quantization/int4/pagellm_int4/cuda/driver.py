@@ -115,13 +115,14 @@ class Module:
         grid: tuple[int, int, int],
         block: int,
         shared_bytes: int,
-        args: Sequence[Any],
+        args: Sequence[Any] | Launch,
     ) -> None:
-        """Launch kernel ``name`` on the current torch stream of the module's device."""
+        """Launch kernel ``name`` on the current torch stream of the module's device, with
+        ``args`` (ctypes values) or a prepared `Launch` (its values as they are now)."""
         lib = _lib()
         make_current(self.device)
         stream = torch.cuda.current_stream(self.device).cuda_stream
-        params = (_c_ptr * len(args))(*[ctypes.addressof(a) for a in args])
+        params = args.params if isinstance(args, Launch) else _params(args)
         result = lib.cuLaunchKernel(
             self.function(name),
             grid[0],
@@ -136,3 +137,17 @@ class Module:
             None,
         )
         _check(lib, result, f"launching {name}")
+
+
+def _params(args: Sequence[Any]) -> Any:
+    return (_c_ptr * len(args))(*[ctypes.addressof(a) for a in args])
+
+
+class Launch:
+    """A kernel's arguments kept between launches (ctypes values and the pointer array to
+    them): a launch sets the values that change (``args[i].value = ...``) and passes them on,
+    without building them again."""
+
+    def __init__(self, args: Sequence[Any]) -> None:
+        self.args = list(args)
+        self.params = _params(self.args)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from pagellm_int4.cuda.build import build_cubin
-from pagellm_int4.cuda.driver import Module
+from pagellm_int4.cuda.driver import Launch, Module
 from pagellm_int4.fragment_layout import FragmentLayout
 
 logger = logging.getLogger(__name__)
@@ -96,34 +96,43 @@ class CudaKernels:
         self.reserve_counters(layout.n64)
         for m0 in range(0, m, ROWS_PER_LAUNCH):
             rows = min(ROWS_PER_LAUNCH, m - m0)
-            name = f"w4a16_mma_{dtype}_m{8 if rows <= 8 else 16}_d{cfg.depth}_s{spg}"
+            reduce_rows = 8 if rows <= 8 else 16
+            name = f"w4a16_mma_{dtype}_m{reduce_rows}_d{cfg.depth}_s{spg}"
             xs, outs = x[m0 : m0 + rows], out[m0 : m0 + rows]
             ws = (
                 torch.empty(splits, rows, n, dtype=torch.float32, device=x.device)
                 if splits > 1
                 else outs
             )
-            reduce_rows = 8 if rows <= 8 else 16
-            args = [
-                ctypes.c_void_p(xs.data_ptr()),
-                ctypes.c_void_p(layout.words.data_ptr()),
-                ctypes.c_void_p(layout.scales.data_ptr()),
-                ctypes.c_void_p(layout.zeros.data_ptr()),
-                ctypes.c_void_p(outs.data_ptr()),
-                ctypes.c_void_p(ws.data_ptr()),
-                ctypes.c_void_p(self._counters.data_ptr()),
-                ctypes.c_int(rows),
-                ctypes.c_int(n),
-                ctypes.c_int(k),
-                ctypes.c_int(x.stride(0)),
-                ctypes.c_int(layout.k16),
-                ctypes.c_int(layout.steps_per_group),
-                ctypes.c_int(layout.scales.shape[0]),
-                ctypes.c_int(steps),
-                ctypes.c_int(splits),
-            ]
+            # The arguments that stay (the layer's tensors, the shapes) kept on the layout.
+            key = (rows, x.stride(0), cfg, self._counters.data_ptr())
+            launch = layout.launches.get(key)
+            if launch is None:
+                launch = layout.launches[key] = Launch(
+                    [
+                        ctypes.c_void_p(0),  # x
+                        ctypes.c_void_p(layout.words.data_ptr()),
+                        ctypes.c_void_p(layout.scales.data_ptr()),
+                        ctypes.c_void_p(layout.zeros.data_ptr()),
+                        ctypes.c_void_p(0),  # out
+                        ctypes.c_void_p(0),  # ws
+                        ctypes.c_void_p(self._counters.data_ptr()),
+                        ctypes.c_int(rows),
+                        ctypes.c_int(n),
+                        ctypes.c_int(k),
+                        ctypes.c_int(x.stride(0)),
+                        ctypes.c_int(layout.k16),
+                        ctypes.c_int(layout.steps_per_group),
+                        ctypes.c_int(layout.scales.shape[0]),
+                        ctypes.c_int(steps),
+                        ctypes.c_int(splits),
+                    ]
+                )
+            launch.args[0].value = xs.data_ptr()
+            launch.args[4].value = outs.data_ptr()
+            launch.args[5].value = ws.data_ptr()
             shared = cfg.warps * reduce_rows * 64 * 4
-            self.module.launch(name, (layout.n64, splits, 1), 32 * cfg.warps, shared, args)
+            self.module.launch(name, (layout.n64, splits, 1), 32 * cfg.warps, shared, launch)
         return out
 
     def dequantize_t(self, layout: FragmentLayout, dtype: torch.dtype) -> torch.Tensor:
