@@ -252,8 +252,8 @@ def cuda_sweep(group: int, ms: list[int], out_json: Path | None) -> None:
         values = random_values(n, k, group)
         layout = to_kernel_layout(values, group, "bench")
         fragments = fragment_copies(to_fragment_layout(values, group, "bench"))
-        default = default_config(fragments[0].n64, fragments[0].k16, kernels.num_sms)
         for m in ms:
+            default = default_config(fragments[0].n64, fragments[0].k16, kernels.num_sms, m)
             x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
             ref = int4_gemm.reference_gemm(x.float(), layout)
             timed = []

@@ -145,3 +145,33 @@ def test_the_cuda_source_compiles_for_sm90_without_spills(tmp_path):
         for line in report.splitlines()
         if "spill stores" in line
     ), report[-3000:]
+
+
+def test_the_launch_shape_rule_picks_the_measured_shapes_at_llama_8b():
+    """`default_config` on an H100 (132 SMs) at the four Llama-3.1-8B matmuls: the launch shapes
+    `benchmarks/int4_gemm.py --cuda-sweep` measured fastest there (or, for down at M = 1 and o
+    at M = 16, within 3 % and 14 % of it: docs/benchmarks.md, 2026-12-08)."""
+    from pagellm_int4.cuda.kernels import MmaConfig, default_config
+
+    shapes = {
+        "qkv": (6144, 4096),
+        "o": (4096, 4096),
+        "gate_up": (28672, 4096),
+        "down": (4096, 14336),
+    }
+    picked = {
+        (name, m): default_config(n // 64, k // 16, 132, m)
+        for name, (n, k) in shapes.items()
+        for m in (1, 16)
+    }
+    assert picked == {
+        ("qkv", 1): MmaConfig(4, 4, 8),
+        ("qkv", 16): MmaConfig(8, 1, 8),
+        ("o", 1): MmaConfig(4, 8, 8),
+        ("o", 16): MmaConfig(8, 2, 8),
+        ("gate_up", 1): MmaConfig(4, 1, 8),
+        ("gate_up", 16): MmaConfig(4, 1, 8),
+        ("down", 1): MmaConfig(4, 8, 8),
+        ("down", 16): MmaConfig(8, 2, 8),
+    }
+    assert MmaConfig(4, 4, 8).steps(256, 8) == 16 and MmaConfig(4, 8, 8).steps(896, 8) == 32

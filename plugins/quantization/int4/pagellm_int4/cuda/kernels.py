@@ -48,15 +48,22 @@ def scaling_steps(steps_per_group: int) -> int:
     return 1
 
 
-def default_config(n64: int, k16: int, num_sms: int) -> MmaConfig:
-    """About 16 warps an SM, each with at least 4 steps: enough 16-byte loads in flight per SM
-    to stream the weights, few partial sums."""
-    warps = 8 if k16 >= 128 else 4
-    target = 16 * num_sms
+def default_config(n64: int, k16: int, num_sms: int, m: int = 1) -> MmaConfig:
+    """Eight steps loaded ahead; for M <= 8, blocks of 4 warps and K split until about 16 warps
+    an SM, each with at least one pass of 8 steps; for 9..16 rows (twice the MMAs, partial sums
+    twice as large) half as many warps, in blocks of 8 unless N is wide. On an H100 this is the
+    fastest launch shape of ``benchmarks/int4_gemm.py --cuda-sweep`` for six of the eight
+    Llama-3.1-8B matmuls at M = 1 and 16, and within 14 % of it for the other two
+    (docs/benchmarks.md, 2026-12-08)."""
+    depth = 8
+    if m <= 8:
+        warps, target = 4, 16 * num_sms
+    else:
+        warps, target = (4 if n64 >= 256 else 8), 8 * num_sms
     splits = 1
-    while n64 * warps * splits * 2 <= target and k16 >= warps * splits * 2 * 4:
+    while n64 * warps * splits * 2 <= target and k16 >= warps * splits * 2 * 8:
         splits *= 2
-    return MmaConfig(warps, splits)
+    return MmaConfig(warps, splits, depth)
 
 
 class CudaKernels:
@@ -88,7 +95,9 @@ class CudaKernels:
             return out
         if x.stride(1) != 1 or x.stride(0) % 2 or x.data_ptr() % 4:
             x = x.contiguous()
-        cfg = config or default_config(layout.n64, layout.k16, self.num_sms)
+        cfg = config or default_config(
+            layout.n64, layout.k16, self.num_sms, min(m, ROWS_PER_LAUNCH)
+        )
         spg = scaling_steps(layout.steps_per_group)
         steps = cfg.steps(layout.k16, max(cfg.depth, spg))
         splits = -(-layout.k16 // (steps * cfg.warps))  # no block without steps
