@@ -6,14 +6,17 @@
 // x 8 rows of x), so M <= 8 fills a whole MMA and 9..16 takes two. One warp streams one
 // 64-column strip of W over a run of K in 16-row steps: each step is one 16-byte load a lane
 // (the 1,024 codes of a 16 x 64 tile, laid out so that a lane's four words are its A
-// fragments for the strip's four 16-column MMAs), eight packed integer ops, four packed adds
-// and one MMA per word. A code becomes the float bits of offset + q by one LOP3 (offset 128
-// for bfloat16, 1024 for float16, whose mantissas then hold q exactly), and one packed add of
-// -(offset + z) leaves q - z exactly; each quantization group's products are summed in float32
-// and scaled once per group and column. Warps of a block take consecutive runs of K and add
-// their sums through shared memory in a fixed order; blocks of a split write float32 partial
-// sums that the last block of a strip to finish adds in split order (a counter per strip,
-// put back to zero), so results do not depend on timing.
+// fragments for the strip's four 16-column MMAs), a shift and a LOP3 per register of codes,
+// four MMAs, and a fifth with a fragment of ones that sums x over the step's rows. A code
+// becomes the float bits of offset + q by one LOP3 (offset 128 for bfloat16, 1024 for
+// float16, whose mantissas then hold q exactly); at the end of each quantization group (or
+// every SPG steps of it) the float32 sums give sum (q - z) x = sum (offset + q) x -
+// (offset + z) sum x, scaled once per group and column. The loop runs in straight-line passes
+// (no condition around the loads, so each load stays in flight in its own registers until its
+// step; steps past a warp's run meet zero x). Warps of a block take consecutive runs of K and
+// add their sums through shared memory in a fixed order; blocks of a split write float32
+// partial sums that the last block of a strip to finish adds in split order (a counter per
+// strip, put back to zero), so results do not depend on timing.
 //
 // dequantize_t_*: W^T [N, K] in the activations' dtype ((q - z) * scale in float32, one
 // rounding: bit for bit the reference path's dequantization), for a cuBLAS GEMM at large M.
@@ -28,7 +31,6 @@ struct Bf16 {
   using T = __nv_bfloat16;
   static constexpr bool BF16 = true;
   static constexpr uint32_t MAGIC = 0x43004300u;  // 128.0 in both halves: 128 + q for q < 128
-  static constexpr uint32_t NEG = 0xC300C300u;    // -128.0: -(128 + z) once z is or-ed in
   static constexpr uint32_t ONE = 0x3F803F80u;
   static constexpr float OFFSET = 128.0f;
 };
@@ -37,7 +39,6 @@ struct Fp16 {
   using T = __half;
   static constexpr bool BF16 = false;
   static constexpr uint32_t MAGIC = 0x64006400u;  // 1024.0: 1024 + q
-  static constexpr uint32_t NEG = 0xE400E400u;
   static constexpr uint32_t ONE = 0x3C003C00u;
   static constexpr float OFFSET = 1024.0f;
 };
