@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One round on the GPU machine: offline install (wheels carried in .whl), GPU tests, benchmarks.
 # Writes logs and JSON under $OUT. Stages: tests, tests-core, tests-models, tests-flashinfer, fi-jit, fi-cache-save, fa-tests,
-# fa-kernels, tp-tests, allreduce, issue21-w1, issue21-70b, issue21-serve, issue14-fi, issue14-fi-triton, issue14-ab, issue17, issue17-peer, fp8-tests, fp8-fused, issue15, fp8-gemm, fp8-skinny, decode-tiles, decode-splits, decode-swap, int4-tests, int4-cuda, int4-cuda-sweep, int4-sweep, int4-probe, int4-ncu, int4-gemm, int4-w1, gguf-tests,
+# fa-kernels, tp-tests, allreduce, issue21-w1, issue21-70b, issue21-serve, issue14-fi, issue14-fi-triton, issue14-ab, issue17, issue17-peer, fp8-tests, fp8-fused, issue15, fp8-gemm, fp8-skinny, decode-tiles, decode-splits, decode-swap, int4-tests, int4-cuda, int4-engine, int4-cuda-sweep, int4-sweep, int4-probe, int4-ncu, int4-gemm, int4-w1, gguf-tests,
 # gguf-gemm, gguf-smollm2, gguf-sweep-a, gguf-sweep-b, gguf-sweep-c, prof, step-prof, timeline-w2, timeline-ph, w1, w1-fp8, w2,
-# overhead, hf (W1/W2 with the HF peer).
+# overhead, hf (W1/W2 with the HF peer), pack (every log into logs.tgz: last).
 #   bash benchmarks/gpu_round.sh tests w2 w1 overhead
 set -uo pipefail
 # NVLink multicast stays off in every process a round starts (two-GPU machines; harmless on one).
@@ -210,6 +210,9 @@ for stage in "$@"; do
     # The CUDA kernels' GPU tests alone (no engine runs), then their launch shapes per matmul.
     int4-cuda) run int4_cuda_tests 300 python3 -m pytest -m gpu -q -x -p no:cacheprovider --timeout 250 \
         plugins/quantization/int4/tests/test_int4_gpu.py -k "cuda and not engine" ;;
+    # The engine on each int4 kernel path against the bf16 model of the same weights.
+    int4-engine) run int4_engine 400 python3 -m pytest -m gpu -q -s -p no:cacheprovider --timeout 300 \
+        plugins/quantization/int4/tests/test_int4_gpu.py -k engine ;;
     int4-cuda-sweep) run int4_cuda_sweep ${SWEEP_S:-300} python3 benchmarks/int4_gemm.py --cuda-sweep \
         --sweep-ms ${SWEEP_MS:-1 16} --output-json "$OUT/int4_cuda_sweep.json" ;;
     # W1's model as a GPTQ int4 checkpoint of random weights (our RTN writer, on the GPU, kept
@@ -372,6 +375,8 @@ PY
       done ;;
     overhead) run overhead 100 python3 benchmarks/step_overhead.py ${PAGELLM_TEST_TOKENIZER:+--tokenizer $PAGELLM_TEST_TOKENIZER} --output-json "$OUT/overhead.json" ;;
     overhead-delta) run overhead_delta 100 python3 benchmarks/step_overhead.py --output-kind delta ${PAGELLM_TEST_TOKENIZER:+--tokenizer $PAGELLM_TEST_TOKENIZER} --output-json "$OUT/overhead_delta.json" ;;
+    # Every log of the round so far in one tarball (a call brings back at most 8 files): last.
+    pack) (cd "$OUT" && tar -czf logs.tgz --remove-files *.log && ls) ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
