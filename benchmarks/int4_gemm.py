@@ -7,7 +7,8 @@ at M = 1, 16, 64, 256, 1,024, 8,192 tokens, group size 128, each with:
 - ``int4``: pagellm-int4's path for that M (``pagellm_int4.gemm.choose_gemm``: ``cuda_mma``
   where its CUDA kernels build, the CUDA W4A16 GEMM up to ``CUDA_FUSED_MAX_M`` rows, else their
   dequantization + cuBLAS; else ``triton_w4a16``);
-- ``cuda`` and ``cuda_dequant_mm``: the CUDA kernels' two ways at every M;
+- ``cuda`` and ``cuda_dequant_mm``: the CUDA kernels' two ways at every M
+  (``cuda_dequant_staged_mm``: the dequantization through shared memory);
 - ``fused`` and ``dequant_mm``: the Triton kernels' two ways at every M (``triton``: the Triton
   path as it chooses), so the crossovers can be read off.
 
@@ -178,12 +179,15 @@ def time_paths(
     kernels = cuda_kernels()
     if fragments is not None and kernels is not None:
 
-        def cuda_dequant_mm(lay: FragmentLayout) -> torch.Tensor:
-            return F.linear(x, kernels.dequantize_t(lay, torch.bfloat16))
+        def cuda_dequant_mm(lay: FragmentLayout, staged: bool = False) -> torch.Tensor:
+            return F.linear(x, kernels.dequantize_t(lay, torch.bfloat16, staged))
 
         out["cuda"] = graph_us([functools.partial(kernels.gemm, x, lay) for lay in fragments])
         out["cuda_dequant_mm"] = graph_us(
             [functools.partial(cuda_dequant_mm, lay) for lay in fragments]
+        )
+        out["cuda_dequant_staged_mm"] = graph_us(
+            [functools.partial(cuda_dequant_mm, lay, True) for lay in fragments]
         )
         cuda_path = int4_gemm._cuda_gemm(kernels)
         out["int4"] = graph_us([functools.partial(cuda_path, x, lay) for lay in fragments])
@@ -226,6 +230,7 @@ def time_layer(name: str, n: int, k: int, ms: list[int], group: int) -> list[dic
         rows.append(row)
         cuda = (
             f", cuda {timings['cuda']:8.1f} us, cuda dequant+mm {timings['cuda_dequant_mm']:8.1f}"
+            f" (staged {timings['cuda_dequant_staged_mm']:8.1f})"
             if "cuda" in timings
             else ""
         )

@@ -121,8 +121,10 @@ def test_cuda_paths_match_the_reference_path(m, n, k, group, act_order, dtype):
 def test_cuda_dequantization_is_the_reference_bit_for_bit(dtype):
     kernels = _cuda_kernels()
     for k, n, group in [(4096, 6144, 128), (208, 1000, 16), (4096, 1000, 4096)]:
-        out = kernels.dequantize_t(_fragments(k, n, group, False), dtype)
-        assert torch.equal(out, dequantize(_layout(k, n, group, False), dtype).t())
+        expected = dequantize(_layout(k, n, group, False), dtype).t()
+        for staged in (False, True):
+            out = kernels.dequantize_t(_fragments(k, n, group, False), dtype, staged)
+            assert torch.equal(out, expected), (k, n, group, staged)
 
 
 @pytest.mark.parametrize(

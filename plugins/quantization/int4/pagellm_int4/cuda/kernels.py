@@ -144,8 +144,12 @@ class CudaKernels:
             self.module.launch(name, (layout.n64, splits, 1), 32 * cfg.warps, shared, launch)
         return out
 
-    def dequantize_t(self, layout: FragmentLayout, dtype: torch.dtype) -> torch.Tensor:
-        """The weight transposed, [N, K] in ``dtype``: (q - z) * s in float32, one rounding."""
+    def dequantize_t(
+        self, layout: FragmentLayout, dtype: torch.dtype, staged: bool = False
+    ) -> torch.Tensor:
+        """The weight transposed, [N, K] in ``dtype``: (q - z) * s in float32, one rounding.
+        ``staged``: through shared memory, stored in whole 16-byte pieces of each row (not yet
+        timed on a GPU, so not the default: `benchmarks/int4_gemm.py` times both)."""
         n, k = layout.out_features, layout.in_features
         out = torch.empty(n, k, dtype=dtype, device=layout.words.device)
         warps = 8
@@ -160,7 +164,8 @@ class CudaKernels:
             ctypes.c_int(layout.steps_per_group),
         ]
         grid = (layout.n64, -(-layout.k16 // warps), 1)
-        self.module.launch(f"dequantize_t_{_DTYPE_NAME[dtype]}", grid, 32 * warps, 0, args)
+        name = f"dequantize_t_{'staged_' if staged else ''}{_DTYPE_NAME[dtype]}"
+        self.module.launch(name, grid, 32 * warps, 0, args)
         return out
 
 
