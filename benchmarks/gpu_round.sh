@@ -213,7 +213,7 @@ for stage in "$@"; do
     # The engine on each int4 kernel path against the bf16 model of the same weights.
     int4-engine) run int4_engine 400 python3 -m pytest -m gpu -q -s -p no:cacheprovider --timeout 300 \
         plugins/quantization/int4/tests/test_int4_gpu.py -k engine ;;
-    int4-cuda-sweep) run int4_cuda_sweep ${SWEEP_S:-300} python3 benchmarks/int4_gemm.py --cuda-sweep \
+    int4-cuda-sweep) run int4_cuda_sweep ${SWEEP_S:-300} python3 benchmarks/int4_cuda_sweep.py \
         --sweep-ms ${SWEEP_MS:-1 16} --output-json "$OUT/int4_cuda_sweep.json" ;;
     # W1's model as a GPTQ int4 checkpoint of random weights (our RTN writer, on the GPU, kept
     # under build/), then low-batch decode (1 and 16 requests at once, 512 in / 512 out) against

@@ -24,9 +24,7 @@ M = 1, 16, 64 (`SWEEP_MS`, or ``--sweep-ms``) and writes the fastest to the kern
 (``pagellm_int4/configs/<GPU name>.json``, which `int4_tiles.tile_config` reads; also
 ``--sweep-json``), then times the table as above with the new entries.
 
-``--cuda-sweep`` times the CUDA GEMM's launch shapes (warps a block, splits a strip, prefetch
-depth) at ``--sweep-ms`` for each matmul against its default shape, printing each and writing them
-all to ``--output-json``.
+``benchmarks/int4_cuda_sweep.py`` times the CUDA GEMM's launch shapes.
 
 ``--probe`` times every tile of a grid instead (kinds ``--probe-kinds``, 64 or 128 columns, splits
 1/4/8/16, ``--probe-stages``, ``--probe-chains``), prints each and writes them all to
@@ -60,8 +58,7 @@ try:
 except ImportError:  # pagellm-int4 not pip-installed: import it from the source tree
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins/quantization/int4"))
     from pagellm_int4 import gemm as int4_gemm
-from pagellm_int4.cuda.kernels import DEPTHS, MmaConfig, default_config
-from pagellm_int4.fragment_layout import FragmentLayout, to_fragment_layout
+from pagellm_int4.fragment_layout import FragmentLayout
 from pagellm_int4.int4_values import Int4Values
 from pagellm_int4.kernel_layout import KernelLayout, dequantize, to_kernel_layout
 from pagellm_int4.kernels import tiles as int4_tiles
@@ -246,60 +243,6 @@ def time_layer(name: str, n: int, k: int, ms: list[int], group: int) -> list[dic
     return rows
 
 
-def cuda_sweep(group: int, ms: list[int], out_json: Path | None) -> None:
-    """The CUDA GEMM's launch shapes for each matmul at each of ``ms`` (graph-timed, L2
-    flushed), each checked against the reference first; the default shape marked."""
-    kernels = cuda_kernels()
-    if kernels is None:
-        raise SystemExit("--cuda-sweep needs the CUDA kernels")
-    rows = []
-    for name, (n, k) in LAYERS.items():
-        values = random_values(n, k, group)
-        layout = to_kernel_layout(values, group, "bench")
-        fragments = fragment_copies(to_fragment_layout(values, group, "bench"))
-        for m in ms:
-            default = default_config(fragments[0].n64, fragments[0].k16, kernels.num_sms, m)
-            x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
-            ref = int4_gemm.reference_gemm(x.float(), layout)
-            timed = []
-            for warps, splits, depth in itertools.product((4, 8), (1, 2, 3, 4, 6, 8), DEPTHS):
-                cfg = MmaConfig(warps, splits, depth)
-                if cfg.steps(fragments[0].k16) < 2:
-                    continue
-                out = kernels.gemm(x, fragments[0], cfg)
-                err = ((out.float() - ref).norm() / ref.norm()).item()
-                if not err < MAX_REL_ERR:
-                    print(f"  {cfg}: relative error {err:.2e}, not timed", flush=True)
-                    continue
-                us = graph_us([functools.partial(kernels.gemm, x, f, cfg) for f in fragments], 3)
-                timed.append((us, cfg))
-                rows.append(
-                    {
-                        "layer": name,
-                        "M": m,
-                        **dataclasses.asdict(cfg),
-                        "us": round(us, 2),
-                        "default": cfg == default,
-                    }
-                )
-            timed.sort(key=lambda pair: pair[0])
-            default_us = (
-                next(us for us, cfg in timed if cfg == default)
-                if any(cfg == default for _, cfg in timed)
-                else float("nan")
-            )
-            print(
-                f"cuda sweep {name} M={m}: best {timed[0][1]} {timed[0][0]:.2f} us; default "
-                f"{default} {default_us:.2f} us; packed GB/s at best "
-                f"{packed_bytes(fragments[0]) / timed[0][0] / 1e3:.0f}",
-                flush=True,
-            )
-        del fragments
-        torch.cuda.empty_cache()
-    if out_json:
-        out_json.write_text(json.dumps(rows) + "\n")
-
-
 def candidates(m: int, n: int, k: int) -> list[int4_tiles.TileConfig]:
     """First pass: kinds and row tiles that fit M (``dot_t`` up to 16 rows), column tiles and
     splits (any count: a split that does not divide K's tiles gives some programs one tile
@@ -454,15 +397,9 @@ def main() -> None:
     )
     parser.add_argument("--probe-stages", type=int, nargs="+", default=[3])
     parser.add_argument("--probe-chains", type=int, nargs="+", default=[1, 2], choices=[1, 2])
-    parser.add_argument(
-        "--cuda-sweep", action="store_true", help="time the CUDA GEMM's launch shapes"
-    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
-    if args.cuda_sweep:
-        cuda_sweep(args.group_size, args.sweep_ms, args.output_json)
-        return
     if args.probe:
         grid = {"kinds": args.probe_kinds, "stages": args.probe_stages, "chains": args.probe_chains}
         probe(args.group_size, args.sweep_ms, grid, args.output_json)

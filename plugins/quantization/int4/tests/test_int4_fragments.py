@@ -149,7 +149,7 @@ def test_the_cuda_source_compiles_for_sm90_without_spills(tmp_path):
 
 def test_the_launch_shape_rule_picks_the_measured_shapes_at_llama_8b():
     """`default_config` on an H100 (132 SMs) at the four Llama-3.1-8B matmuls: the launch shapes
-    `benchmarks/int4_gemm.py --cuda-sweep` measured fastest there (or, for down at M = 1 and o
+    `benchmarks/int4_cuda_sweep.py` measured fastest there (or, for down at M = 1 and o
     at M = 16, within 3 % and 14 % of it: docs/benchmarks.md, 2026-12-08)."""
     from pagellm_int4.cuda.kernels import MmaConfig, default_config
 

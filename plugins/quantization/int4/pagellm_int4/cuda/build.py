@@ -17,6 +17,8 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent / "w4a16_mma.cu"
+HEADERS = ("fragments.cuh", "dequantize.cuh")
+"""What ``w4a16_mma.cu`` includes (one cubin): part of the cache key."""
 CACHE_ENV = "PAGELLM_INT4_CUDA_CACHE"
 NVCC_FLAGS = ("-cubin", "-O3", "-std=c++17")
 
@@ -51,6 +53,8 @@ def _nvcc_version(nvcc: str) -> str:
 def cubin_path(arch: str, nvcc: str) -> Path:
     key = hashlib.sha256()
     key.update(SOURCE.read_bytes())
+    for header in HEADERS:
+        key.update((SOURCE.parent / header).read_bytes())
     key.update(arch.encode())
     key.update(" ".join(NVCC_FLAGS).encode())
     key.update(_nvcc_version(nvcc).encode())

@@ -52,7 +52,7 @@ def default_config(n64: int, k16: int, num_sms: int, m: int = 1) -> MmaConfig:
     """Eight steps loaded ahead; for M <= 8, blocks of 4 warps and K split until about 16 warps
     an SM, each with at least one pass of 8 steps; for 9..16 rows (twice the MMAs, partial sums
     twice as large) half as many warps, in blocks of 8 unless N is wide. On an H100 this is the
-    fastest launch shape of ``benchmarks/int4_gemm.py --cuda-sweep`` for six of the eight
+    fastest launch shape of ``benchmarks/int4_cuda_sweep.py`` for six of the eight
     Llama-3.1-8B matmuls at M = 1 and 16, and within 14 % of it for the other two
     (docs/benchmarks.md, 2026-12-08)."""
     depth = 8

@@ -22,87 +22,9 @@
 // rounding: bit for bit the reference path's dequantization), for a cuBLAS GEMM at large M;
 // dequantize_t_staged_*: the same through shared memory, stored in whole 16-byte pieces.
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <stdint.h>
+#include "fragments.cuh"
 
 namespace {
-
-struct Bf16 {
-  using T = __nv_bfloat16;
-  static constexpr bool BF16 = true;
-  static constexpr uint32_t MAGIC = 0x43004300u;  // 128.0 in both halves: 128 + q for q < 128
-  static constexpr uint32_t ONE = 0x3F803F80u;
-  static constexpr float OFFSET = 128.0f;
-};
-
-struct Fp16 {
-  using T = __half;
-  static constexpr bool BF16 = false;
-  static constexpr uint32_t MAGIC = 0x64006400u;  // 1024.0: 1024 + q
-  static constexpr uint32_t ONE = 0x3C003C00u;
-  static constexpr float OFFSET = 1024.0f;
-};
-
-template <uint32_t MAGIC>
-__device__ __forceinline__ uint32_t code_pair(uint32_t w) {
-  // (w & 0x000f000f) | MAGIC: the low nibble of each half as offset + q.
-  uint32_t r;
-  asm("lop3.b32 %0, %1, 0x000f000f, %2, 0xea;" : "=r"(r) : "r"(w), "n"(MAGIC));
-  return r;
-}
-
-template <typename D>
-__device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                    uint32_t b1) {
-  if constexpr (D::BF16) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  } else {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-}
-
-__device__ __forceinline__ uint4 load_weights(const uint4* p) {
-  // Read once: not kept in L1.
-  uint4 r;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-               : "l"(p));
-  return r;
-}
-
-template <typename T>
-__device__ __forceinline__ T to_out(float v);
-template <>
-__device__ __forceinline__ __nv_bfloat16 to_out<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
-template <>
-__device__ __forceinline__ __half to_out<__half>(float v) {
-  return __float2half_rn(v);
-}
-
-// One group's eight scales and zero points of a lane (columns 16 j + g + 8 h at 2 j + h).
-struct GroupMeta {
-  float4 s0, s1;
-  uint2 z;
-};
-
-__device__ __forceinline__ GroupMeta load_group(const float* scales, const uint8_t* zeros,
-                                                long row, int col) {
-  GroupMeta m;
-  const float4* s = reinterpret_cast<const float4*>(scales + row + col);
-  m.s0 = __ldg(s);
-  m.s1 = __ldg(s + 1);
-  m.z = __ldg(reinterpret_cast<const uint2*>(zeros + row + col));
-  return m;
-}
 
 template <typename D, int MB, int DEPTH, int SPG>
 __device__ __forceinline__ void w4a16_mma(const typename D::T* __restrict__ x,
@@ -287,106 +209,8 @@ __device__ __forceinline__ void w4a16_mma(const typename D::T* __restrict__ x,
   if (threadIdx.x == 0) counters[nt] = 0;
 }
 
-template <typename D>
-__device__ __forceinline__ void dequantize_t(const uint4* __restrict__ w,
-                                             const float* __restrict__ scales,
-                                             const uint8_t* __restrict__ zeros,
-                                             typename D::T* __restrict__ out, int N, int K,
-                                             int k16, int spg) {
-  using T = typename D::T;
-  const int lane = threadIdx.x & 31;
-  const int kt = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5);
-  const int nt = blockIdx.x;
-  if (kt >= k16) return;
-  const int g = lane >> 2;
-  const int c = lane & 3;
-  const long n_pad = (long)gridDim.x * 64;
-  const uint4 wv = load_weights(w + ((long)nt * k16 + kt) * 32 + lane);
-  const GroupMeta meta = load_group(scales, zeros, (long)(kt / spg) * n_pad, nt * 64 + g * 8);
-  const float sc[8] = {meta.s0.x, meta.s0.y, meta.s0.z, meta.s0.w,
-                       meta.s1.x, meta.s1.y, meta.s1.z, meta.s1.w};
-  const uint32_t words[4] = {wv.x, wv.y, wv.z, wv.w};
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const uint32_t zb = j < 2 ? meta.z.x : meta.z.y;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int h = i & 1;
-      const int n = nt * 64 + 16 * j + g + 8 * h;
-      const int k = 16 * kt + 2 * c + 8 * (i >> 1);
-      const float z = (float)((zb >> (8 * ((2 * j + h) & 3))) & 0xffu);
-      const float s = sc[2 * j + h];
-      const uint32_t q = words[j] >> (4 * i);
-      const float lo = ((float)(q & 0xfu) - z) * s;
-      const float hi = ((float)((q >> 16) & 0xfu) - z) * s;
-      if (n < N && k < K) {
-        T pair[2] = {to_out<T>(lo), to_out<T>(hi)};
-        *reinterpret_cast<uint32_t*>(out + (long)n * K + k) = *reinterpret_cast<uint32_t*>(pair);
-      }
-    }
-  }
-}
-
-template <typename D>
-__device__ __forceinline__ void dequantize_t_staged(const uint4* __restrict__ w,
-                                             const float* __restrict__ scales,
-                                             const uint8_t* __restrict__ zeros,
-                                             typename D::T* __restrict__ out, int N, int K,
-                                             int k16, int spg) {
-  // dequantize_t's values, the store apart: a block of 8 warps (8 consecutive 16-row tiles of
-  // one strip) puts its [64 columns][128 rows] of W^T in shared memory, then stores them as
-  // whole 16-byte pieces of each output row (256 contiguous bytes a row), where dequantize_t
-  // stores each lane's pairs (4 bytes) straight to W^T, 8 rows a warp at once.
-  using T = typename D::T;
-  constexpr int PITCH = 128 + 8;  // elements a staged row: 272 bytes, rows 16-byte aligned
-  __shared__ __align__(16) T tile[64][PITCH];
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  const int kt = blockIdx.y * (blockDim.x >> 5) + warp;
-  const int nt = blockIdx.x;
-  const int g = lane >> 2;
-  const int c = lane & 3;
-  const long n_pad = (long)gridDim.x * 64;
-  if (kt < k16) {
-    const uint4 wv = load_weights(w + ((long)nt * k16 + kt) * 32 + lane);
-    const GroupMeta meta = load_group(scales, zeros, (long)(kt / spg) * n_pad, nt * 64 + g * 8);
-    const float sc[8] = {meta.s0.x, meta.s0.y, meta.s0.z, meta.s0.w,
-                         meta.s1.x, meta.s1.y, meta.s1.z, meta.s1.w};
-    const uint32_t words[4] = {wv.x, wv.y, wv.z, wv.w};
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const uint32_t zb = j < 2 ? meta.z.x : meta.z.y;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int h = i & 1;
-        const int col = 16 * j + g + 8 * h;      // of the strip
-        const int row = 2 * c + 8 * (i >> 1);  // of the tile
-        const float z = (float)((zb >> (8 * ((2 * j + h) & 3))) & 0xffu);
-        const float s = sc[2 * j + h];
-        const uint32_t q = words[j] >> (4 * i);
-        const float lo = ((float)(q & 0xfu) - z) * s;
-        const float hi = ((float)((q >> 16) & 0xfu) - z) * s;
-        T pair[2] = {to_out<T>(lo), to_out<T>(hi)};
-        const uint32_t bits = *reinterpret_cast<uint32_t*>(pair);
-        *reinterpret_cast<uint32_t*>(&tile[col][16 * warp + row]) = bits;
-      }
-    }
-  }
-  __syncthreads();
-  // 64 rows x 16 pieces of 8 values; K is a multiple of 16, so a piece is whole or out.
-  const int k0 = blockIdx.y * 128;
-  for (int idx = threadIdx.x; idx < 64 * 16; idx += blockDim.x) {
-    const int r = idx >> 4;
-    const int piece = idx & 15;
-    const int n = nt * 64 + r;
-    const int k = k0 + piece * 8;
-    if (n < N && k < K)
-      *reinterpret_cast<uint4*>(out + (long)n * K + k) =
-          *reinterpret_cast<const uint4*>(&tile[r][piece * 8]);
-  }
-}
-
 }  // namespace
+
 
 #define PAGELLM_W4A16_MMA(NAME, D, MB, DEPTH, SPG)                                             \
   extern "C" __global__ void __launch_bounds__(256) NAME(                                      \
@@ -413,21 +237,4 @@ PAGELLM_W4A16_MMA_SPG(Fp16, fp16, 2, 16, 4)
 PAGELLM_W4A16_MMA_SPG(Fp16, fp16, 1, 8, 8)
 PAGELLM_W4A16_MMA_SPG(Fp16, fp16, 2, 16, 8)
 
-#define PAGELLM_DEQUANTIZE_T(NAME, D)                                                          \
-  extern "C" __global__ void NAME(const uint4* w, const float* scales, const uint8_t* zeros,   \
-                                  D::T* out, int N, int K, int k16, int spg) {                 \
-    dequantize_t<D>(w, scales, zeros, out, N, K, k16, spg);                                    \
-  }
-
-PAGELLM_DEQUANTIZE_T(dequantize_t_bf16, Bf16)
-PAGELLM_DEQUANTIZE_T(dequantize_t_fp16, Fp16)
-
-#define PAGELLM_DEQUANTIZE_T_STAGED(NAME, D)                                                   \
-  extern "C" __global__ void __launch_bounds__(256) NAME(                                      \
-      const uint4* w, const float* scales, const uint8_t* zeros, D::T* out, int N, int K,      \
-      int k16, int spg) {                                                                      \
-    dequantize_t_staged<D>(w, scales, zeros, out, N, K, k16, spg);                             \
-  }
-
-PAGELLM_DEQUANTIZE_T_STAGED(dequantize_t_staged_bf16, Bf16)
-PAGELLM_DEQUANTIZE_T_STAGED(dequantize_t_staged_fp16, Fp16)
+#include "dequantize.cuh"
