@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -14,8 +13,6 @@ import torch
 from pagellm_int4.cuda.build import build_cubin
 from pagellm_int4.cuda.driver import Launch, Module
 from pagellm_int4.fragment_layout import FragmentLayout
-
-logger = logging.getLogger(__name__)
 
 ROWS_PER_LAUNCH = 16
 """Rows of x one GEMM launch takes (two MMAs of 8): larger M runs in launches of 16 rows."""
