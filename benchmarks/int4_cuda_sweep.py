@@ -1,10 +1,13 @@
-"""The launch shapes of pagellm-int4's CUDA W4A16 GEMM (warps a block, blocks a strip, steps
-loaded ahead) for each matmul of one Llama-3.1-8B layer at each M of ``--sweep-ms``, graph-timed
+"""The launch shapes of pagellm-int4's CUDA W4A16 GEMM (warps a block, blocks a strip, steps of
+weights and of x loaded ahead) for each matmul of one Llama-3.1-8B layer at each M of ``--sweep-ms``, graph-timed
 with L2-cold weight copies as ``int4_gemm.py`` times, each checked against the float32 reference
 first; the shape `cuda.kernels.default_config` picks is marked. Prints the best and the default
 per matmul and M, and writes every timing to ``--output-json``.
 
-    python benchmarks/int4_cuda_sweep.py [--sweep-ms 1 16] [--group-size 128] [--output-json F]
+    python benchmarks/int4_cuda_sweep.py [--sweep-ms 1 16] [--group-size 128] [--rings d8 d8x2]
+        [--output-json F]
+
+The JSON is written again after each matmul, so a run cut short keeps what it timed.
 """
 
 from __future__ import annotations
@@ -28,14 +31,24 @@ from int4_gemm import (
     packed_bytes,
     random_values,
 )
-from pagellm_int4.cuda.kernels import DEPTHS, MmaConfig, default_config
+from pagellm_int4.cuda.kernels import X_DEPTHS, MmaConfig, default_config, scaling_steps
 from pagellm_int4.fragment_layout import to_fragment_layout
 from pagellm_int4.kernel_layout import to_kernel_layout
 
 
-def cuda_sweep(group: int, ms: list[int], out_json: Path | None) -> None:
+def ring(name: str) -> tuple[int, int]:
+    """``d8`` -> (8, 8), ``d8x2`` -> (8, 2): steps of weights and of x loaded ahead."""
+    depth, _, x_depth = name.removeprefix("d").partition("x")
+    return int(depth), int(x_depth or depth)
+
+
+def cuda_sweep(group: int, ms: list[int], rings: list[str], out_json: Path | None) -> None:
     """The CUDA GEMM's launch shapes for each matmul at each of ``ms`` (graph-timed, L2
     flushed), each checked against the reference first; the default shape marked."""
+    for name in rings:
+        depth, x_depth = ring(name)
+        if x_depth not in X_DEPTHS.get(depth, ()):
+            raise SystemExit(f"no kernel for ring {name}: depths {X_DEPTHS}")
     kernels = cuda_kernels()
     if kernels is None:
         raise SystemExit("the sweep needs the CUDA kernels")
@@ -49,9 +62,11 @@ def cuda_sweep(group: int, ms: list[int], out_json: Path | None) -> None:
             x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
             ref = int4_gemm.reference_gemm(x.float(), layout)
             timed = []
-            for warps, splits, depth in itertools.product((4, 8), (1, 2, 3, 4, 6, 8), DEPTHS):
-                cfg = MmaConfig(warps, splits, depth)
-                if cfg.steps(fragments[0].k16) < 2:
+            spg = scaling_steps(fragments[0].steps_per_group)
+            shapes = itertools.product((4, 8, 16), (1, 2, 3, 4, 6, 8), map(ring, rings))
+            for warps, splits, (depth, x_depth) in shapes:
+                cfg = MmaConfig(warps, splits, depth, None if x_depth == depth else x_depth)
+                if cfg.kernel_problem(min(m, 16), spg) or cfg.steps(fragments[0].k16) < 2:
                     continue
                 out = kernels.gemm(x, fragments[0], cfg)
                 err = ((out.float() - ref).norm() / ref.norm()).item()
@@ -83,19 +98,25 @@ def cuda_sweep(group: int, ms: list[int], out_json: Path | None) -> None:
             )
         del fragments
         torch.cuda.empty_cache()
-    if out_json:
-        out_json.write_text(json.dumps(rows) + "\n")
+        if out_json:
+            out_json.write_text(json.dumps(rows) + "\n")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep-ms", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--group-size", type=int, default=128)
+    parser.add_argument(
+        "--rings",
+        nargs="+",
+        default=["d8", "d8x2"],
+        help="steps of weights and x loaded ahead: d4, d8, d8x2 (x 2 steps ahead)",
+    )
     parser.add_argument("--output-json", type=Path)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
-    cuda_sweep(args.group_size, args.sweep_ms, args.output_json)
+    cuda_sweep(args.group_size, args.sweep_ms, args.rings, args.output_json)
 
 
 if __name__ == "__main__":

@@ -123,12 +123,14 @@ def test_without_a_gpu_the_reference_path_and_no_cuda_kernels(monkeypatch):
     gemm.cuda_kernels_or_reason.cache_clear()
 
 
-@pytest.mark.skipif(find_nvcc() is None, reason="needs nvcc")
-def test_the_cuda_source_compiles_for_sm90_without_spills(tmp_path):
-    """Every kernel of w4a16_mma.cu compiles for the H100/H200 with no local-memory spills
-    (the register arrays of the prefetch ring must stay in registers)."""
+@pytest.fixture(scope="module")
+def sm90_report(tmp_path_factory):
+    """ptxas's report of w4a16_mma.cu compiled for sm_90 (the H100/H200): {kernel: (registers,
+    spill line)}."""
     nvcc = find_nvcc()
-    cubin = tmp_path / "w4a16.cubin"
+    if nvcc is None:
+        pytest.skip("needs nvcc")
+    cubin = tmp_path_factory.mktemp("sm90") / "w4a16.cubin"
     run = subprocess.run(
         [nvcc, *NVCC_FLAGS, "-arch=sm_90", "-Xptxas", "-v", "-o", str(cubin), str(SOURCE)],
         capture_output=True,
@@ -136,15 +138,59 @@ def test_the_cuda_source_compiles_for_sm90_without_spills(tmp_path):
         timeout=600,
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    report = run.stderr
-    kernels = [line for line in report.splitlines() if "Compiling entry function" in line]
-    assert len(kernels) == 36, report[-3000:]
-    assert "bytes spill stores" in report
-    assert all(
-        line.strip().startswith("0 bytes stack frame, 0 bytes spill stores")
-        for line in report.splitlines()
-        if "spill stores" in line
-    ), report[-3000:]
+    kernels, name, spills = {}, None, None
+    for line in run.stderr.splitlines():
+        if "Compiling entry function" in line:
+            name = line.split("'")[1]
+        elif "spill stores" in line:
+            spills = line.strip()
+        elif "Used" in line and "registers" in line and name:
+            kernels[name] = (int(line.split("Used ")[1].split()[0]), spills)
+            name = None
+    return kernels
+
+
+def test_the_cuda_source_compiles_for_sm90_without_spills(sm90_report):
+    """Every kernel of w4a16_mma.cu compiles for the H100/H200 with no local-memory spills
+    (the register arrays of the prefetch ring must stay in registers), and the kernels with 8
+    rows and 4 or 8 steps a scaling fit blocks of 16 warps (at most 128 registers)."""
+    assert len(sm90_report) == 44, sorted(sm90_report)
+    for name, (registers, spills) in sm90_report.items():
+        assert spills.startswith("0 bytes stack frame, 0 bytes spill stores"), (name, spills)
+        if "_m8_" in name and name.endswith(("_s4", "_s8")):
+            assert registers <= 128, (name, registers)
+
+
+def test_every_launch_shape_the_rule_or_the_sweep_takes_has_its_kernel(sm90_report):
+    """`MmaConfig.kernel_name` of every shape `kernel_problem` admits (both dtypes, 8 and 16
+    rows, every scaling step) is a compiled kernel; the shapes without one are refused; x two
+    steps ahead saves the 16-row kernels registers (the reason for it)."""
+    from pagellm_int4.cuda.kernels import X_DEPTHS, MmaConfig
+
+    names = set()
+    for dtype in ("bf16", "fp16"):
+        for rows in (1, 8, 9, 16):
+            for spg in (1, 2, 4, 8):
+                for depth, x_depths in X_DEPTHS.items():
+                    for x_depth in x_depths:
+                        for warps in (1, 4, 8, 16, 32):
+                            cfg = MmaConfig(warps, 1, depth, x_depth)
+                            if cfg.kernel_problem(rows, spg) is None:
+                                names.add(cfg.kernel_name(dtype, rows, spg))
+    gemms = {name for name in sm90_report if name.startswith("w4a16_mma_")}
+    assert names == gemms
+    assert "at most 8" in MmaConfig(16, 1, 8).kernel_problem(9, 8)
+    assert "at most 16" in MmaConfig(32, 1, 8).kernel_problem(1, 8)
+    assert "4 or 8 steps a scaling" in MmaConfig(4, 1, 8, 2).kernel_problem(1, 2)
+    assert "no kernel" in MmaConfig(4, 1, 4, 2).kernel_problem(1, 8)
+    assert MmaConfig(4, 1, 8, 8).kernel_name("bf16", 3, 8) == "w4a16_mma_bf16_m8_d8_s8"
+    assert MmaConfig(4, 1, 8, 2).kernel_name("fp16", 12, 4) == "w4a16_mma_fp16_m16_d8x2_s4"
+    for dtype in ("bf16", "fp16"):
+        for spg in (4, 8):
+            full, short = (
+                sm90_report[f"w4a16_mma_{dtype}_m16_{r}_s{spg}"][0] for r in ("d8", "d8x2")
+            )
+            assert short < full, (dtype, spg, short, full)
 
 
 def test_the_launch_shape_rule_picks_the_measured_shapes_at_llama_8b():

@@ -128,20 +128,34 @@ def test_cuda_dequantization_is_the_reference_bit_for_bit(dtype):
 
 
 @pytest.mark.parametrize(
-    ("warps", "splits", "depth"), [(4, 1, 4), (8, 4, 8), (2, 7, 4), (8, 64, 8)]
+    ("warps", "splits", "depth", "x_depth", "m", "group"),
+    [
+        (4, 1, 4, None, 12, 128),
+        (8, 4, 8, None, 12, 128),
+        (2, 7, 4, None, 12, 128),
+        (8, 64, 8, None, 12, 128),
+        (4, 3, 8, 2, 12, 128),  # x two steps ahead, 16 rows
+        (8, 1, 8, 2, 16, 64),
+        (16, 2, 8, 2, 5, 128),  # blocks of 16 warps, 8 rows
+        (16, 1, 8, None, 8, 64),
+        (16, 5, 4, None, 1, 128),
+    ],
 )
-def test_cuda_gemm_launch_shapes_agree_and_replay_in_graphs(warps, splits, depth):
-    """Warps a block and splits a strip (uneven ones; more than there are steps), each run
-    against the reference, identical over graph replays, the split counters back at zero."""
+def test_cuda_gemm_launch_shapes_agree_and_replay_in_graphs(
+    warps, splits, depth, x_depth, m, group
+):
+    """Warps a block (up to 16 for 8 rows), splits a strip (uneven ones; more than there are
+    steps), steps of weights and of x loaded ahead, each run against the reference, identical
+    over graph replays, the split counters back at zero."""
     from pagellm_int4.cuda.kernels import MmaConfig
     from pagellm_int4.gemm import reference_gemm
 
     kernels = _cuda_kernels()
-    fragments = _fragments(4096, 6144, 128, False)
-    cfg = MmaConfig(warps, splits, depth)
-    x = torch.randn(12, 4096, device="cuda", dtype=torch.bfloat16)
+    fragments = _fragments(4096, 6144, group, False)
+    cfg = MmaConfig(warps, splits, depth, x_depth)
+    x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
     eager = kernels.gemm(x, fragments, cfg)
-    _close_to_reference(eager, reference_gemm(x.float(), _layout(4096, 6144, 128, False)), cfg)
+    _close_to_reference(eager, reference_gemm(x.float(), _layout(4096, 6144, group, False)), cfg)
     assert torch.equal(kernels.gemm(x, fragments, cfg), eager)  # deterministic sums
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

@@ -17,6 +17,8 @@ from pagellm_int4.fragment_layout import FragmentLayout
 ROWS_PER_LAUNCH = 16
 """Rows of x one GEMM launch takes (two MMAs of 8): larger M runs in launches of 16 rows."""
 DEPTHS = (4, 8)
+X_DEPTHS = {4: (4,), 8: (8, 2)}
+"""Steps of x loaded ahead that the kernels have for each depth of the weights' ring."""
 _DTYPE_NAME = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
@@ -27,7 +29,28 @@ class MmaConfig:
     splits: int
     """Blocks a strip: their float32 partial sums are added, in split order, by the last."""
     depth: int = 4
-    """16-row steps a warp loads ahead (registers)."""
+    """16-row steps of weights a warp loads ahead (registers)."""
+    x_depth: int | None = None
+    """Steps of x loaded ahead (x is read by every strip, mostly from L1 or L2): ``None`` is
+    ``depth``; 2 (with depth 8) saves registers, 45 a thread at 16 rows (173 to 128 on sm_90)."""
+
+    def kernel_problem(self, rows: int, spg: int) -> str | None:
+        """Why the compiled kernels have no such launch for 8 (``rows`` <= 8) or 16 rows and
+        ``spg`` steps a scaling, or None."""
+        x_depth = self.x_depth or self.depth
+        if self.depth not in X_DEPTHS or x_depth not in X_DEPTHS[self.depth]:
+            return f"no kernel loads weights {self.depth} and x {x_depth} steps ahead"
+        if x_depth != self.depth and spg < 4:
+            return f"x {x_depth} steps ahead needs 4 or 8 steps a scaling, not {spg}"
+        max_warps = 16 if rows <= 8 and spg >= 4 else 8
+        if not 1 <= self.warps <= max_warps:
+            return f"{self.warps} warps a block: at most {max_warps} here"
+        return None
+
+    def kernel_name(self, dtype: str, rows: int, spg: int) -> str:
+        x_depth = self.x_depth or self.depth
+        ring = f"d{self.depth}" + (f"x{x_depth}" if x_depth != self.depth else "")
+        return f"w4a16_mma_{dtype}_m{8 if rows <= 8 else 16}_{ring}_s{spg}"
 
     def steps(self, k16: int, unroll: int = 1) -> int:
         """16-row steps a warp: K shared by warps x splits, rounded up to ``unroll``."""
@@ -96,6 +119,9 @@ class CudaKernels:
             layout.n64, layout.k16, self.num_sms, min(m, ROWS_PER_LAUNCH)
         )
         spg = scaling_steps(layout.steps_per_group)
+        problem = cfg.kernel_problem(min(m, ROWS_PER_LAUNCH), spg)
+        if problem is not None:
+            raise ValueError(f"launch shape {cfg}: {problem}")
         steps = cfg.steps(layout.k16, max(cfg.depth, spg))
         splits = -(-layout.k16 // (steps * cfg.warps))  # no block without steps
         dtype = _DTYPE_NAME[x.dtype]
@@ -103,7 +129,7 @@ class CudaKernels:
         for m0 in range(0, m, ROWS_PER_LAUNCH):
             rows = min(ROWS_PER_LAUNCH, m - m0)
             reduce_rows = 8 if rows <= 8 else 16
-            name = f"w4a16_mma_{dtype}_m{reduce_rows}_d{cfg.depth}_s{spg}"
+            name = cfg.kernel_name(dtype, rows, spg)
             xs, outs = x[m0 : m0 + rows], out[m0 : m0 + rows]
             ws = (
                 torch.empty(splits, rows, n, dtype=torch.float32, device=x.device)

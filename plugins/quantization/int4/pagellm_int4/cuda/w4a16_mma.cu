@@ -26,7 +26,7 @@
 
 namespace {
 
-template <typename D, int MB, int DEPTH, int SPG>
+template <typename D, int MB, int DEPTH, int XDEPTH, int SPG>
 __device__ __forceinline__ void w4a16_mma(const typename D::T* __restrict__ x,
                                           const uint4* __restrict__ w,
                                           const float* __restrict__ scales,
@@ -39,8 +39,11 @@ __device__ __forceinline__ void w4a16_mma(const typename D::T* __restrict__ x,
   // group's spg; UNROLL: steps of one pass of the loop, whose body is straight-line code (no
   // condition around the loads, so the compiler keeps each load in flight in its register of
   // the ring until its step: a copy of a register still being loaded would wait for it).
+  // XDEPTH: steps of x loaded ahead (x is read by every strip, so mostly from L1 or L2: it
+  // needs a shorter ring than the weights, and each step of it is MB * 2 registers).
   using T = typename D::T;
   constexpr int UNROLL = DEPTH > SPG ? DEPTH : SPG;
+  static_assert(UNROLL % XDEPTH == 0 && XDEPTH <= DEPTH, "x's ring must divide a pass");
   extern __shared__ float red[];  // [warps][MB * 8][64]
   __shared__ int last_block;
   const int lane = threadIdx.x & 31;
@@ -77,11 +80,14 @@ __device__ __forceinline__ void w4a16_mma(const typename D::T* __restrict__ x,
                                                 16 * first + 2 * c);
     }
     uint4 wbuf[DEPTH];
-    uint32_t xbuf[DEPTH][MB][2];
+    uint32_t xbuf[XDEPTH][MB][2];
 #pragma unroll
     for (int d = 0; d < DEPTH; ++d) {
       wbuf[d] = load_weights(wq);
       wq += 32;
+    }
+#pragma unroll
+    for (int d = 0; d < XDEPTH; ++d) {
 #pragma unroll
       for (int b = 0; b < MB; ++b) {
         const bool live = d < n_steps && row_in[b];
@@ -117,6 +123,7 @@ __device__ __forceinline__ void w4a16_mma(const typename D::T* __restrict__ x,
           }
         }
         const int d = t % DEPTH;
+        const int dx = t % XDEPTH;
         const uint32_t words[4] = {wbuf[d].x, wbuf[d].y, wbuf[d].z, wbuf[d].w};
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
@@ -124,19 +131,20 @@ __device__ __forceinline__ void w4a16_mma(const typename D::T* __restrict__ x,
 #pragma unroll
           for (int i = 0; i < 4; ++i) a[i] = code_pair<D::MAGIC>(words[j] >> (4 * i));
 #pragma unroll
-          for (int b = 0; b < MB; ++b) mma<D>(part[b][j], a, xbuf[d][b][0], xbuf[d][b][1]);
+          for (int b = 0; b < MB; ++b) mma<D>(part[b][j], a, xbuf[dx][b][0], xbuf[dx][b][1]);
         }
 #pragma unroll
-        for (int b = 0; b < MB; ++b) mma<D>(xsum[b], ones, xbuf[d][b][0], xbuf[d][b][1]);
-        // The slot's registers are free: the step DEPTH ahead goes into them.
+        for (int b = 0; b < MB; ++b) mma<D>(xsum[b], ones, xbuf[dx][b][0], xbuf[dx][b][1]);
+        // The slots' registers are free: the steps DEPTH (weights) and XDEPTH (x) ahead go
+        // into them.
         wbuf[d] = load_weights(wq);
         wq += 32;
-        const bool ahead = s + DEPTH < n_steps;
+        const bool ahead = s + XDEPTH < n_steps;
 #pragma unroll
         for (int b = 0; b < MB; ++b) {
           const bool live = ahead && row_in[b];
-          xbuf[d][b][0] = live ? __ldg(xq[b]) : 0u;
-          xbuf[d][b][1] = live ? __ldg(xq[b] + 4) : 0u;
+          xbuf[dx][b][0] = live ? __ldg(xq[b]) : 0u;
+          xbuf[dx][b][1] = live ? __ldg(xq[b] + 4) : 0u;
           xq[b] += 8;
         }
         if (t % SPG == SPG - 1) {
@@ -212,29 +220,36 @@ __device__ __forceinline__ void w4a16_mma(const typename D::T* __restrict__ x,
 }  // namespace
 
 
-#define PAGELLM_W4A16_MMA(NAME, D, MB, DEPTH, SPG)                                             \
-  extern "C" __global__ void __launch_bounds__(256) NAME(                                      \
+#define PAGELLM_W4A16_MMA(NAME, D, MB, DEPTH, XDEPTH, SPG)                                     \
+  extern "C" __global__ void __launch_bounds__(MB == 1 && SPG >= 4 ? 512 : 256) NAME(        \
       const D::T* x, const uint4* w, const float* scales, const uint8_t* zeros, D::T* out,     \
       float* ws, int* counters, int M, int N, int K, int ldx, int k16, int spg, int groups,    \
       int steps, int splits) {                                                                 \
-    w4a16_mma<D, MB, DEPTH, SPG>(x, w, scales, zeros, out, ws, counters, M, N, K, ldx, k16,    \
-                                 spg, groups, steps, splits);                                  \
+    w4a16_mma<D, MB, DEPTH, XDEPTH, SPG>(x, w, scales, zeros, out, ws, counters, M, N, K, ldx, \
+                                         k16, spg, groups, steps, splits);                     \
   }
 
-// w4a16_mma_<dtype>_m<rows>_d<depth>_s<steps a scaling>
+// w4a16_mma_<dtype>_m<rows>_d<depth>[x<x depth>]_s<steps a scaling> (x's depth that of the
+// weights where not named). Blocks of up to 16 warps for 8 rows and 4 or 8 steps a scaling
+// (their registers fit 512 threads), else up to 8. x's shorter ring only with 4 or 8 steps a
+// scaling (groups of 64 or more rows; with fewer, ptxas spills it).
+#define PAGELLM_W4A16_MMA_S48(D, NAME, MB, ROWS, DEPTH, XDEPTH, DNAME)                         \
+  PAGELLM_W4A16_MMA(w4a16_mma_##NAME##_m##ROWS##_##DNAME##_s4, D, MB, DEPTH, XDEPTH, 4)        \
+  PAGELLM_W4A16_MMA(w4a16_mma_##NAME##_m##ROWS##_##DNAME##_s8, D, MB, DEPTH, XDEPTH, 8)
 #define PAGELLM_W4A16_MMA_SPG(D, NAME, MB, ROWS, DEPTH)                                        \
-  PAGELLM_W4A16_MMA(w4a16_mma_##NAME##_m##ROWS##_d##DEPTH##_s1, D, MB, DEPTH, 1)               \
-  PAGELLM_W4A16_MMA(w4a16_mma_##NAME##_m##ROWS##_d##DEPTH##_s2, D, MB, DEPTH, 2)               \
-  PAGELLM_W4A16_MMA(w4a16_mma_##NAME##_m##ROWS##_d##DEPTH##_s4, D, MB, DEPTH, 4)               \
-  PAGELLM_W4A16_MMA(w4a16_mma_##NAME##_m##ROWS##_d##DEPTH##_s8, D, MB, DEPTH, 8)
+  PAGELLM_W4A16_MMA(w4a16_mma_##NAME##_m##ROWS##_d##DEPTH##_s1, D, MB, DEPTH, DEPTH, 1)        \
+  PAGELLM_W4A16_MMA(w4a16_mma_##NAME##_m##ROWS##_d##DEPTH##_s2, D, MB, DEPTH, DEPTH, 2)        \
+  PAGELLM_W4A16_MMA_S48(D, NAME, MB, ROWS, DEPTH, DEPTH, d##DEPTH)
 
-PAGELLM_W4A16_MMA_SPG(Bf16, bf16, 1, 8, 4)
-PAGELLM_W4A16_MMA_SPG(Bf16, bf16, 2, 16, 4)
-PAGELLM_W4A16_MMA_SPG(Bf16, bf16, 1, 8, 8)
-PAGELLM_W4A16_MMA_SPG(Bf16, bf16, 2, 16, 8)
-PAGELLM_W4A16_MMA_SPG(Fp16, fp16, 1, 8, 4)
-PAGELLM_W4A16_MMA_SPG(Fp16, fp16, 2, 16, 4)
-PAGELLM_W4A16_MMA_SPG(Fp16, fp16, 1, 8, 8)
-PAGELLM_W4A16_MMA_SPG(Fp16, fp16, 2, 16, 8)
+#define PAGELLM_W4A16_MMA_DTYPE(D, NAME)                                                       \
+  PAGELLM_W4A16_MMA_SPG(D, NAME, 1, 8, 4)                                                      \
+  PAGELLM_W4A16_MMA_SPG(D, NAME, 2, 16, 4)                                                     \
+  PAGELLM_W4A16_MMA_SPG(D, NAME, 1, 8, 8)                                                      \
+  PAGELLM_W4A16_MMA_SPG(D, NAME, 2, 16, 8)                                                     \
+  PAGELLM_W4A16_MMA_S48(D, NAME, 1, 8, 8, 2, d8x2)                                             \
+  PAGELLM_W4A16_MMA_S48(D, NAME, 2, 16, 8, 2, d8x2)
+
+PAGELLM_W4A16_MMA_DTYPE(Bf16, bf16)
+PAGELLM_W4A16_MMA_DTYPE(Fp16, fp16)
 
 #include "dequantize.cuh"
