@@ -64,23 +64,26 @@ def strip_order(device: torch.device) -> torch.Tensor:
 
 
 def pack_fragments(q: torch.Tensor) -> torch.Tensor:
-    """[K, N] codes (uint8, 0..15) -> the flat int32 words (``PAD_TILES`` tiles of padding)."""
+    """[K, N] codes (uint8, 0..15) -> the flat int32 words (``PAD_TILES`` tiles of padding).
+
+    One permutation of the codes, in bytes: a tile's input row ``2 c + 8 i1 + e`` is the
+    index (i1, c, e) and its column ``16 j + 8 i0 + g`` the index (j, i0, g), with ``i = 2 i1 +
+    i0``; lane (g, c)'s word j holds nibble ``b = 4 e + 2 i1 + i0`` at bits ``4 b``, so nibbles
+    b = 2 m, 2 m + 1 make the word's byte m (little-endian)."""
     k, n = q.shape
     k16, n64 = -(-k // FRAG_K), -(-n // FRAG_N)
-    codes = torch.zeros(k16 * FRAG_K, n64 * FRAG_N, dtype=torch.int32, device=q.device)
-    codes[:k, :n] = q.to(torch.int32) & 0xF
-    tiles = codes.view(k16, FRAG_K, n64, FRAG_N)
-    col, row, bit = _lane_map(q.device)
-    words = torch.zeros(n64, k16, 32, 4, dtype=torch.int32, device=q.device)
-    for i in range(4):
-        for e in range(2):
-            # [k16, 32, 4 (j), n64] -> [n64, k16, 32, 4]
-            part = tiles[:, row[:, :, i, e], :, col[:, :, i, e]]  # [32, 4, k16, n64]
-            words |= part.permute(3, 2, 0, 1) << (4 * i + 16 * e)
+    codes = torch.zeros(k16 * FRAG_K, n64 * FRAG_N, dtype=torch.uint8, device=q.device)
+    codes[:k, :n] = q.to(torch.uint8) & 0xF
+    # [k16, i1, c, e, n64, j, i0, g] -> [n64, k16, g, c, j, e, i1, i0]
+    nibbles = codes.view(k16, 2, 4, 2, n64, 4, 2, 8).permute(4, 0, 7, 2, 5, 3, 1, 6)
+    nibbles = nibbles.reshape(n64, k16, 32, 4, 4, 2)
+    words = (nibbles[..., 0] | (nibbles[..., 1] << 4)).contiguous().view(torch.int32)
     flat = torch.zeros(
-        words.numel() + PAD_TILES * _WORDS_PER_TILE, dtype=torch.int32, device=q.device
+        n64 * k16 * _WORDS_PER_TILE + PAD_TILES * _WORDS_PER_TILE,
+        dtype=torch.int32,
+        device=q.device,
     )
-    flat[: words.numel()] = words.reshape(-1)
+    flat[: n64 * k16 * _WORDS_PER_TILE] = words.reshape(-1)
     return flat
 
 
