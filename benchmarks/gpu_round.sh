@@ -223,8 +223,9 @@ for stage in "$@"; do
       [ -f "$ckpt/model.safetensors" ] || run int4_write 500 python3 -m pagellm_int4.rtn \
         benchmarks/configs/llama-3.1-8b "$ckpt" --format gptq --random-weights --device cuda
       for c in 1 16; do
-        for kern in ${INT4_W1_KERNELS:-cuda}; do  # PAGELLM_INT4_KERNELS: cuda, triton
-          PAGELLM_INT4_KERNELS=$kern run "int4_w1_gptq_${kern}_c$c" 500 pagellm bench throughput \
+        for kern in ${INT4_W1_KERNELS:-cuda}; do  # PAGELLM_INT4_KERNELS: cuda, triton; cuda-pdl: PAGELLM_INT4_PDL=1
+          PAGELLM_INT4_PDL=$([ "$kern" = cuda-pdl ] && echo 1 || echo 0) PAGELLM_INT4_KERNELS=${kern%-pdl} \
+            run "int4_w1_gptq_${kern}_c$c" 500 pagellm bench throughput \
             --model "$ckpt" --dtype bfloat16 --skip-tokenizer-init --temperature 0 --seed 0 \
             --num-prompts $((c * 2)) --input-len 512 --output-len 512 --max-num-seqs "$c" \
             --output-json "$OUT/int4_w1_gptq_${kern}_c$c.json"

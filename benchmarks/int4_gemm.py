@@ -8,7 +8,9 @@ at M = 1, 16, 64, 256, 1,024, 8,192 tokens, group size 128, each with:
   where its CUDA kernels build, the CUDA W4A16 GEMM up to ``CUDA_FUSED_MAX_M`` rows, else their
   dequantization + cuBLAS; else ``triton_w4a16``);
 - ``cuda`` and ``cuda_dequant_mm``: the CUDA kernels' two ways at every M
-  (``cuda_dequant_staged_mm``: the dequantization through shared memory);
+  (``cuda_dequant_staged_mm``: the dequantization through shared memory; ``cuda_pdl``: the
+  GEMM launched with programmatic dependent launch, sm_90+, where each call's first weight
+  loads overlap the end of the call before it, a GEMM here, a norm or attention in a model);
 - ``fused`` and ``dequant_mm``: the Triton kernels' two ways at every M (``triton``: the Triton
   path as it chooses), so the crossovers can be read off.
 
@@ -180,6 +182,14 @@ def time_paths(
             return F.linear(x, kernels.dequantize_t(lay, torch.bfloat16, staged))
 
         out["cuda"] = graph_us([functools.partial(kernels.gemm, x, lay) for lay in fragments])
+        if x.shape[0] <= int4_gemm.CUDA_FUSED_MAX_M and torch.cuda.get_device_capability()[0] >= 9:
+            kernels.overlap = True  # programmatic dependent launch (PAGELLM_INT4_PDL=1)
+            try:
+                out["cuda_pdl"] = graph_us(
+                    [functools.partial(kernels.gemm, x, lay) for lay in fragments]
+                )
+            finally:
+                kernels.overlap = False
         out["cuda_dequant_mm"] = graph_us(
             [functools.partial(cuda_dequant_mm, lay) for lay in fragments]
         )
@@ -228,6 +238,7 @@ def time_layer(name: str, n: int, k: int, ms: list[int], group: int) -> list[dic
         cuda = (
             f", cuda {timings['cuda']:8.1f} us, cuda dequant+mm {timings['cuda_dequant_mm']:8.1f}"
             f" (staged {timings['cuda_dequant_staged_mm']:8.1f})"
+            + (f", cuda pdl {timings['cuda_pdl']:8.1f}" if "cuda_pdl" in timings else "")
             if "cuda" in timings
             else ""
         )

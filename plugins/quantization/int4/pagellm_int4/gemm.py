@@ -142,6 +142,10 @@ def _cuda_layout(kernels: Any) -> Callable[[Int4Values, int, str], FragmentLayou
     def make(values: Int4Values, group_size: int, name: str) -> FragmentLayout:
         layout = to_fragment_layout(values, group_size, name)
         kernels.reserve_counters(layout.n64)  # before any graph is captured
+        if kernels.overlap:
+            # A GEMM launched with programmatic dependent launch reads its weights before it
+            # waits for the kernel before it: the layout's writes must be done by then.
+            torch.cuda.synchronize(layout.words.device)
         return layout
 
     return make

@@ -5,7 +5,9 @@ GPU; and the CUDA source compiled for sm_90 where nvcc is installed."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -191,6 +193,90 @@ def test_every_launch_shape_the_rule_or_the_sweep_takes_has_its_kernel(sm90_repo
                 sm90_report[f"w4a16_mma_{dtype}_m16_{r}_s{spg}"][0] for r in ("d8", "d8x2")
             )
             assert short < full, (dtype, spg, short, full)
+
+
+def _cuda_tool(name: str) -> str | None:
+    """A CUDA binary tool: next to nvcc, on PATH, or the one Triton ships."""
+    nvcc = find_nvcc()
+    candidates = [Path(nvcc).resolve().parent / name] if nvcc else []
+    try:
+        import triton
+
+        candidates.append(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
+    except ImportError:
+        pass
+    found = shutil.which(name)
+    return found or next((str(c) for c in candidates if c.is_file()), None)
+
+
+def test_the_gemm_loads_its_first_weights_before_it_waits_for_the_previous_kernel(tmp_path):
+    """In every GEMM's SASS for sm_90 the first weight loads (16-byte, L1 no-allocate) and the
+    L2 prefetches come before `griddepcontrol.wait` (ACQBULK): what programmatic dependent
+    launch overlaps with the kernel before. (ptxas moved the wait above the loads until the
+    prefetches stood between them.)"""
+    nvcc, cuobjdump = find_nvcc(), _cuda_tool("cuobjdump")
+    if nvcc is None or cuobjdump is None:
+        pytest.skip("needs nvcc and cuobjdump")
+    cubin = tmp_path / "w4a16.cubin"
+    subprocess.run(
+        [nvcc, *NVCC_FLAGS, "-arch=sm_90", "-o", str(cubin), str(SOURCE)],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
+    sass = subprocess.run(
+        [cuobjdump, "-sass", str(cubin)], check=True, capture_output=True, text=True
+    ).stdout
+    functions = sass.split("Function : ")[1:]
+    gemms = [f for f in functions if f.startswith("w4a16_mma_")]
+    assert len(gemms) == 40
+    for text in gemms:
+        name = text.split()[0]
+        before = text[: text.index("ACQBULK")]
+        depth = 8 if "_d8" in name else 4
+        assert before.count("LDG.E.NA.128") == depth, name
+        assert "CCTL.E.PF2" in before, name
+        assert text.count("ACQBULK") == 2, name  # and once before the sums are written
+
+
+def test_the_launch_structs_match_cuda_h(tmp_path):
+    """`driver._LaunchConfig` and `_LaunchAttribute` (for cuLaunchKernelEx) have cuda.h's
+    sizes and offsets, and the attribute id its value."""
+    import ctypes
+
+    from pagellm_int4.cuda.driver import (
+        PROGRAMMATIC_STREAM_SERIALIZATION,
+        _LaunchAttribute,
+        _LaunchConfig,
+    )
+
+    ours = (
+        ctypes.sizeof(_LaunchAttribute),
+        ctypes.sizeof(_LaunchConfig),
+        _LaunchConfig.hStream.offset,
+        _LaunchConfig.attrs.offset,
+        _LaunchConfig.numAttrs.offset,
+        _LaunchAttribute.value.offset,
+        PROGRAMMATIC_STREAM_SERIALIZATION,
+    )
+    assert ours == (72, 56, 32, 40, 48, 8, 6)
+    nvcc, cc = find_nvcc(), shutil.which("cc") or shutil.which("gcc")
+    header = Path(nvcc).resolve().parent.parent / "include" if nvcc else None
+    if cc is None or header is None or not (header / "cuda.h").is_file():
+        return
+    source = tmp_path / "layout.c"
+    source.write_text(
+        "#include <cuda.h>\n#include <stdio.h>\n#include <stddef.h>\n"
+        'int main(void) { printf("%zu %zu %zu %zu %zu %zu %d", sizeof(CUlaunchAttribute), '
+        "sizeof(CUlaunchConfig), offsetof(CUlaunchConfig, hStream), "
+        "offsetof(CUlaunchConfig, attrs), offsetof(CUlaunchConfig, numAttrs), "
+        "offsetof(CUlaunchAttribute, value), "
+        "(int)CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION); return 0; }\n"
+    )
+    binary = tmp_path / "layout"
+    subprocess.run([cc, f"-I{header}", str(source), "-o", str(binary)], check=True, timeout=120)
+    printed = subprocess.run([str(binary)], check=True, capture_output=True, text=True).stdout
+    assert tuple(int(v) for v in printed.split()) == ours
 
 
 def test_the_launch_shape_rule_picks_the_measured_shapes_at_llama_8b():

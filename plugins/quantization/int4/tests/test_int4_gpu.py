@@ -167,6 +167,44 @@ def test_cuda_gemm_launch_shapes_agree_and_replay_in_graphs(
     assert not bool(kernels._counters.any())
 
 
+def test_cuda_gemm_with_programmatic_dependent_launch_is_the_same_eager_and_in_graphs():
+    """Launched with programmatic dependent launch (sm_90+; the GEMM's first weight loads
+    overlap the kernel before it, which writes its x here), each result is bit for bit the
+    plain launch's, eager and over graph replays, 16-row launches back to back included."""
+    from pagellm_int4.cuda.kernels import MmaConfig
+
+    kernels = _cuda_kernels()
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs sm_90")
+    fragments = _fragments(4096, 6144, 128, False)
+    base = torch.randn(40, 4096, device="cuda", dtype=torch.bfloat16)
+    configs = [None, MmaConfig(4, 3, 8, 2), MmaConfig(16, 2, 8)]
+
+    def run() -> list[torch.Tensor]:
+        outs = []
+        for i, cfg in enumerate(configs):
+            x = base * (i + 1)  # written by the kernel just before the GEMM
+            outs.append(kernels.gemm(x[: 40 if cfg is None else 8], fragments, cfg))
+        return outs
+
+    kernels.overlap = False
+    plain = run()
+    kernels.overlap = True
+    try:
+        eager = run()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = run()
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+    finally:
+        kernels.overlap = False
+    for a, b, c in zip(plain, eager, captured, strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    assert not bool(kernels._counters.any())
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_dequantize_kernel_is_the_reference_bit_for_bit(dtype):
     from pagellm_int4.kernels.w4a16 import dequantize_int4

@@ -20,6 +20,41 @@ class DriverError(RuntimeError):
     pass
 
 
+PROGRAMMATIC_STREAM_SERIALIZATION = 6
+"""``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION``: the kernel may start before the
+one before it on the stream has finished (programmatic dependent launch, sm_90+); it waits for
+it with ``griddepcontrol.wait``."""
+
+
+class _LaunchAttribute(ctypes.Structure):
+    """``CUlaunchAttribute``: the attribute's id, padding to 8 bytes, a 64-byte value (a union;
+    the integer values sit in its first 4 bytes)."""
+
+    _fields_ = [
+        ("id", ctypes.c_int),
+        ("pad", ctypes.c_char * 4),
+        ("value", ctypes.c_int),
+        ("value_rest", ctypes.c_char * 60),
+    ]
+
+
+class _LaunchConfig(ctypes.Structure):
+    """``CUlaunchConfig``."""
+
+    _fields_ = [
+        ("gridDimX", ctypes.c_uint),
+        ("gridDimY", ctypes.c_uint),
+        ("gridDimZ", ctypes.c_uint),
+        ("blockDimX", ctypes.c_uint),
+        ("blockDimY", ctypes.c_uint),
+        ("blockDimZ", ctypes.c_uint),
+        ("sharedMemBytes", ctypes.c_uint),
+        ("hStream", _c_ptr),
+        ("attrs", ctypes.POINTER(_LaunchAttribute)),
+        ("numAttrs", ctypes.c_uint),
+    ]
+
+
 @functools.cache
 def _lib() -> ctypes.CDLL:
     try:
@@ -36,6 +71,12 @@ def _lib() -> ctypes.CDLL:
         ctypes.c_uint,
         ctypes.c_uint,
         ctypes.c_uint,
+        _c_ptr,
+        ctypes.POINTER(_c_ptr),
+        ctypes.POINTER(_c_ptr),
+    ]
+    lib.cuLaunchKernelEx.argtypes = [
+        ctypes.POINTER(_LaunchConfig),
         _c_ptr,
         ctypes.POINTER(_c_ptr),
         ctypes.POINTER(_c_ptr),
@@ -95,6 +136,9 @@ class Module:
         _check(lib, lib.cuModuleLoadData(ctypes.byref(handle), self._image), "cuModuleLoadData")
         self._handle = handle
         self._functions: dict[str, _c_ptr] = {}
+        self._overlap = _LaunchAttribute(id=PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+        self._config = _LaunchConfig(blockDimY=1, blockDimZ=1, numAttrs=1)
+        self._config.attrs = ctypes.pointer(self._overlap)
 
     def function(self, name: str) -> _c_ptr:
         fn = self._functions.get(name)
@@ -116,26 +160,37 @@ class Module:
         block: int,
         shared_bytes: int,
         args: Sequence[Any] | Launch,
+        overlap_previous: bool = False,
     ) -> None:
         """Launch kernel ``name`` on the current torch stream of the module's device, with
-        ``args`` (ctypes values) or a prepared `Launch` (its values as they are now)."""
+        ``args`` (ctypes values) or a prepared `Launch` (its values as they are now).
+        ``overlap_previous``: with programmatic dependent launch (sm_90+; the kernel must wait
+        for the previous one, ``griddepcontrol.wait``, before it reads what that one wrote)."""
         lib = _lib()
         make_current(self.device)
         stream = torch.cuda.current_stream(self.device).cuda_stream
         params = args.params if isinstance(args, Launch) else _params(args)
-        result = lib.cuLaunchKernel(
-            self.function(name),
-            grid[0],
-            grid[1],
-            grid[2],
-            block,
-            1,
-            1,
-            shared_bytes,
-            _c_ptr(stream),
-            params,
-            None,
-        )
+        if overlap_previous:
+            config = self._config
+            config.gridDimX, config.gridDimY, config.gridDimZ = grid
+            config.blockDimX = block
+            config.sharedMemBytes = shared_bytes
+            config.hStream = stream
+            result = lib.cuLaunchKernelEx(ctypes.byref(config), self.function(name), params, None)
+        else:
+            result = lib.cuLaunchKernel(
+                self.function(name),
+                grid[0],
+                grid[1],
+                grid[2],
+                block,
+                1,
+                1,
+                shared_bytes,
+                _c_ptr(stream),
+                params,
+                None,
+            )
         _check(lib, result, f"launching {name}")
 
 

@@ -58,6 +58,20 @@ __device__ __forceinline__ uint4 load_weights(const uint4* p) {
   return r;
 }
 
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p) : "memory");
+}
+
+__device__ __forceinline__ void wait_for_previous_grid() {
+  // Programmatic dependent launch (sm_90+): a kernel launched with programmatic stream
+  // serialization may start while the kernel before it on the stream finishes; this waits for
+  // that kernel's completion and its memory. Before it, only what no earlier kernel writes may be
+  // read (the weights, scales and zero points); a no-op for a launch without the attribute.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 template <typename T>
 __device__ __forceinline__ T to_out(float v);
 template <>

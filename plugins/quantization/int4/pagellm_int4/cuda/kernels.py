@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +18,11 @@ from pagellm_int4.fragment_layout import FragmentLayout
 
 ROWS_PER_LAUNCH = 16
 """Rows of x one GEMM launch takes (two MMAs of 8): larger M runs in launches of 16 rows."""
+logger = logging.getLogger(__name__)
+
+PDL_ENV = "PAGELLM_INT4_PDL"
+"""``1``: launch the GEMM with programmatic dependent launch on sm_90+ (its first weight loads
+overlap the end of the kernel before it); ``0`` (the default until it is timed on a GPU)."""
 DEPTHS = (4, 8)
 X_DEPTHS = {4: (4,), 8: (8, 2)}
 """Steps of x loaded ahead that the kernels have for each depth of the weights' ring."""
@@ -96,6 +103,10 @@ class CudaKernels:
         self.module = Module(cubin, device)
         self.device = device
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        self.overlap = os.environ.get(PDL_ENV, "0") == "1" and major >= 9
+        """GEMMs launched with programmatic dependent launch (`PDL_ENV`, sm_90+)."""
+        if self.overlap:
+            logger.info("int4 CUDA GEMMs launch with programmatic dependent launch (%s=1)", PDL_ENV)
         self._counters = torch.zeros(0, dtype=torch.int32, device=device)
 
     def reserve_counters(self, strips: int) -> None:
@@ -164,7 +175,9 @@ class CudaKernels:
             launch.args[4].value = outs.data_ptr()
             launch.args[5].value = ws.data_ptr()
             shared = cfg.warps * reduce_rows * 64 * 4
-            self.module.launch(name, (layout.n64, splits, 1), 32 * cfg.warps, shared, launch)
+            self.module.launch(
+                name, (layout.n64, splits, 1), 32 * cfg.warps, shared, launch, self.overlap
+            )
         return out
 
     def dequantize_t(

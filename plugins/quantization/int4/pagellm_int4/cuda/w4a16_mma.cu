@@ -16,7 +16,9 @@
 // step; steps past a warp's run meet zero x). Warps of a block take consecutive runs of K and
 // add their sums through shared memory in a fixed order; blocks of a split write float32
 // partial sums that the last block of a strip to finish adds in split order (a counter per
-// strip, put back to zero), so results do not depend on timing.
+// strip, put back to zero), so results do not depend on timing. Launched with programmatic
+// dependent launch (sm_90+, `MmaConfig`'s caller decides), a GEMM's first weight loads overlap
+// the end of the kernel before it: it waits for that kernel only before it reads x.
 //
 // dequantize_t_*: W^T [N, K] in the activations' dtype ((q - z) * scale in float32, one
 // rounding: bit for bit the reference path's dequantization), for a cuBLAS GEMM at large M;
@@ -43,6 +45,7 @@ __device__ __forceinline__ void w4a16_mma(const typename D::T* __restrict__ x,
   // needs a shorter ring than the weights, and each step of it is MB * 2 registers).
   using T = typename D::T;
   constexpr int UNROLL = DEPTH > SPG ? DEPTH : SPG;
+  constexpr int PREFETCH = 8;
   static_assert(UNROLL % XDEPTH == 0 && XDEPTH <= DEPTH, "x's ring must divide a pass");
   extern __shared__ float red[];  // [warps][MB * 8][64]
   __shared__ int last_block;
@@ -86,6 +89,13 @@ __device__ __forceinline__ void w4a16_mma(const typename D::T* __restrict__ x,
       wbuf[d] = load_weights(wq);
       wq += 32;
     }
+    // The weights' first loads are on their way, and the next PREFETCH steps' tiles go to L2
+    // (no registers held); then wait for the kernel before (launched with programmatic
+    // dependent launch, this one may start while that one ends): x is its output.
+#pragma unroll
+    for (int d = 0; d < PREFETCH; ++d)
+      if (DEPTH + d < n_steps) prefetch_l2(wq + d * 32);
+    wait_for_previous_grid();
 #pragma unroll
     for (int d = 0; d < XDEPTH; ++d) {
 #pragma unroll
@@ -170,6 +180,7 @@ __device__ __forceinline__ void w4a16_mma(const typename D::T* __restrict__ x,
     }
   }
 
+  wait_for_previous_grid();  // (warps without steps): before out, ws and the counters
   // The block's warps add their sums in warp order through shared memory.
   constexpr int ROWS = MB * 8;
   float* mine = red + warp * ROWS * 64;
