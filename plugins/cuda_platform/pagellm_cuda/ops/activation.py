@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
 
-from .target import warp_size
+from .target import gdc_launch_dependents, launches_dependents, warp_size
 
 # Columns per program: one 16-byte access per thread for bf16 with four warps of 32 threads.
 _BLOCK = 1024
@@ -26,7 +26,10 @@ def _silu_and_mul_kernel(
     out_row_stride,
     d,
     BLOCK: tl.constexpr,
+    LAUNCH_DEPENDENTS: tl.constexpr = False,
 ):
+    if LAUNCH_DEPENDENTS:  # the next kernel may start (it waits for this one's output)
+        gdc_launch_dependents()
     dtype = out_ptr.dtype.element_ty
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -69,6 +72,7 @@ def silu_and_mul(
         d,  # out is contiguous: its rows are d apart
         d,
         BLOCK=block,
+        LAUNCH_DEPENDENTS=launches_dependents(x.device, target),
         num_warps=max(1, block // (8 * warp_size(x.device, target))),
     )
     return out

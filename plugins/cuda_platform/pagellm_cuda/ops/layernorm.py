@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
 
-from .target import warp_size
+from .target import gdc_launch_dependents, launches_dependents, warp_size
 
 # A row is held in registers whole; past this a row would need a second pass over memory.
 MAX_HIDDEN_SIZE = 65536
@@ -38,7 +38,10 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
+    LAUNCH_DEPENDENTS: tl.constexpr = False,
 ):
+    if LAUNCH_DEPENDENTS:  # the next kernel may start (it waits for this one's output)
+        gdc_launch_dependents()
     dtype = out_ptr.dtype.element_ty
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
@@ -113,6 +116,7 @@ def _launch(
         HAS_RESIDUAL=residual is not None,
         ROWS=rows_per_program,
         BLOCK=block,
+        LAUNCH_DEPENDENTS=launches_dependents(x.device, target),
         num_warps=num_warps,
     )
 

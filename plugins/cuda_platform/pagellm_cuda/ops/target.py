@@ -21,6 +21,29 @@ def _device_target(index: int) -> GPUTarget:
     return GPUTarget("cuda", props.major * 10 + props.minor, 32)
 
 
+try:  # Triton 3.3 and later
+    from triton.language.extra.cuda import gdc_launch_dependents
+except ImportError:  # pragma: no cover - Triton 3.2
+    gdc_launch_dependents = None
+
+
+def launches_dependents(device: torch.device, target: GPUTarget | None = None) -> bool:
+    """Whether a kernel for ``target`` (else ``device``'s GPU) should let the kernel after it
+    start early (``griddepcontrol.launch_dependents``): NVIDIA sm_90 and later, compiled (not
+    Triton's interpreter), with a Triton that has it. The instruction only matters to a next
+    kernel launched with programmatic dependent launch (pagellm-int4's GEMM with
+    ``PAGELLM_INT4_PDL=1``), which waits for this one's completion before it reads its output;
+    for any other next kernel it does nothing."""
+    if gdc_launch_dependents is None:
+        return False
+    if target is None:
+        if device.type != "cuda" or torch.version.hip is not None:
+            return False
+        index = torch.cuda.current_device() if device.index is None else device.index
+        target = _device_target(index)
+    return target.backend == "cuda" and int(target.arch) >= 90
+
+
 def warp_size(device: torch.device, target: GPUTarget | None = None) -> int:
     """Threads per warp (wavefront) on ``target``, else on ``device``; 32 off the GPU (Triton's
     interpreter, which runs the NVIDIA launch shapes)."""
