@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One round on the GPU machine: offline install (wheels carried in .whl), GPU tests, benchmarks.
 # Writes logs and JSON under $OUT. Stages: tests, tests-core, tests-models, tests-flashinfer, fi-jit, fi-cache-save, fa-tests,
-# fa-kernels, tp-tests, allreduce, issue21-w1, issue21-70b, issue21-serve, issue14-fi, issue14-fi-triton, issue14-ab, issue17, issue17-peer, fp8-tests, fp8-fused, issue15, fp8-gemm, fp8-skinny, decode-tiles, decode-splits, decode-swap, int4-tests, int4-cuda, int4-engine, int4-cuda-sweep, int4-sweep, int4-probe, int4-ncu, int4-gemm, int4-w1, gguf-tests,
+# fa-kernels, tp-tests, allreduce, issue21-w1, issue21-70b, issue21-serve, issue14-fi, issue14-fi-triton, issue14-ab, issue17, issue17-peer, fp8-tests, fp8-fused, issue15, fp8-gemm, fp8-skinny, decode-tiles, decode-splits, decode-swap, int4-tests, int4-cuda, int4-engine, int4-cuda-sweep, int4-sweep, int4-probe, int4-ncu, int4-gemm, int4-w1, int4-prof, gguf-tests,
 # gguf-gemm, gguf-smollm2, gguf-sweep-a, gguf-sweep-b, gguf-sweep-c, prof, step-prof, timeline-w2, timeline-ph, w1, w1-fp8, w2,
 # overhead, hf (W1/W2 with the HF peer), pack (every log into logs.tgz: last).
 #   bash benchmarks/gpu_round.sh tests w2 w1 overhead
@@ -234,6 +234,16 @@ for stage in "$@"; do
           --load-format dummy --dtype bfloat16 --skip-tokenizer-init --temperature 0 --seed 0 \
           --num-prompts $((c * 2)) --input-len 512 --output-len 512 --max-num-seqs "$c" \
           --output-json "$OUT/int4_w1_bf16_c$c.json"
+      done ;;
+    # Where W1's low-batch decode step goes with the GPTQ checkpoint (the int4-w1 stage writes
+    # it) against bf16: kernel time per family over decode steps, INT4_PROF_C requests at once.
+    int4-prof) ckpt=build/int4/llama-3.1-8b-gptq; c=${INT4_PROF_C:-16}
+      for m in gptq bf16; do
+        if [ $m = gptq ]; then src=(--model "$ckpt"); else src=(--model benchmarks/configs/llama-3.1-8b --load-format dummy); fi
+        PAGELLM_INT4_PDL=${INT4_PROF_PDL:-0} run "int4_prof_${m}_c$c" 300 python3 benchmarks/step_profile.py "${src[@]}" \
+          --dtype bfloat16 --skip-tokenizer-init --temperature 0 --seed 0 --num-prompts "$c" \
+          --max-num-seqs "$c" --input-len 512 --output-len 512 --skip-steps 200 --profile-steps 10 \
+          --output-json "$OUT/int4_prof_${m}_c$c.json"
       done ;;
     w2) run w2 200 bash benchmarks/workloads.sh W2 --output-json "$OUT/w2.json" ;;
     w1) run w1 300 bash benchmarks/workloads.sh W1 --output-json "$OUT/w1.json" ;;
