@@ -4,7 +4,7 @@ with L2-cold weight copies as ``int4_gemm.py`` times, each checked against the f
 first; the shape `cuda.kernels.default_config` picks is marked. Prints the best and the default
 per matmul and M, and writes every timing to ``--output-json``.
 
-    python benchmarks/int4_cuda_sweep.py [--sweep-ms 1 16] [--group-size 128] [--rings d8 d8x2]
+    python benchmarks/int4_cuda_sweep.py [--sweep-ms 1 16] [--group-size 128] [--rings d8 d8x2 d8p16 d8x2p16]
         [--output-json F]
 
 The JSON is written again after each matmul, so a run cut short keeps what it timed.
@@ -31,24 +31,32 @@ from int4_gemm import (
     packed_bytes,
     random_values,
 )
-from pagellm_int4.cuda.kernels import X_DEPTHS, MmaConfig, default_config, scaling_steps
+from pagellm_int4.cuda.kernels import (
+    PREFETCH_DISTANCES,
+    X_DEPTHS,
+    MmaConfig,
+    default_config,
+    scaling_steps,
+)
 from pagellm_int4.fragment_layout import to_fragment_layout
 from pagellm_int4.kernel_layout import to_kernel_layout
 
 
-def ring(name: str) -> tuple[int, int]:
-    """``d8`` -> (8, 8), ``d8x2`` -> (8, 2): steps of weights and of x loaded ahead."""
-    depth, _, x_depth = name.removeprefix("d").partition("x")
-    return int(depth), int(x_depth or depth)
+def ring(name: str) -> tuple[int, int, int]:
+    """``d8`` -> (8, 8, 0), ``d8x2`` -> (8, 2, 0), ``d8x2p16`` -> (8, 2, 16): steps of weights
+    and of x loaded ahead, and the L2 prefetch distance (0: none)."""
+    head, _, prefetch = name.removeprefix("d").partition("p")
+    depth, _, x_depth = head.partition("x")
+    return int(depth), int(x_depth or depth), int(prefetch or 0)
 
 
 def cuda_sweep(group: int, ms: list[int], rings: list[str], out_json: Path | None) -> None:
     """The CUDA GEMM's launch shapes for each matmul at each of ``ms`` (graph-timed, L2
     flushed), each checked against the reference first; the default shape marked."""
     for name in rings:
-        depth, x_depth = ring(name)
-        if x_depth not in X_DEPTHS.get(depth, ()):
-            raise SystemExit(f"no kernel for ring {name}: depths {X_DEPTHS}")
+        depth, x_depth, prefetch = ring(name)
+        if x_depth not in X_DEPTHS.get(depth, ()) or prefetch not in PREFETCH_DISTANCES[depth]:
+            raise SystemExit(f"no kernel for ring {name}: {X_DEPTHS}, {PREFETCH_DISTANCES}")
     kernels = cuda_kernels()
     if kernels is None:
         raise SystemExit("the sweep needs the CUDA kernels")
@@ -64,8 +72,10 @@ def cuda_sweep(group: int, ms: list[int], rings: list[str], out_json: Path | Non
             timed = []
             spg = scaling_steps(fragments[0].steps_per_group)
             shapes = itertools.product((4, 8, 16), (1, 2, 3, 4, 6, 8), map(ring, rings))
-            for warps, splits, (depth, x_depth) in shapes:
-                cfg = MmaConfig(warps, splits, depth, None if x_depth == depth else x_depth)
+            for warps, splits, (depth, x_depth, prefetch) in shapes:
+                cfg = MmaConfig(
+                    warps, splits, depth, None if x_depth == depth else x_depth, prefetch
+                )
                 if cfg.kernel_problem(min(m, 16), spg) or cfg.steps(fragments[0].k16) < 2:
                     continue
                 out = kernels.gemm(x, fragments[0], cfg)
@@ -109,8 +119,9 @@ def main() -> None:
     parser.add_argument(
         "--rings",
         nargs="+",
-        default=["d8", "d8x2"],
-        help="steps of weights and x loaded ahead: d4, d8, d8x2 (x 2 steps ahead)",
+        default=["d8", "d8x2", "d8p16", "d8x2p16"],
+        help="steps of weights and x loaded ahead and the L2 prefetch: d4, d8, d8x2 (x 2 steps "
+        "ahead), d8p16 and d8x2p16 (each step prefetches the tile 16 steps ahead into L2)",
     )
     parser.add_argument("--output-json", type=Path)
     args = parser.parse_args()

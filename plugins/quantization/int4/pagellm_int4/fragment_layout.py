@@ -36,9 +36,10 @@ from pagellm_int4.kernel_layout import act_order_permutation
 
 FRAG_K = 16
 FRAG_N = 64
-PAD_TILES = 16
-"""Tiles of zeros after the last one: how far past a run's last step the GEMM may load (its
-prefetch depth plus a pass of its loop, at most 8 + 8)."""
+PAD_TILES = 24
+"""Tiles of zeros after the last one: how far past a run's last step the GEMM may read (its
+loads: the ring's depth plus a pass of its loop, at most 8 + 8 - 1; its L2 prefetches: 16
+steps ahead plus a pass, at most 16 + 8 - 1)."""
 _WORDS_PER_TILE = 32 * 4
 
 

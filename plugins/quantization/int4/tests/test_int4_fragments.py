@@ -156,7 +156,7 @@ def test_the_cuda_source_compiles_for_sm90_without_spills(sm90_report):
     """Every kernel of w4a16_mma.cu compiles for the H100/H200 with no local-memory spills
     (the register arrays of the prefetch ring must stay in registers), and the kernels with 8
     rows and 4 or 8 steps a scaling fit blocks of 16 warps (at most 128 registers)."""
-    assert len(sm90_report) == 44, sorted(sm90_report)
+    assert len(sm90_report) == 60, sorted(sm90_report)
     for name, (registers, spills) in sm90_report.items():
         assert spills.startswith("0 bytes stack frame, 0 bytes spill stores"), (name, spills)
         if "_m8_" in name and name.endswith(("_s4", "_s8")):
@@ -167,24 +167,28 @@ def test_every_launch_shape_the_rule_or_the_sweep_takes_has_its_kernel(sm90_repo
     """`MmaConfig.kernel_name` of every shape `kernel_problem` admits (both dtypes, 8 and 16
     rows, every scaling step) is a compiled kernel; the shapes without one are refused; x two
     steps ahead saves the 16-row kernels registers (the reason for it)."""
-    from pagellm_int4.cuda.kernels import X_DEPTHS, MmaConfig
+    import itertools
+
+    from pagellm_int4.cuda.kernels import PREFETCH_DISTANCES, X_DEPTHS, MmaConfig
 
     names = set()
-    for dtype in ("bf16", "fp16"):
-        for rows in (1, 8, 9, 16):
-            for spg in (1, 2, 4, 8):
-                for depth, x_depths in X_DEPTHS.items():
-                    for x_depth in x_depths:
-                        for warps in (1, 4, 8, 16, 32):
-                            cfg = MmaConfig(warps, 1, depth, x_depth)
-                            if cfg.kernel_problem(rows, spg) is None:
-                                names.add(cfg.kernel_name(dtype, rows, spg))
+    for dtype, rows, spg, warps in itertools.product(
+        ("bf16", "fp16"), (1, 8, 9, 16), (1, 2, 4, 8), (1, 4, 8, 16, 32)
+    ):
+        for depth, x_depths in X_DEPTHS.items():
+            for x_depth, prefetch in itertools.product(x_depths, PREFETCH_DISTANCES[depth]):
+                cfg = MmaConfig(warps, 1, depth, x_depth, prefetch)
+                if cfg.kernel_problem(rows, spg) is None:
+                    names.add(cfg.kernel_name(dtype, rows, spg))
     gemms = {name for name in sm90_report if name.startswith("w4a16_mma_")}
     assert names == gemms
     assert "at most 8" in MmaConfig(16, 1, 8).kernel_problem(9, 8)
     assert "at most 16" in MmaConfig(32, 1, 8).kernel_problem(1, 8)
     assert "4 or 8 steps a scaling" in MmaConfig(4, 1, 8, 2).kernel_problem(1, 2)
     assert "no kernel" in MmaConfig(4, 1, 4, 2).kernel_problem(1, 8)
+    assert "prefetches 16" in MmaConfig(4, 1, 4, None, 16).kernel_problem(1, 8)
+    assert "L2 prefetch" in MmaConfig(4, 1, 8, None, 16).kernel_problem(9, 1)
+    assert MmaConfig(4, 1, 8, 2, 16).kernel_name("bf16", 1, 8) == "w4a16_mma_bf16_m8_d8x2p16_s8"
     assert MmaConfig(4, 1, 8, 8).kernel_name("bf16", 3, 8) == "w4a16_mma_bf16_m8_d8_s8"
     assert MmaConfig(4, 1, 8, 2).kernel_name("fp16", 12, 4) == "w4a16_mma_fp16_m16_d8x2_s4"
     for dtype in ("bf16", "fp16"):
@@ -212,8 +216,8 @@ def _cuda_tool(name: str) -> str | None:
 def test_the_gemm_loads_its_first_weights_before_it_waits_for_the_previous_kernel(tmp_path):
     """In every GEMM's SASS for sm_90 the first weight loads (16-byte, L1 no-allocate) and the
     L2 prefetches come before `griddepcontrol.wait` (ACQBULK): what programmatic dependent
-    launch overlaps with the kernel before. (ptxas moved the wait above the loads until the
-    prefetches stood between them.)"""
+    launch overlaps with the kernel before (ptxas moved the wait above the loads until the
+    prefetches stood between them); after it, only the p16 kernels prefetch (in their loop)."""
     nvcc, cuobjdump = find_nvcc(), _cuda_tool("cuobjdump")
     if nvcc is None or cuobjdump is None:
         pytest.skip("needs nvcc and cuobjdump")
@@ -229,7 +233,7 @@ def test_the_gemm_loads_its_first_weights_before_it_waits_for_the_previous_kerne
     ).stdout
     functions = sass.split("Function : ")[1:]
     gemms = [f for f in functions if f.startswith("w4a16_mma_")]
-    assert len(gemms) == 40
+    assert len(gemms) == 56
     for text in gemms:
         name = text.split()[0]
         before = text[: text.index("ACQBULK")]
@@ -237,6 +241,8 @@ def test_the_gemm_loads_its_first_weights_before_it_waits_for_the_previous_kerne
         assert before.count("LDG.E.NA.128") == depth, name
         assert "CCTL.E.PF2" in before, name
         assert text.count("ACQBULK") == 2, name  # and once before the sums are written
+        after = text[text.index("ACQBULK") :]
+        assert ("CCTL.E.PF2" in after) == name.endswith(("p16_s4", "p16_s8")), name
 
 
 def test_the_launch_structs_match_cuda_h(tmp_path):

@@ -139,6 +139,8 @@ def test_cuda_dequantization_is_the_reference_bit_for_bit(dtype):
         (16, 2, 8, 2, 5, 128),  # blocks of 16 warps, 8 rows
         (16, 1, 8, None, 8, 64),
         (16, 5, 4, None, 1, 128),
+        (4, 4, 8, (None, 16), 1, 128),  # an L2 prefetch 16 steps ahead (padding read)
+        (8, 1, 8, (2, 16), 16, 64),
     ],
 )
 def test_cuda_gemm_launch_shapes_agree_and_replay_in_graphs(
@@ -152,7 +154,8 @@ def test_cuda_gemm_launch_shapes_agree_and_replay_in_graphs(
 
     kernels = _cuda_kernels()
     fragments = _fragments(4096, 6144, group, False)
-    cfg = MmaConfig(warps, splits, depth, x_depth)
+    x_depth, prefetch = x_depth if isinstance(x_depth, tuple) else (x_depth, 0)
+    cfg = MmaConfig(warps, splits, depth, x_depth, prefetch)
     x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
     eager = kernels.gemm(x, fragments, cfg)
     _close_to_reference(eager, reference_gemm(x.float(), _layout(4096, 6144, group, False)), cfg)

@@ -26,6 +26,8 @@ overlap the end of the kernel before it); ``0`` (the default until it is timed o
 DEPTHS = (4, 8)
 X_DEPTHS = {4: (4,), 8: (8, 2)}
 """Steps of x loaded ahead that the kernels have for each depth of the weights' ring."""
+PREFETCH_DISTANCES = {4: (0,), 8: (0, 16)}
+"""L2 prefetch distances (steps ahead; 0: none in the loop) the kernels have for each depth."""
 _DTYPE_NAME = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
@@ -40,6 +42,9 @@ class MmaConfig:
     x_depth: int | None = None
     """Steps of x loaded ahead (x is read by every strip, mostly from L1 or L2): ``None`` is
     ``depth``; 2 (with depth 8) saves registers, 45 a thread at 16 rows (173 to 128 on sm_90)."""
+    prefetch: int = 0
+    """With depth 8: each step also prefetches into L2 the tile this many steps ahead (16), so
+    more weight bytes are in flight than the ring's registers hold; 0: none."""
 
     def kernel_problem(self, rows: int, spg: int) -> str | None:
         """Why the compiled kernels have no such launch for 8 (``rows`` <= 8) or 16 rows and
@@ -47,8 +52,12 @@ class MmaConfig:
         x_depth = self.x_depth or self.depth
         if self.depth not in X_DEPTHS or x_depth not in X_DEPTHS[self.depth]:
             return f"no kernel loads weights {self.depth} and x {x_depth} steps ahead"
-        if x_depth != self.depth and spg < 4:
-            return f"x {x_depth} steps ahead needs 4 or 8 steps a scaling, not {spg}"
+        if self.prefetch not in PREFETCH_DISTANCES[self.depth]:
+            return f"no kernel with depth {self.depth} prefetches {self.prefetch} steps ahead"
+        if (x_depth != self.depth or self.prefetch) and spg < 4:
+            return (
+                f"x {x_depth} steps ahead or an L2 prefetch needs 4 or 8 steps a scaling, not {spg}"
+            )
         max_warps = 16 if rows <= 8 and spg >= 4 else 8
         if not 1 <= self.warps <= max_warps:
             return f"{self.warps} warps a block: at most {max_warps} here"
@@ -57,6 +66,7 @@ class MmaConfig:
     def kernel_name(self, dtype: str, rows: int, spg: int) -> str:
         x_depth = self.x_depth or self.depth
         ring = f"d{self.depth}" + (f"x{x_depth}" if x_depth != self.depth else "")
+        ring += f"p{self.prefetch}" if self.prefetch else ""
         return f"w4a16_mma_{dtype}_m{8 if rows <= 8 else 16}_{ring}_s{spg}"
 
     def steps(self, k16: int, unroll: int = 1) -> int:

@@ -28,7 +28,7 @@
 
 namespace {
 
-template <typename D, int MB, int DEPTH, int XDEPTH, int SPG>
+template <typename D, int MB, int DEPTH, int XDEPTH, int PF, int SPG>
 __device__ __forceinline__ void w4a16_mma(const typename D::T* __restrict__ x,
                                           const uint4* __restrict__ w,
                                           const float* __restrict__ scales,
@@ -42,11 +42,14 @@ __device__ __forceinline__ void w4a16_mma(const typename D::T* __restrict__ x,
   // condition around the loads, so the compiler keeps each load in flight in its register of
   // the ring until its step: a copy of a register still being loaded would wait for it).
   // XDEPTH: steps of x loaded ahead (x is read by every strip, so mostly from L1 or L2: it
-  // needs a shorter ring than the weights, and each step of it is MB * 2 registers).
+  // needs a shorter ring than the weights, and each step of it is MB * 2 registers). PF: when
+  // not 0, each step also prefetches into L2 the tile PF steps ahead (more of the weights in
+  // flight from memory than the registers of the ring hold; the ring's loads then hit L2).
   using T = typename D::T;
   constexpr int UNROLL = DEPTH > SPG ? DEPTH : SPG;
   constexpr int PREFETCH = 8;
   static_assert(UNROLL % XDEPTH == 0 && XDEPTH <= DEPTH, "x's ring must divide a pass");
+  static_assert(PF == 0 || (PF > DEPTH && PF <= DEPTH + PREFETCH), "prefetch past the ring");
   extern __shared__ float red[];  // [warps][MB * 8][64]
   __shared__ int last_block;
   const int lane = threadIdx.x & 31;
@@ -70,7 +73,8 @@ __device__ __forceinline__ void w4a16_mma(const typename D::T* __restrict__ x,
 
   if (n_steps > 0) {
     // Weights: the next step's tile to load. The layout has PAD_TILES tiles of padding past
-    // its end, so loads past a warp's last step need no guard (their values meet zero x).
+    // its end, so loads and prefetches past a warp's last step need no guard (the loaded
+    // values meet zero x).
     const uint4* wq = w + ((long)nt * k16 + first) * 32 + lane;
     // The B fragments: x[8 b + g, k + 2 c .. +1] and [.., k + 8 + 2 c .. +1] of each step
     // (K is a multiple of 16); zero for rows past M and for steps past the warp's last.
@@ -149,6 +153,7 @@ __device__ __forceinline__ void w4a16_mma(const typename D::T* __restrict__ x,
         // into them.
         wbuf[d] = load_weights(wq);
         wq += 32;
+        if (PF != 0) prefetch_l2(wq + (PF - DEPTH - 1) * 32);  // (padding past the end)
         const bool ahead = s + XDEPTH < n_steps;
 #pragma unroll
         for (int b = 0; b < MB; ++b) {
@@ -231,34 +236,39 @@ __device__ __forceinline__ void w4a16_mma(const typename D::T* __restrict__ x,
 }  // namespace
 
 
-#define PAGELLM_W4A16_MMA(NAME, D, MB, DEPTH, XDEPTH, SPG)                                     \
+#define PAGELLM_W4A16_MMA(NAME, D, MB, DEPTH, XDEPTH, PF, SPG)                                 \
   extern "C" __global__ void __launch_bounds__(MB == 1 && SPG >= 4 ? 512 : 256) NAME(        \
       const D::T* x, const uint4* w, const float* scales, const uint8_t* zeros, D::T* out,     \
       float* ws, int* counters, int M, int N, int K, int ldx, int k16, int spg, int groups,    \
       int steps, int splits) {                                                                 \
-    w4a16_mma<D, MB, DEPTH, XDEPTH, SPG>(x, w, scales, zeros, out, ws, counters, M, N, K, ldx, \
-                                         k16, spg, groups, steps, splits);                     \
+    w4a16_mma<D, MB, DEPTH, XDEPTH, PF, SPG>(x, w, scales, zeros, out, ws, counters, M, N, K,  \
+                                             ldx, k16, spg, groups, steps, splits);            \
   }
 
-// w4a16_mma_<dtype>_m<rows>_d<depth>[x<x depth>]_s<steps a scaling> (x's depth that of the
-// weights where not named). Blocks of up to 16 warps for 8 rows and 4 or 8 steps a scaling
-// (their registers fit 512 threads), else up to 8. x's shorter ring only with 4 or 8 steps a
-// scaling (groups of 64 or more rows; with fewer, ptxas spills it).
-#define PAGELLM_W4A16_MMA_S48(D, NAME, MB, ROWS, DEPTH, XDEPTH, DNAME)                         \
-  PAGELLM_W4A16_MMA(w4a16_mma_##NAME##_m##ROWS##_##DNAME##_s4, D, MB, DEPTH, XDEPTH, 4)        \
-  PAGELLM_W4A16_MMA(w4a16_mma_##NAME##_m##ROWS##_##DNAME##_s8, D, MB, DEPTH, XDEPTH, 8)
+// w4a16_mma_<dtype>_m<rows>_d<depth>[x<x depth>][p<prefetch>]_s<steps a scaling> (x's depth
+// that of the weights where not named; no L2 prefetch in the loop where not named). Blocks of up
+// to 16 warps for 8 rows and 4 or 8 steps a scaling (their registers fit 512 threads), else up
+// to 8. x's shorter ring and the prefetch only with 4 or 8 steps a scaling (groups of 64 or more
+// rows; with fewer, ptxas spills x's shorter ring).
+#define PAGELLM_W4A16_MMA_S48(D, NAME, MB, ROWS, DEPTH, XDEPTH, PF, RING)                      \
+  PAGELLM_W4A16_MMA(w4a16_mma_##NAME##_m##ROWS##_##RING##_s4, D, MB, DEPTH, XDEPTH, PF, 4)     \
+  PAGELLM_W4A16_MMA(w4a16_mma_##NAME##_m##ROWS##_##RING##_s8, D, MB, DEPTH, XDEPTH, PF, 8)
 #define PAGELLM_W4A16_MMA_SPG(D, NAME, MB, ROWS, DEPTH)                                        \
-  PAGELLM_W4A16_MMA(w4a16_mma_##NAME##_m##ROWS##_d##DEPTH##_s1, D, MB, DEPTH, DEPTH, 1)        \
-  PAGELLM_W4A16_MMA(w4a16_mma_##NAME##_m##ROWS##_d##DEPTH##_s2, D, MB, DEPTH, DEPTH, 2)        \
-  PAGELLM_W4A16_MMA_S48(D, NAME, MB, ROWS, DEPTH, DEPTH, d##DEPTH)
+  PAGELLM_W4A16_MMA(w4a16_mma_##NAME##_m##ROWS##_d##DEPTH##_s1, D, MB, DEPTH, DEPTH, 0, 1)     \
+  PAGELLM_W4A16_MMA(w4a16_mma_##NAME##_m##ROWS##_d##DEPTH##_s2, D, MB, DEPTH, DEPTH, 0, 2)     \
+  PAGELLM_W4A16_MMA_S48(D, NAME, MB, ROWS, DEPTH, DEPTH, 0, d##DEPTH)
 
 #define PAGELLM_W4A16_MMA_DTYPE(D, NAME)                                                       \
   PAGELLM_W4A16_MMA_SPG(D, NAME, 1, 8, 4)                                                      \
   PAGELLM_W4A16_MMA_SPG(D, NAME, 2, 16, 4)                                                     \
   PAGELLM_W4A16_MMA_SPG(D, NAME, 1, 8, 8)                                                      \
   PAGELLM_W4A16_MMA_SPG(D, NAME, 2, 16, 8)                                                     \
-  PAGELLM_W4A16_MMA_S48(D, NAME, 1, 8, 8, 2, d8x2)                                             \
-  PAGELLM_W4A16_MMA_S48(D, NAME, 2, 16, 8, 2, d8x2)
+  PAGELLM_W4A16_MMA_S48(D, NAME, 1, 8, 8, 2, 0, d8x2)                                          \
+  PAGELLM_W4A16_MMA_S48(D, NAME, 2, 16, 8, 2, 0, d8x2)                                         \
+  PAGELLM_W4A16_MMA_S48(D, NAME, 1, 8, 8, 8, 16, d8p16)                                        \
+  PAGELLM_W4A16_MMA_S48(D, NAME, 2, 16, 8, 8, 16, d8p16)                                       \
+  PAGELLM_W4A16_MMA_S48(D, NAME, 1, 8, 8, 2, 16, d8x2p16)                                      \
+  PAGELLM_W4A16_MMA_S48(D, NAME, 2, 16, 8, 2, 16, d8x2p16)
 
 PAGELLM_W4A16_MMA_DTYPE(Bf16, bf16)
 PAGELLM_W4A16_MMA_DTYPE(Fp16, fp16)
