@@ -215,6 +215,7 @@ for stage in "$@"; do
         plugins/quantization/int4/tests/test_int4_gpu.py -k engine ;;
     int4-cuda-sweep) run int4_cuda_sweep ${SWEEP_S:-300} python3 benchmarks/int4_cuda_sweep.py \
         --sweep-ms ${SWEEP_MS:-1 16} --rings ${SWEEP_RINGS:-d8 d8x2 d8p16 d8x2p16} \
+        --splits ${SWEEP_SPLITS:-1 2 4 8} \
         --output-json "$OUT/int4_cuda_sweep.json" ;;
     # W1's model as a GPTQ int4 checkpoint of random weights (our RTN writer, on the GPU, kept
     # under build/), then low-batch decode (1 and 16 requests at once, 512 in / 512 out) against

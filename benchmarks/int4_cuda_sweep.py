@@ -71,7 +71,7 @@ def cuda_sweep(group: int, ms: list[int], rings: list[str], out_json: Path | Non
             ref = int4_gemm.reference_gemm(x.float(), layout)
             timed = []
             spg = scaling_steps(fragments[0].steps_per_group)
-            shapes = itertools.product((4, 8, 16), (1, 2, 3, 4, 6, 8), map(ring, rings))
+            shapes = itertools.product(warps_choices, splits_choices, map(ring, rings))
             for warps, splits, (depth, x_depth, prefetch) in shapes:
                 cfg = MmaConfig(
                     warps, splits, depth, None if x_depth == depth else x_depth, prefetch
@@ -123,11 +123,20 @@ def main() -> None:
         help="steps of weights and x loaded ahead and the L2 prefetch: d4, d8, d8x2 (x 2 steps "
         "ahead), d8p16 and d8x2p16 (each step prefetches the tile 16 steps ahead into L2)",
     )
+    parser.add_argument("--warps", type=int, nargs="+", default=[4, 8, 16])
+    parser.add_argument("--splits", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8])
     parser.add_argument("--output-json", type=Path)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
-    cuda_sweep(args.group_size, args.sweep_ms, args.rings, args.output_json)
+    cuda_sweep(
+        args.group_size,
+        args.sweep_ms,
+        args.rings,
+        args.output_json,
+        tuple(args.warps),
+        tuple(args.splits),
+    )
 
 
 if __name__ == "__main__":
