@@ -50,7 +50,14 @@ def ring(name: str) -> tuple[int, int, int]:
     return int(depth), int(x_depth or depth), int(prefetch or 0)
 
 
-def cuda_sweep(group: int, ms: list[int], rings: list[str], out_json: Path | None) -> None:
+def cuda_sweep(
+    group: int,
+    ms: list[int],
+    rings: list[str],
+    out_json: Path | None,
+    warps_choices: tuple[int, ...] = (4, 8, 16),
+    splits_choices: tuple[int, ...] = (1, 2, 3, 4, 6, 8),
+) -> None:
     """The CUDA GEMM's launch shapes for each matmul at each of ``ms`` (graph-timed, L2
     flushed), each checked against the reference first; the default shape marked."""
     for name in rings:
