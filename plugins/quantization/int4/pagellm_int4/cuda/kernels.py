@@ -16,10 +16,10 @@ from pagellm_int4.cuda.build import build_cubin
 from pagellm_int4.cuda.driver import Launch, Module
 from pagellm_int4.fragment_layout import FragmentLayout
 
-ROWS_PER_LAUNCH = 16
-"""Rows of x one GEMM launch takes (two MMAs of 8): larger M runs in launches of 16 rows."""
 logger = logging.getLogger(__name__)
 
+ROWS_PER_LAUNCH = 16
+"""Rows of x one GEMM launch takes (two MMAs of 8): larger M runs in launches of 16 rows."""
 PDL_ENV = "PAGELLM_INT4_PDL"
 """``1``: launch the GEMM with programmatic dependent launch on sm_90+ (its first weight loads
 overlap the end of the kernel before it); ``0`` (the default until it is timed on a GPU)."""
