@@ -58,12 +58,14 @@ class FlashInferImpl(AttentionImpl):
             )
         else:
             out = output[:n].view(n, self.num_heads, self.head_size)
-        if len(meta.parts) == 1:
-            meta.parts[0].wrapper.run(q, (key_cache, value_cache), out=out)
-        else:
-            for part in meta.parts:
-                rows = slice(part.start, part.end)
-                part.wrapper.run(q[rows], (key_cache, value_cache), out=out[rows])
+        whole = len(meta.parts) == 1
+        for part in meta.parts:
+            rows = slice(part.start, part.end)
+            part_q, part_out = (q, out) if whole else (q[rows], out[rows])
+            if part.call is not None:  # the prefill wrapper (`replay`)
+                part.call(part_q, key_cache, value_cache, part_out)
+            else:
+                part.wrapper.run(part_q, (key_cache, value_cache), out=part_out)
         return out.view(n, self.num_heads * self.head_size) if output is None else output
 
 

@@ -40,6 +40,7 @@ from pagellm_flashinfer.planning import (
     plan_prefill,
     prefill_backend,
 )
+from pagellm_flashinfer.replay import PrefillRun
 from pagellm_flashinfer.triton_decode import TritonDecode, triton_decode_runner
 
 
@@ -54,6 +55,9 @@ class StepPart:
     TRITON_ATTN's decode kernel (`triton_decode`), which reads the block table."""
     wrapper: Any
     plan: Callable[[StepPart, LayerParams], None]
+    call: PrefillRun | None = None
+    """The prefill wrapper's run for this step's layers (`replay`), made when it is planned;
+    None for the other wrappers, whose ``run`` each layer calls."""
 
     @property
     def arrays(self) -> PagedKVIndex:
@@ -295,6 +299,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
 
     def _plan_prefill(self, part: StepPart, params: LayerParams) -> None:
         plan_prefill(part.wrapper, part.arrays, params, self.kv_cache_spec)
+        part.call = PrefillRun(part.wrapper)
         self._issued_copies()
 
     def _plan_decode(self, part: StepPart, params: LayerParams) -> None:

@@ -188,8 +188,40 @@ class _Wrapper:
         return self.plan_args
 
 
+class _PrefillModule:
+    """The prefill wrapper's compiled module, as FlashInfer's ``run`` uses it: one
+    ``paged_run`` call with the whole argument list (here: the wrapper's int workspace, the
+    query, the K and V pages, the output, the plan, a scalar), computing into the output."""
+
+    def paged_run(self, int_workspace, q, k_cache, v_cache, out, plan, schedule_id, causal):
+        log.record("prefill.paged_run", q.shape, out.shape)
+        if int(int_workspace[:8].view(torch.int64)[0]) != schedule_id:
+            raise RuntimeError("paged_run with another plan's schedule in the workspace")
+        attend(plan, q, k_cache, v_cache, out)
+
+
+prefill_module = _PrefillModule()
+"""The one module every prefill wrapper gets at ``plan`` (FlashInfer caches them)."""
+
+
 class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
+    """``run`` checks its arguments, then calls its module's ``paged_run`` (as FlashInfer's
+    does): `pagellm_flashinfer.replay` records that call and replays it."""
+
     kind = "prefill"
+    _cached_module: Any = None
+
+    def run(self, q: torch.Tensor, paged_kv_cache, *, out: torch.Tensor) -> torch.Tensor:
+        log.record(f"{self.kind}.run", q.shape, out.shape)
+        if self.plan_args is None or self._cached_module is None:
+            raise RuntimeError("run before plan")
+        k_cache, v_cache = paged_kv_cache
+        if out.shape != q.shape or k_cache.shape != v_cache.shape:
+            raise ValueError("run's shapes do not match")
+        self._cached_module.paged_run(
+            self.int_workspace, q, k_cache, v_cache, out, self.plan_args, self.schedule_id, True
+        )
+        return out
 
     def plan(
         self,
@@ -235,6 +267,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
             check_seq_lens(seq_lens, paged_kv_indptr, paged_kv_last_page_len, page_size)
         if int(qo_indptr[-1]) == 0:
             raise ValueError("a prefill plan of no query token")
+        self._cached_module = prefill_module
         self.plan_args = Plan(
             qo_indptr.clone(),
             paged_kv_indptr.clone(),

@@ -22,7 +22,7 @@ import fake_flashinfer
 import numpy as np
 import pytest
 import torch
-from pagellm_flashinfer import plugin
+from pagellm_flashinfer import plugin, replay
 from pagellm_flashinfer.availability import Environment, unavailable_reason
 from pagellm_flashinfer.backend import FlashInferBackend, FlashInferImpl
 from pagellm_flashinfer.builder import FlashInferMetadataBuilder
@@ -51,7 +51,11 @@ CUDA_RANKING = ["FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "TORCH_SDPA"]
 
 
 @pytest.fixture
-def fake() -> Iterator[ModuleType]:
+def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
+    # Each test starts as a process does: replays on, the first one not yet checked.
+    monkeypatch.setattr(replay._State, "enabled", True)
+    monkeypatch.setattr(replay._State, "checked", False)
+    monkeypatch.setattr(replay._State, "reason_logged", False)
     with fake_flashinfer.installed() as module:
         yield module
 
@@ -275,7 +279,10 @@ def test_mixed_step_is_planned_once_on_the_prefill_wrapper_with_hand_checked_arr
         seq_lens=plan.kwargs["seq_lens"],
     )
     assert plan.kwargs["seq_lens"].tolist() == [6, 9, 8]  # host, pinned on a GPU
-    assert len(fake.log.named("prefill.run")) == 3
+    # The first layer through the wrapper's run (recorded), the others replayed; the first
+    # replay of the process checked against run.
+    assert len(fake.log.named("prefill.run")) == 2
+    assert len(fake.log.named("prefill.paged_run")) == 4
     assert_new_kv_written(step)
     torch.testing.assert_close(out.double(), reference(step, impl.scale, None))
 
@@ -312,10 +319,113 @@ def test_leading_decode_rows_of_a_mixed_step_go_to_the_decode_wrapper(fake):
     assert prefill_plan.kwargs["seq_lens"].tolist() == [6, 5, 8]  # the prompt rows' own
     runs = fake.log.named("decode.run")
     assert len(runs) == 3 and runs[0].args[0] == torch.Size([2, 4, 8])
-    runs = fake.log.named("prefill.run")
-    assert len(runs) == 3 and runs[0].args[0] == torch.Size([11, 4, 8])
+    runs = fake.log.named("prefill.paged_run")
+    assert len(runs) == 4 and runs[0].args[0] == torch.Size([11, 4, 8])  # a replay checked
     assert_new_kv_written(step)
     torch.testing.assert_close(out.double(), reference(step, impl.scale, None))
+
+
+def _layer(step: Step, factor: float) -> Step:
+    """The same step in another layer: its own K/V cache and new K/V (the step's, times
+    ``factor``), its own query (``factor`` times the step's)."""
+    return replace(
+        step,
+        query=step.query * factor,
+        key=step.key * factor,
+        value=step.value * factor,
+        kv_cache=step.kv_cache * factor,
+        keys=[k * factor for k in step.keys],
+        values=[v * factor for v in step.values],
+    )
+
+
+@pytest.mark.parametrize("rows", [[(0, 9), (13, 1), (4, 4)], [(13, 1), (1, 1), (0, 9), (4, 4)]])
+def test_later_layers_replay_the_prefill_call_with_their_own_query_pages_and_output(fake, rows):
+    """Four layers of one step, each with its own query, K/V pages and output: the first
+    through the wrapper's run (its paged_run call recorded), the next ones replaying that call
+    with their own four tensors (the first replay checked against run), each layer's
+    attention its own."""
+    step = make_step(rows, num_heads=4, block_size=4, seed=3)
+    builder = FlashInferMetadataBuilder(spec_of(step), torch.device("cpu"))
+    meta = builder.build(step.common)
+    impl = impl_for(step)
+    layers = [_layer(step, f) for f in (1.0, -0.5, 2.0, 0.25)]
+    outs = [attend(impl, layer, meta) for layer in layers]
+    for layer, out in zip(layers, outs, strict=True):
+        assert_new_kv_written(layer)
+        torch.testing.assert_close(out.double(), reference(layer, impl.scale, None))
+    assert len(fake.log.named("prefill.run")) == 2  # the recorded one, the first replay's check
+    assert len(fake.log.named("prefill.paged_run")) == 5
+    assert replay._State.checked and replay._State.enabled
+    # A second step plans again and records again; its replays are not checked again.
+    fake.log.calls.clear()
+    meta = builder.build(step.common)
+    for layer in layers[:3]:
+        attend(impl, layer, meta)
+    assert len(fake.log.named("prefill.run")) == 1
+    assert len(fake.log.named("prefill.paged_run")) == 3
+
+
+def test_a_replay_that_differs_from_run_turns_replays_off(fake, caplog):
+    """If the first replay's output is not bit for bit the wrapper's run's, the layer gets
+    run's output, a warning says so, and every later call goes through run."""
+    step = make_step([(0, 6), (4, 4)], num_heads=4, block_size=4, seed=5)
+    builder = FlashInferMetadataBuilder(spec_of(step), torch.device("cpu"))
+    meta = builder.build(step.common)
+    impl = impl_for(step)
+    attend(impl, step, meta)  # recorded
+    (part,) = meta.parts
+    real = part.call._paged_run
+
+    def wrong(*args):
+        real(*args)
+        args[4].add_(1.0)  # the output
+
+    part.call._paged_run = wrong
+    with caplog.at_level(logging.WARNING, logger="pagellm_flashinfer.replay"):
+        out = attend(impl, _layer(step, 0.5), meta)
+    assert "differs from the wrapper's run" in caplog.text
+    torch.testing.assert_close(out.double(), reference(_layer(step, 0.5), impl.scale, None))
+    assert not replay._State.enabled
+    fake.log.calls.clear()
+    meta = builder.build(step.common)
+    for factor in (1.0, 2.0):
+        attend(impl, _layer(step, factor), meta)
+    assert len(fake.log.named("prefill.run")) == 2  # each layer through run
+
+
+def test_a_run_that_does_not_pass_its_tensors_through_is_not_replayed(fake, monkeypatch, caplog):
+    """A FlashInfer whose run hands paged_run a copy of the query (another release might):
+    nothing to swap, so every layer calls run, and the reason is logged once."""
+    wrapper_cls = fake.BatchPrefillWithPagedKVCacheWrapper
+    real_run = wrapper_cls.run
+
+    def copying_run(self, q, paged_kv_cache, *, out):
+        return real_run(self, q.clone(), paged_kv_cache, out=out)
+
+    monkeypatch.setattr(wrapper_cls, "run", copying_run)
+    step = make_step([(0, 6), (4, 4)], num_heads=4, block_size=4, seed=6)
+    builder = FlashInferMetadataBuilder(spec_of(step), torch.device("cpu"))
+    impl = impl_for(step)
+    with caplog.at_level(logging.INFO, logger="pagellm_flashinfer.replay"):
+        for _ in range(2):
+            meta = builder.build(step.common)
+            outs = [attend(impl, _layer(step, f), meta) for f in (1.0, 3.0)]
+    assert caplog.text.count("are not each one of paged_run's arguments") == 1
+    assert len(fake.log.named("prefill.run")) == 4
+    for f, out in zip((1.0, 3.0), outs, strict=True):
+        torch.testing.assert_close(out.double(), reference(_layer(step, f), impl.scale, None))
+
+
+def test_replays_off_by_the_environment(fake, monkeypatch):
+    monkeypatch.setattr(replay._State, "enabled", False)
+    step = make_step([(0, 6), (4, 4)], num_heads=4, block_size=4, seed=7)
+    builder = FlashInferMetadataBuilder(spec_of(step), torch.device("cpu"))
+    meta = builder.build(step.common)
+    impl = impl_for(step)
+    for factor in (1.0, 2.0, 3.0):
+        attend(impl, _layer(step, factor), meta)
+    assert len(fake.log.named("prefill.run")) == 3
 
 
 @pytest.mark.parametrize(

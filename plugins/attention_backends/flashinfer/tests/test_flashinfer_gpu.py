@@ -332,6 +332,51 @@ def test_prefill_wrapper_matches_reference(config, kind):
     assert_matches_reference(out, batch, make_impl(batch, window).scale, window)
 
 
+@pytest.mark.parametrize("kind", ["prompts", "decodes-first"])
+def test_later_layers_replay_the_recorded_prefill_call_bit_for_bit(kind, monkeypatch):
+    """With the real FlashInfer, the prefill wrapper's run makes one paged_run call with the
+    query, the pages and the output as arguments (so `replay` records it), and four layers of a
+    step (each with its own query, K/V and cache), the later three replayed, give bit for bit
+    what each layer's own run gives."""
+    from dataclasses import replace
+
+    from pagellm_flashinfer import replay
+    from pagellm_flashinfer.builder import FlashInferMetadataBuilder
+
+    decodes = random_decode_rows(64, 4096, 5)
+    rows = PROMPT_ROWS if kind == "prompts" else decodes + MIXED_ROWS
+    base, window = batch_for(CONFIGS[0], rows, seed=11)
+    layers = [
+        replace(
+            base,
+            query=base.query * f,
+            key=base.key * f,
+            value=base.value * f,
+            kv_cache=base.kv_cache * f,
+        )
+        for f in (1.0, -0.5, 2.0, 0.25)
+    ]
+    impl = make_impl(base, window)
+
+    def step(replays: bool) -> list[torch.Tensor]:
+        monkeypatch.setattr(replay._State, "enabled", replays)
+        monkeypatch.setattr(replay._State, "checked", False)
+        builder = FlashInferMetadataBuilder(spec_of(base, window), torch.device("cuda"))
+        meta = builder.build(base.common)
+        outs = []
+        for layer in layers:
+            cache = layer.kv_cache.clone()
+            outs.append(impl.forward(*layer.flat(), cache, meta).clone())
+        prefill = meta.parts[-1]
+        assert prefill.call is not None and (prefill.call._slots is not None) == replays
+        assert replay._State.enabled == replays  # the first replay's check passed
+        return outs
+
+    replayed, run = step(True), step(False)
+    for a, b in zip(replayed, run, strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("config", CONFIGS, ids=str)
 def test_decode_of_256_rows_matches_reference(config):
     batch, window = batch_for(config, random_decode_rows(256, 8192, seed=7))
