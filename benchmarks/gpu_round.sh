@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One round on the GPU machine: offline install (wheels carried in .whl), GPU tests, benchmarks.
 # Writes logs and JSON under $OUT. Stages: tests, tests-core, tests-models, tests-flashinfer, fi-jit, fi-cache-save, fa-tests,
-# fa-kernels, tp-tests, allreduce, issue21-w1, issue21-70b, issue21-serve, issue14-fi, issue14-fi-triton, issue14-ab, issue17, issue17-peer, fp8-tests, fp8-fused, issue15, fp8-gemm, fp8-skinny, decode-tiles, decode-splits, decode-swap, int4-tests, int4-cuda, int4-engine, int4-cuda-sweep, int4-sweep, int4-probe, int4-ncu, int4-gemm, int4-w1, int4-prof, gguf-tests,
+# fa-kernels, tp-tests, allreduce, issue21-w1, issue21-70b, issue21-serve, issue14-fi, issue14-fi-triton, issue14-ab, fi-replay-ab, issue17, issue17-peer, fp8-tests, fp8-fused, issue15, fp8-gemm, fp8-skinny, decode-tiles, decode-splits, decode-swap, int4-tests, int4-cuda, int4-engine, int4-cuda-sweep, int4-sweep, int4-probe, int4-ncu, int4-gemm, int4-w1, int4-prof, gguf-tests,
 # gguf-gemm, gguf-smollm2, gguf-sweep-a, gguf-sweep-b, gguf-sweep-c, prof, step-prof, timeline-w2, timeline-ph, w1, w1-fp8, w2,
 # overhead, hf (W1/W2 with the HF peer), pack (every log into logs.tgz: last).
 #   bash benchmarks/gpu_round.sh tests w2 w1 overhead
@@ -130,6 +130,19 @@ for stage in "$@"; do
       done
       python3 benchmarks/w1_summary.py "$OUT"/w[12]_*_r*.json
       (cd "$OUT" && tar -czf issue14_ab.tgz --remove-files w[12]_*_r*.json w[12]_*_r*.log) ;;
+    # FLASHINFER's prefill call replayed at a step's later layers (the default) against each layer
+    # through FlashInfer's run (PAGELLM_FLASHINFER_REPLAY=0), next to TRITON_ATTN: the
+    # prefill-heavy run (256 x 2,048 in / 16 out on W2's model) and W2, REPS times each.
+    fi-replay-ab) for rep in $(seq 1 "${REPS:-1}"); do
+        for v in FLASHINFER:1 FLASHINFER:0 TRITON_ATTN:1; do
+          b=${v%:*} r=${v#*:}
+          PAGELLM_FLASHINFER_REPLAY=$r run "ph_${b}_replay${r}_r$rep" 200 bash benchmarks/workloads.sh W2 \
+            --attention-backend "$b" --input-len-range 2048 2048 --output-len-range 16 16 \
+            --output-json "$OUT/ph_${b}_replay${r}_r$rep.json"
+          PAGELLM_FLASHINFER_REPLAY=$r run "w2_${b}_replay${r}_r$rep" 200 bash benchmarks/workloads.sh W2 \
+            --attention-backend "$b" --output-json "$OUT/w2_${b}_replay${r}_r$rep.json"
+        done
+      done ;;
     # Issue 14's FLASHINFER round: a first engine start with an empty JIT cache (compile time in
     # its log), a second start (nothing compiled), W2 and W1 against TRITON_ATTN on one machine.
     issue14-fi) rm -rf "$FLASHINFER_WORKSPACE_BASE"
