@@ -237,12 +237,16 @@ for stage in "$@"; do
       [ -f "$ckpt/model.safetensors" ] || run int4_write 500 python3 -m pagellm_int4.rtn \
         benchmarks/configs/llama-3.1-8b "$ckpt" --format gptq --random-weights --device cuda
       for c in 1 16; do
-        for kern in ${INT4_W1_KERNELS:-cuda}; do  # PAGELLM_INT4_KERNELS: cuda, triton; cuda-pdl: PAGELLM_INT4_PDL=1
-          PAGELLM_INT4_PDL=$([ "$kern" = cuda-pdl ] && echo 1 || echo 0) PAGELLM_INT4_KERNELS=${kern%-pdl} \
-            run "int4_w1_gptq_${kern}_c$c" 500 pagellm bench throughput \
+        # Each word: PAGELLM_INT4_KERNELS (cuda, triton), then +pdl (PAGELLM_INT4_PDL=1) and/or
+        # +x2 / +x2p16 (PAGELLM_INT4_LAUNCH_RULE), e.g. INT4_W1_KERNELS="cuda cuda+x2 cuda+x2+pdl".
+        for kern in ${INT4_W1_KERNELS:-cuda}; do
+          rule=measured; case "$kern" in *+x2p16*) rule=x2p16 ;; *+x2*) rule=x2 ;; esac
+          PAGELLM_INT4_PDL=$(case "$kern" in *+pdl*) echo 1 ;; *) echo 0 ;; esac) \
+          PAGELLM_INT4_LAUNCH_RULE=$rule PAGELLM_INT4_KERNELS=${kern%%+*} \
+            run "int4_w1_gptq_${kern//+/_}_c$c" 500 pagellm bench throughput \
             --model "$ckpt" --dtype bfloat16 --skip-tokenizer-init --temperature 0 --seed 0 \
             --num-prompts $((c * 2)) --input-len 512 --output-len 512 --max-num-seqs "$c" \
-            --output-json "$OUT/int4_w1_gptq_${kern}_c$c.json"
+            --output-json "$OUT/int4_w1_gptq_${kern//+/_}_c$c.json"
         done
         run "int4_w1_bf16_c$c" 500 pagellm bench throughput --model benchmarks/configs/llama-3.1-8b \
           --load-format dummy --dtype bfloat16 --skip-tokenizer-init --temperature 0 --seed 0 \
@@ -254,7 +258,8 @@ for stage in "$@"; do
     int4-prof) ckpt=build/int4/llama-3.1-8b-gptq; c=${INT4_PROF_C:-16}
       for m in gptq bf16; do
         if [ $m = gptq ]; then src=(--model "$ckpt"); else src=(--model benchmarks/configs/llama-3.1-8b --load-format dummy); fi
-        PAGELLM_INT4_PDL=${INT4_PROF_PDL:-0} run "int4_prof_${m}_c$c" 300 python3 benchmarks/step_profile.py "${src[@]}" \
+        PAGELLM_INT4_PDL=${INT4_PROF_PDL:-0} PAGELLM_INT4_LAUNCH_RULE=${INT4_PROF_RULE:-measured} \
+          run "int4_prof_${m}_c$c" 300 python3 benchmarks/step_profile.py "${src[@]}" \
           --dtype bfloat16 --skip-tokenizer-init --temperature 0 --seed 0 --num-prompts "$c" \
           --max-num-seqs "$c" --input-len 512 --output-len 512 --skip-steps 200 --profile-steps 10 \
           --output-json "$OUT/int4_prof_${m}_c$c.json"

@@ -313,3 +313,28 @@ def test_the_launch_shape_rule_picks_the_measured_shapes_at_llama_8b():
         ("down", 16): MmaConfig(8, 2, 8),
     }
     assert MmaConfig(4, 4, 8).steps(256, 8) == 16 and MmaConfig(4, 8, 8).steps(896, 8) == 32
+
+
+def test_the_candidate_launch_rules_take_compiled_kernels_and_the_8_row_shapes():
+    """``PAGELLM_INT4_LAUNCH_RULE`` candidates (for timing in a whole model): ``x2`` gives 9..16
+    rows x two steps ahead and the 8-row warps and splits, ``x2p16`` adds the L2 prefetch at
+    every M; with groups of fewer than 64 rows both are the measured rule; every shape they
+    pick has its kernel; an unknown rule is refused."""
+    from pagellm_int4.cuda.kernels import MmaConfig, default_config
+
+    shapes = {"qkv": (96, 256), "o": (64, 256), "gate_up": (448, 256), "down": (64, 896)}
+    for n64, k16 in shapes.values():
+        one = default_config(n64, k16, 132, 1)
+        for spg in (4, 8):
+            x2 = default_config(n64, k16, 132, 16, spg, "x2")
+            assert (x2.warps, x2.splits, x2.x_depth, x2.prefetch) == (one.warps, one.splits, 2, 0)
+            p16 = default_config(n64, k16, 132, 1, spg, "x2p16")
+            assert p16 == MmaConfig(one.warps, one.splits, 8, None, 16)
+            for m in (1, 16):
+                for rule in ("x2", "x2p16"):
+                    cfg = default_config(n64, k16, 132, m, spg, rule)
+                    assert cfg.kernel_problem(m, spg) is None, (cfg, m, spg)
+        for spg in (1, 2):
+            assert default_config(n64, k16, 132, 16, spg, "x2") == default_config(n64, k16, 132, 16)
+    with pytest.raises(ValueError, match="PAGELLM_INT4_LAUNCH_RULE='fast'"):
+        default_config(64, 256, 132, 1, 8, "fast")

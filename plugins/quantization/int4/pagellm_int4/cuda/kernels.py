@@ -85,22 +85,40 @@ def scaling_steps(steps_per_group: int) -> int:
     return 1
 
 
-def default_config(n64: int, k16: int, num_sms: int, m: int = 1) -> MmaConfig:
-    """Eight steps loaded ahead; for M <= 8, blocks of 4 warps and K split until about 16 warps
-    an SM, each with at least one pass of 8 steps; for 9..16 rows (twice the MMAs, partial sums
-    twice as large) half as many warps, in blocks of 8 unless N is wide. On an H100 this is the
-    fastest launch shape of ``benchmarks/int4_cuda_sweep.py`` for six of the eight
-    Llama-3.1-8B matmuls at M = 1 and 16, and within 14 % of it for the other two
-    (docs/benchmarks.md, 2026-12-08)."""
+RULE_ENV = "PAGELLM_INT4_LAUNCH_RULE"
+"""The GEMM's launch-shape rule: ``measured`` (the default), or a candidate to time against it
+in a whole model (`RULES`)."""
+RULES = ("measured", "x2", "x2p16")
+
+
+def default_config(
+    n64: int, k16: int, num_sms: int, m: int = 1, spg: int = 8, rule: str = "measured"
+) -> MmaConfig:
+    """``measured``: eight steps loaded ahead; for M <= 8, blocks of 4 warps and K split until
+    about 16 warps an SM, each with at least one pass of 8 steps; for 9..16 rows (twice the
+    MMAs, partial sums twice as large) half as many warps, in blocks of 8 unless N is wide. On an
+    H100 this is the fastest launch shape of ``benchmarks/int4_cuda_sweep.py`` for six of the
+    eight Llama-3.1-8B matmuls at M = 1 and 16, and within 14 % of it for the other two
+    (docs/benchmarks.md, 2026-12-08).
+
+    Candidates, not yet timed (``spg``, the steps a scaling, must be 4 or 8 for them, else they
+    are ``measured``): ``x2``: at 9..16 rows, x two steps ahead (128 registers instead of 173, so
+    as many warps an SM as at 8 rows) and the 8-row warps and splits; ``x2p16``: that, and at
+    every M each step prefetching into L2 the tile 16 steps ahead."""
+    if rule not in RULES:
+        raise ValueError(f"{RULE_ENV}={rule!r}: expected one of {', '.join(RULES)}")
     depth = 8
-    if m <= 8:
+    candidate = rule != "measured" and spg >= 4
+    if m <= 8 or candidate:
         warps, target = 4, 16 * num_sms
     else:
         warps, target = (4 if n64 >= 256 else 8), 8 * num_sms
     splits = 1
     while n64 * warps * splits * 2 <= target and k16 >= warps * splits * 2 * 8:
         splits *= 2
-    return MmaConfig(warps, splits, depth)
+    if not candidate:
+        return MmaConfig(warps, splits, depth)
+    return MmaConfig(warps, splits, depth, 2 if m > 8 else None, 16 if rule == "x2p16" else 0)
 
 
 class CudaKernels:
@@ -113,6 +131,10 @@ class CudaKernels:
         self.module = Module(cubin, device)
         self.device = device
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        self.rule = os.environ.get(RULE_ENV, "measured")
+        default_config(1, 16, self.num_sms, rule=self.rule)  # an unknown rule: said at start-up
+        if self.rule != "measured":
+            logger.info("int4 CUDA GEMMs: launch-shape rule %r (%s)", self.rule, RULE_ENV)
         self.overlap = os.environ.get(PDL_ENV, "0") == "1" and major >= 9
         """GEMMs launched with programmatic dependent launch (`PDL_ENV`, sm_90+)."""
         if self.overlap:
@@ -136,10 +158,10 @@ class CudaKernels:
             return out
         if x.stride(1) != 1 or x.stride(0) % 2 or x.data_ptr() % 4:
             x = x.contiguous()
-        cfg = config or default_config(
-            layout.n64, layout.k16, self.num_sms, min(m, ROWS_PER_LAUNCH)
-        )
         spg = scaling_steps(layout.steps_per_group)
+        cfg = config or default_config(
+            layout.n64, layout.k16, self.num_sms, min(m, ROWS_PER_LAUNCH), spg, self.rule
+        )
         problem = cfg.kernel_problem(min(m, ROWS_PER_LAUNCH), spg)
         if problem is not None:
             raise ValueError(f"launch shape {cfg}: {problem}")
