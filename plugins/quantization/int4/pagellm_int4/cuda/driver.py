@@ -75,12 +75,13 @@ def _lib() -> ctypes.CDLL:
         ctypes.POINTER(_c_ptr),
         ctypes.POINTER(_c_ptr),
     ]
-    lib.cuLaunchKernelEx.argtypes = [
-        ctypes.POINTER(_LaunchConfig),
-        _c_ptr,
-        ctypes.POINTER(_c_ptr),
-        ctypes.POINTER(_c_ptr),
-    ]
+    if hasattr(lib, "cuLaunchKernelEx"):  # drivers of CUDA 12.0 and later
+        lib.cuLaunchKernelEx.argtypes = [
+            ctypes.POINTER(_LaunchConfig),
+            _c_ptr,
+            ctypes.POINTER(_c_ptr),
+            ctypes.POINTER(_c_ptr),
+        ]
     lib.cuModuleLoadData.argtypes = [ctypes.POINTER(_c_ptr), ctypes.c_char_p]
     lib.cuModuleGetFunction.argtypes = [ctypes.POINTER(_c_ptr), _c_ptr, ctypes.c_char_p]
     lib.cuCtxGetCurrent.argtypes = [ctypes.POINTER(_c_ptr)]
@@ -90,6 +91,12 @@ def _lib() -> ctypes.CDLL:
     lib.cuCtxGetDevice.argtypes = [ctypes.POINTER(ctypes.c_int)]
     _check(lib, lib.cuInit(0), "cuInit")
     return lib
+
+
+def can_overlap() -> bool:
+    """Whether this driver launches with attributes (``cuLaunchKernelEx``, CUDA 12.0 and
+    later), which programmatic dependent launch needs."""
+    return hasattr(_lib(), "cuLaunchKernelEx")
 
 
 def _check(lib: ctypes.CDLL, result: int, what: str) -> None:
@@ -171,6 +178,8 @@ class Module:
         stream = torch.cuda.current_stream(self.device).cuda_stream
         params = args.params if isinstance(args, Launch) else _params(args)
         if overlap_previous:
+            if not hasattr(lib, "cuLaunchKernelEx"):
+                raise DriverError("this CUDA driver has no cuLaunchKernelEx (CUDA 12.0 and later)")
             config = self._config
             config.gridDimX, config.gridDimY, config.gridDimZ = grid
             config.blockDimX = block

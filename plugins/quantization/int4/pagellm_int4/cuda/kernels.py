@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from pagellm_int4.cuda.build import build_cubin
-from pagellm_int4.cuda.driver import Launch, Module
+from pagellm_int4.cuda.driver import Launch, Module, can_overlap
 from pagellm_int4.fragment_layout import FragmentLayout
 
 logger = logging.getLogger(__name__)
@@ -135,9 +135,17 @@ class CudaKernels:
         default_config(1, 16, self.num_sms, rule=self.rule)  # an unknown rule: said at start-up
         if self.rule != "measured":
             logger.info("int4 CUDA GEMMs: launch-shape rule %r (%s)", self.rule, RULE_ENV)
-        self.overlap = os.environ.get(PDL_ENV, "0") == "1" and major >= 9
+        self.overlap = os.environ.get(PDL_ENV, "0") == "1"
         """GEMMs launched with programmatic dependent launch (`PDL_ENV`, sm_90+)."""
-        if self.overlap:
+        if self.overlap and (major < 9 or not can_overlap()):
+            logger.info(
+                "int4 CUDA GEMMs: %s=1 ignored (programmatic dependent launch needs sm_90 and a "
+                "CUDA 12 driver; this is %s)",
+                PDL_ENV,
+                self.arch,
+            )
+            self.overlap = False
+        elif self.overlap:
             logger.info("int4 CUDA GEMMs launch with programmatic dependent launch (%s=1)", PDL_ENV)
         self._counters = torch.zeros(0, dtype=torch.int32, device=device)
 
