@@ -34,14 +34,22 @@ def launches_dependents(device: torch.device, target: GPUTarget | None = None) -
     kernel launched with programmatic dependent launch (pagellm-int4's GEMM with
     ``PAGELLM_INT4_PDL=1``), which waits for this one's completion before it reads its output;
     for any other next kernel it does nothing."""
-    if gdc_launch_dependents is None:
-        return False
     if target is None:
-        if device.type != "cuda" or torch.version.hip is not None:
+        if device.type != "cuda":
             return False
         index = torch.cuda.current_device() if device.index is None else device.index
-        target = _device_target(index)
-    return target.backend == "cuda" and int(target.arch) >= 90
+        return _device_launches_dependents(index)
+    return _target_launches_dependents(target)
+
+
+def _target_launches_dependents(target: GPUTarget) -> bool:
+    return gdc_launch_dependents is not None and target.backend == "cuda" and target.arch >= 90
+
+
+@functools.cache
+def _device_launches_dependents(index: int) -> bool:
+    """Once a device (a norm or SiLU launch asks at every call)."""
+    return _target_launches_dependents(_device_target(index))
 
 
 def warp_size(device: torch.device, target: GPUTarget | None = None) -> int:

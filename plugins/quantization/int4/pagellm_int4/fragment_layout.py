@@ -129,7 +129,7 @@ class FragmentLayout:
     in_features: int
     out_features: int
     launches: dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
-    """The CUDA GEMM's prepared launch arguments by launch shape (`cuda.kernels`)."""
+    """The CUDA GEMM's kernel name and prepared launch arguments by launch shape (`cuda.kernels`)."""
 
     @property
     def k16(self) -> int:

@@ -23,7 +23,6 @@ ROWS_PER_LAUNCH = 16
 PDL_ENV = "PAGELLM_INT4_PDL"
 """``1``: launch the GEMM with programmatic dependent launch on sm_90+ (its first weight loads
 overlap the end of the kernel before it); ``0`` (the default until it is timed on a GPU)."""
-DEPTHS = (4, 8)
 X_DEPTHS = {4: (4,), 8: (8, 2)}
 """Steps of x loaded ahead that the kernels have for each depth of the weights' ring."""
 PREFETCH_DISTANCES = {4: (0,), 8: (0, 16)}
@@ -46,10 +45,15 @@ class MmaConfig:
     """With depth 8: each step also prefetches into L2 the tile this many steps ahead (16), so
     more weight bytes are in flight than the ring's registers hold; 0: none."""
 
+    @property
+    def x_steps(self) -> int:
+        """Steps of x loaded ahead (``x_depth``, else ``depth``)."""
+        return self.x_depth or self.depth
+
     def kernel_problem(self, rows: int, spg: int) -> str | None:
         """Why the compiled kernels have no such launch for 8 (``rows`` <= 8) or 16 rows and
         ``spg`` steps a scaling, or None."""
-        x_depth = self.x_depth or self.depth
+        x_depth = self.x_steps
         if self.depth not in X_DEPTHS or x_depth not in X_DEPTHS[self.depth]:
             return f"no kernel loads weights {self.depth} and x {x_depth} steps ahead"
         if self.prefetch not in PREFETCH_DISTANCES[self.depth]:
@@ -64,8 +68,7 @@ class MmaConfig:
         return None
 
     def kernel_name(self, dtype: str, rows: int, spg: int) -> str:
-        x_depth = self.x_depth or self.depth
-        ring = f"d{self.depth}" + (f"x{x_depth}" if x_depth != self.depth else "")
+        ring = f"d{self.depth}" + (f"x{self.x_steps}" if self.x_steps != self.depth else "")
         ring += f"p{self.prefetch}" if self.prefetch else ""
         return f"w4a16_mma_{dtype}_m{8 if rows <= 8 else 16}_{ring}_s{spg}"
 
@@ -132,7 +135,8 @@ class CudaKernels:
         self.device = device
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         self.rule = os.environ.get(RULE_ENV, "measured")
-        default_config(1, 16, self.num_sms, rule=self.rule)  # an unknown rule: said at start-up
+        if self.rule not in RULES:  # said at start-up, not at the first GEMM
+            raise ValueError(f"{RULE_ENV}={self.rule!r}: expected one of {', '.join(RULES)}")
         if self.rule != "measured":
             logger.info("int4 CUDA GEMMs: launch-shape rule %r (%s)", self.rule, RULE_ENV)
         self.overlap = os.environ.get(PDL_ENV, "0") == "1"
@@ -170,9 +174,6 @@ class CudaKernels:
         cfg = config or default_config(
             layout.n64, layout.k16, self.num_sms, min(m, ROWS_PER_LAUNCH), spg, self.rule
         )
-        problem = cfg.kernel_problem(min(m, ROWS_PER_LAUNCH), spg)
-        if problem is not None:
-            raise ValueError(f"launch shape {cfg}: {problem}")
         steps = cfg.steps(layout.k16, max(cfg.depth, spg))
         splits = -(-layout.k16 // (steps * cfg.warps))  # no block without steps
         dtype = _DTYPE_NAME[x.dtype]
@@ -180,37 +181,44 @@ class CudaKernels:
         for m0 in range(0, m, ROWS_PER_LAUNCH):
             rows = min(ROWS_PER_LAUNCH, m - m0)
             reduce_rows = 8 if rows <= 8 else 16
-            name = cfg.kernel_name(dtype, rows, spg)
             xs, outs = x[m0 : m0 + rows], out[m0 : m0 + rows]
             ws = (
                 torch.empty(splits, rows, n, dtype=torch.float32, device=x.device)
                 if splits > 1
                 else outs
             )
-            # The arguments that stay (the layer's tensors, the shapes) kept on the layout.
-            key = (rows, x.stride(0), cfg, self._counters.data_ptr())
-            launch = layout.launches.get(key)
-            if launch is None:
-                launch = layout.launches[key] = Launch(
-                    [
-                        ctypes.c_void_p(0),  # x
-                        ctypes.c_void_p(layout.words.data_ptr()),
-                        ctypes.c_void_p(layout.scales.data_ptr()),
-                        ctypes.c_void_p(layout.zeros.data_ptr()),
-                        ctypes.c_void_p(0),  # out
-                        ctypes.c_void_p(0),  # ws
-                        ctypes.c_void_p(self._counters.data_ptr()),
-                        ctypes.c_int(rows),
-                        ctypes.c_int(n),
-                        ctypes.c_int(k),
-                        ctypes.c_int(x.stride(0)),
-                        ctypes.c_int(layout.k16),
-                        ctypes.c_int(layout.steps_per_group),
-                        ctypes.c_int(layout.scales.shape[0]),
-                        ctypes.c_int(steps),
-                        ctypes.c_int(splits),
-                    ]
+            # The kernel and the arguments that stay (the layer's tensors, the shapes), checked
+            # and kept on the layout at the first launch of this shape.
+            key = (rows, x.stride(0), cfg, self._counters.data_ptr(), dtype)
+            cached = layout.launches.get(key)
+            if cached is None:
+                problem = cfg.kernel_problem(rows, spg)
+                if problem is not None:
+                    raise ValueError(f"launch shape {cfg}: {problem}")
+                cached = layout.launches[key] = (
+                    cfg.kernel_name(dtype, rows, spg),
+                    Launch(
+                        [
+                            ctypes.c_void_p(0),  # x
+                            ctypes.c_void_p(layout.words.data_ptr()),
+                            ctypes.c_void_p(layout.scales.data_ptr()),
+                            ctypes.c_void_p(layout.zeros.data_ptr()),
+                            ctypes.c_void_p(0),  # out
+                            ctypes.c_void_p(0),  # ws
+                            ctypes.c_void_p(self._counters.data_ptr()),
+                            ctypes.c_int(rows),
+                            ctypes.c_int(n),
+                            ctypes.c_int(k),
+                            ctypes.c_int(x.stride(0)),
+                            ctypes.c_int(layout.k16),
+                            ctypes.c_int(layout.steps_per_group),
+                            ctypes.c_int(layout.scales.shape[0]),
+                            ctypes.c_int(steps),
+                            ctypes.c_int(splits),
+                        ]
+                    ),
                 )
+            name, launch = cached
             launch.args[0].value = xs.data_ptr()
             launch.args[4].value = outs.data_ptr()
             launch.args[5].value = ws.data_ptr()
