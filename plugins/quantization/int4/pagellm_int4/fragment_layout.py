@@ -132,6 +132,11 @@ class FragmentLayout:
     """The CUDA GEMM's kernel name and prepared launch arguments by launch shape (`cuda.kernels`)."""
 
     @property
+    def qweight(self) -> torch.Tensor:
+        """The packed codes under the name every int4 layout gives them (``words``)."""
+        return self.words
+
+    @property
     def k16(self) -> int:
         return -(-self.in_features // FRAG_K)
 

@@ -224,8 +224,7 @@ class Int4LinearMethod(LinearMethodBase):
         layout = gemm.make_layout(values, group_size, self.prefix)
         for name in self._specs:
             delattr(layer, name)
-        words = layout.words if gemm.name == "cuda_mma" else layout.qweight
-        layer.register_parameter("qweight", frozen_parameter(words))
+        layer.register_parameter("qweight", frozen_parameter(layout.qweight))
         layer.register_parameter("scales", frozen_parameter(layout.scales))
         layer.register_parameter("zeros", frozen_parameter(layout.zeros))
         layer.register_parameter(
